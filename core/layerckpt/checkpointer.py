@@ -1,0 +1,250 @@
+"""Checkpointer: stage on the caller's thread, flush and commit in the background."""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+
+from . import dist
+from . import format as fmt
+from . import store
+from .backend import make_backend
+from .config import Config
+from .errors import CheckpointError, CheckpointWriteError
+from .flusher import FlushJob, Flusher, PendingSave
+from .layers import group_layers
+from .staging import BufferPool
+from .state import gather
+
+log = logging.getLogger("layerckpt")
+
+
+class Checkpointer:
+    """Saves ``model`` (and ``optimizer``) into ``dirpath``.
+
+    ``save(step)`` copies the state into pooled host buffers and returns a
+    :class:`PendingSave` as soon as the copy is done; a background thread writes
+    the data, makes it durable and commits the manifest.
+    """
+
+    def __init__(
+        self,
+        dirpath: Union[str, os.PathLike],
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        config: Optional[Config] = None,
+    ):
+        if not isinstance(model, torch.nn.Module):
+            raise CheckpointError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise CheckpointError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if config is None:
+            config = Config()
+        elif not isinstance(config, Config):
+            raise CheckpointError(f"config must be a layerckpt.Config, got {type(config).__name__}")
+        if dist.world_size() > 1:
+            raise CheckpointError(
+                "this layerckpt build saves from a single process; multi-rank saving comes with the "
+                "Lightning and Accelerate adapters"
+            )
+        self.dirpath = os.path.abspath(os.fspath(dirpath))
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.rank = dist.rank()
+        store.ensure_layout(self.dirpath)
+        if self.rank == 0:
+            removed = store.cleanup(self.dirpath)
+            if removed:
+                log.info("layerckpt: removed %d leftover file(s) of interrupted saves", len(removed))
+        good, _ = store.read_all(self.dirpath)
+        self._seq = max((m.get("seq", 0) for m in good.values()), default=0)
+        self.backend = make_backend(config.backend, config.queue_depth)
+        self.pool = BufferPool(config.chunk_bytes, config.staging_bytes)
+        self._flusher = Flusher(self.backend, self.pool, config, self.dirpath)
+        self._pending: List[PendingSave] = []
+        self._closed = False
+        self._lock = threading.Lock()  # one save() at a time
+
+    # ------------------------------------------------------------ public
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    def save(self, step: int, extra: Optional[Dict[str, Any]] = None) -> PendingSave:
+        """Stage the state of ``step``; returns once training may go on."""
+        if self._closed:
+            raise CheckpointError("save() on a closed Checkpointer; create a new one")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        if extra is not None and not isinstance(extra, dict):
+            raise CheckpointError(f"extra must be a dict of tensors and plain values, got {type(extra).__name__}")
+        with self._lock:
+            self._raise_unreported()
+            self._throttle(self.config.max_inflight - 1)
+            self._raise_unreported()  # the flush just waited for may have failed
+            return self._save(step, extra)
+
+    def wait(self) -> None:
+        """Wait for every flush in flight; raises the first unreported error."""
+        self._throttle(0)
+        self._raise_unreported()
+
+    def close(self) -> None:
+        """Wait for in-flight work, then free the buffers and the ring."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._flusher.stop()
+            self.backend.close()
+            self.pool.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        else:  # do not hide the exception in flight behind a flush error
+            try:
+                self.close()
+            except CheckpointError as e:
+                log.error("layerckpt: %s", e)
+
+    # ------------------------------------------------------------ internals
+
+    def _throttle(self, allowed: int) -> None:
+        running = [p for p in self._pending if not p.done()]
+        for p in running[: max(0, len(running) - allowed)]:
+            p._done.wait()
+
+    def _raise_unreported(self) -> None:
+        """Raise a background failure nobody has seen through wait() yet (once)."""
+        done = [p for p in self._pending if p.done()]
+        self._pending = [p for p in self._pending if not p.done()]
+        for p in done:
+            if p.error is not None and not p._reported:
+                p._reported = True
+                raise p.error
+
+    def _save(self, step: int, extra: Optional[Dict[str, Any]]) -> PendingSave:
+        t0 = time.perf_counter()
+        entries, meta = gather(self.model, self.optimizer, extra)
+        layout = fmt.plan_layout(entries)
+        fname = self._fresh_name(step)
+        self._seq += 1
+        manifest = {
+            "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "step": step, "seq": self._seq,
+            "world_size": 1, "created": time.time(), "config": self.config.to_dict(),
+            "files": {}, "tensors": {}, "layers": self._layers(step, fname, [k for k, _ in entries]),
+            **meta,
+        }
+        pending = PendingSave(step, os.path.join(self.dirpath, fmt.DATA_DIR, fname))
+        job = FlushJob(pending=pending, layout=layout, fname=fname, manifest=manifest, t0=t0)
+        self.pool.reserve(layout.size)
+        self._flusher.submit(job)
+        self._pending.append(pending)
+        try:
+            _stage(layout, self.pool, job.chunks)
+        except BaseException:
+            job.chunks.put(FlushJob.ABORT)
+            raise
+        pending.stall_s = time.perf_counter() - t0
+        return pending
+
+    def _fresh_name(self, step: int) -> str:
+        """A data file name no committed manifest uses, so a re-save never overwrites committed data."""
+        d = os.path.join(self.dirpath, fmt.DATA_DIR)
+        v = 0
+        while os.path.exists(os.path.join(d, fmt.data_name(step, self.rank, v))):
+            v += 1
+        return fmt.data_name(step, self.rank, v)
+
+    def _layers(self, step: int, fname: str, keys: List[str]) -> Dict[str, Any]:
+        owner: Dict[str, str] = {}
+        names = [k[len("model/"):] for k in keys if k.startswith("model/")]
+        for layer, members in group_layers(self.model, names).items():
+            for n in members:
+                owner[n] = layer
+        out: Dict[str, Dict[str, Any]] = {}
+        for k in keys:
+            parts = k.split("/")
+            if parts[0] == "model":
+                layer = owner[k[len("model/"):]]
+            elif parts[0] == "optim":
+                layer = owner.get(parts[1], "")
+            else:
+                continue
+            if layer:
+                e = out.setdefault(layer, {"step": step, "file": fname, "age": 0, "reason": "full", "tensors": []})
+                e["tensors"].append(k)
+        return out
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _stage(layout: fmt.Layout, pool: BufferPool, out: "queue.Queue") -> None:
+    """Copy the file image into pool chunks, handing each full chunk to the flusher at once."""
+    C = pool.chunk_bytes
+    header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+    sources = [(-1, header, len(layout.header))] + [(i, it.tensor, it.nbytes) for i, it in enumerate(layout.items)]
+    stream = None
+    chunk = pool.acquire()
+    base, fill, segs = 0, 0, []
+    for idx, t, nbytes in sources:
+        if nbytes == 0:
+            continue
+        src = _flat_bytes(t)
+        if src.is_cuda:
+            stream = stream or _side_stream(src.device)
+            chunk.pin()
+        pos = 0
+        while pos < nbytes:
+            if fill == C:
+                _emit(out, chunk, base, fill, segs, stream)
+                chunk = pool.acquire()
+                base, fill, segs = base + C, 0, []
+                if stream is not None:
+                    chunk.pin()
+            n = min(C - fill, nbytes - pos)
+            if src.is_cuda:
+                with torch.cuda.stream(stream):
+                    chunk.tensor[fill:fill + n].copy_(src[pos:pos + n], non_blocking=True)
+            else:
+                chunk.tensor[fill:fill + n].copy_(src[pos:pos + n])
+            if idx >= 0:
+                segs.append((idx, fill, fill + n))
+            fill += n
+            pos += n
+    _emit(out, chunk, base, fill, segs, stream)
+    out.put(None)
+
+
+def _emit(out, chunk, base, fill, segs, stream) -> None:
+    if stream is not None:
+        stream.synchronize()  # the flusher reads this chunk next
+    out.put((chunk, base, fill, segs))
+
+
+def _side_stream(device: torch.device):
+    """Device-to-host copies on their own stream, after the work already queued on the current one."""
+    s = torch.cuda.Stream(device=device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    return s
+
+
+__all__ = ["Checkpointer", "PendingSave", "CheckpointWriteError"]

@@ -1,0 +1,136 @@
+"""The one Config of layerckpt: a validated dataclass, loadable from YAML."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Mapping, Optional, Union
+
+from .errors import ConfigError
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": KiB, "kb": 1000, "kib": KiB, "m": MiB, "mb": 1000**2, "mib": MiB,
+          "g": GiB, "gb": 1000**3, "gib": GiB, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(value: Union[int, str], name: str) -> int:
+    """Accept 16777216, "16MiB", "1.5GiB", "512kb"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"Config.{name} must be a byte count, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and (m.group(2) or "").lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    raise ConfigError(f"Config.{name} must be a byte count such as 16777216 or '16MiB', got {value!r}")
+
+
+@dataclass
+class Config:
+    """What to persist, when, and how to write it.
+
+    ``Config(threshold=0.0)`` persists every layer at every save (a full checkpoint).
+    """
+
+    threshold: float = 0.0
+    """Relative drift ||W - W_p|| / ||W_p|| at or above which a layer is persisted."""
+    max_staleness: int = 10
+    """A layer may lag at most this many checkpoints; at the bound it is persisted regardless."""
+    base_every: int = 0
+    """Write a full (every-layer) checkpoint every N checkpoints; 0 never forces one after the first."""
+    keep_last: int = 2
+    """Composites kept restorable; older manifests (and data no kept manifest needs) are deleted. 0 keeps all."""
+    staging_bytes: int = 4 * GiB
+    """Bound on pooled host staging memory; a save needing more waits for the flusher (back-pressure)."""
+    chunk_bytes: int = 16 * MiB
+    """Size of one staging buffer and of one write; small tensors are coalesced into it."""
+    queue_depth: int = 8
+    """Writes (or reads) in flight at once."""
+    max_inflight: int = 1
+    """Flushes in flight at once; the next save() waits while this many are running."""
+    backend: str = "auto"
+    """'auto' (io_uring, else threads), 'uring' or 'threads'; LAYERCKPT_BACKEND overrides."""
+    direct_io: bool = True
+    """Write and read with O_DIRECT (bypassing the page cache) where the file system allows it."""
+    verify_checksums: bool = True
+    """Check every tensor's CRC32C on restore."""
+    restore_rng: bool = True
+    """Restore the python/numpy/torch RNG states saved with the checkpoint."""
+
+    def __post_init__(self) -> None:
+        self.staging_bytes = parse_size(self.staging_bytes, "staging_bytes")
+        self.chunk_bytes = parse_size(self.chunk_bytes, "chunk_bytes")
+        _number(self, "threshold", float, lo=0.0)
+        _number(self, "max_staleness", int, lo=1)
+        _number(self, "base_every", int, lo=0)
+        _number(self, "keep_last", int, lo=0)
+        _number(self, "queue_depth", int, lo=1, hi=256)
+        _number(self, "max_inflight", int, lo=1)
+        _number(self, "chunk_bytes", int, lo=ALIGN)
+        if self.chunk_bytes % ALIGN:
+            raise ConfigError(
+                f"Config.chunk_bytes must be a multiple of {ALIGN} (O_DIRECT alignment), got {self.chunk_bytes}"
+            )
+        if self.chunk_bytes > GiB:
+            raise ConfigError(f"Config.chunk_bytes must be at most 1GiB, got {self.chunk_bytes}")
+        _number(self, "staging_bytes", int, lo=self.chunk_bytes)
+        if self.backend not in ("auto", "uring", "threads"):
+            raise ConfigError(f"Config.backend must be 'auto', 'uring' or 'threads', got {self.backend!r}")
+        for name in ("direct_io", "verify_checksums", "restore_rng"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"Config.{name} must be true or false, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "config") -> "Config":
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where}: expected a mapping of Config fields, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"{where}: unknown Config field(s) {', '.join(map(str, unknown))}; valid fields: {', '.join(sorted(known))}"
+            )
+        return cls(**dict(data))
+
+    @classmethod
+    def from_yaml(cls, path: Union[str, os.PathLike]) -> "Config":
+        """Read a YAML mapping of fields; a top-level ``layerckpt:`` key is also accepted."""
+        import yaml
+
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from e
+        if data is None:
+            data = {}
+        if isinstance(data, Mapping) and set(data) == {"layerckpt"}:
+            data = data["layerckpt"] or {}
+        return cls.from_dict(data, where=str(path))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+def _number(cfg: Config, name: str, kind: type, lo: Optional[float] = None, hi: Optional[float] = None) -> None:
+    v = getattr(cfg, name)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if kind is int:
+        ok = ok and float(v).is_integer()
+    if not ok:
+        raise ConfigError(f"Config.{name} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+    v = kind(v)
+    if v != v or (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(f"Config.{name} must be {rng}, got {getattr(cfg, name)!r}")
+    setattr(cfg, name, v)

@@ -1,0 +1,207 @@
+"""The background flusher: checksums, aligned writes, fdatasync, then the commit."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from . import format as fmt
+from . import store
+from .backend import CHECKSUM, checksum, open_file
+from .config import Config
+from .errors import CheckpointError, CheckpointWriteError
+from .staging import BufferPool
+
+log = logging.getLogger("layerckpt")
+
+
+class PendingSave:
+    """Handle of one save: ``wait()`` returns once it is durable and committed."""
+
+    def __init__(self, step: int, path: str):
+        self.step = step
+        self.path = path
+        self.error: Optional[BaseException] = None
+        self.stall_s: float = 0.0  # save() call to return
+        self.durable_s: float = 0.0  # save() call to commit
+        self.bytes_written: int = 0
+        self.manifest_path: Optional[str] = None
+        self._done = threading.Event()
+        self._reported = False
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> "PendingSave":
+        """Block until committed; re-raises a background error (CheckpointWriteError)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"checkpoint of step {self.step} not durable after {timeout}s")
+        self._reported = True
+        if self.error is not None:
+            raise self.error
+        return self
+
+    @property
+    def flush_gbps(self) -> float:
+        return self.bytes_written / self.durable_s / 1e9 if self.durable_s else 0.0
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else ("committed" if self.done() else "flushing")
+        return f"PendingSave(step={self.step}, {state})"
+
+
+@dataclass
+class FlushJob:
+    ABORT = object()  # staging failed: discard what was sent
+
+    pending: PendingSave
+    layout: fmt.Layout
+    fname: str
+    manifest: Dict[str, Any]
+    t0: float
+    chunks: "queue.Queue" = field(default_factory=queue.Queue)
+
+
+class Flusher:
+    """One daemon thread that runs flush jobs in order."""
+
+    def __init__(self, backend, pool: BufferPool, config: Config, root: str):
+        self.backend = backend
+        self.pool = pool
+        self.config = config
+        self.root = root
+        self._jobs: "queue.Queue[Optional[FlushJob]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, job: FlushJob) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="layerckpt-flusher", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._flush(job)
+            except BaseException as e:  # noqa: BLE001 - kept and re-raised from wait()
+                job.pending.error = _as_checkpoint_error(e, job.pending.path)
+                log.debug("layerckpt: flush of step %d failed: %s", job.pending.step, e)
+            finally:
+                job.pending.durable_s = time.perf_counter() - job.t0
+                job.pending._done.set()
+
+    def _flush(self, job: FlushJob) -> None:
+        path = job.pending.path
+        layout = job.layout
+        crcs = [0] * len(layout.items)
+        inflight: Dict[int, Any] = {}
+        self.backend.register_buffers([c.view for c in self.pool.chunks])
+        try:
+            fd, direct = open_file(path, write=True, direct=self.config.direct_io)
+        except OSError as e:
+            self._discard(job)
+            raise CheckpointWriteError(e.errno or errno.EIO, path) from None
+        failed: Optional[BaseException] = None
+        try:
+            while True:
+                msg = job.chunks.get()
+                if msg is None or msg is FlushJob.ABORT:
+                    break
+                chunk, base, fill, segs = msg
+                if failed is not None:  # keep consuming so the stager never blocks
+                    self.pool.release(chunk)
+                    continue
+                try:
+                    for i, a, b in segs:
+                        crcs[i] = checksum(chunk.view[a:b], crcs[i])
+                    n = fill
+                    if direct and n % fmt.ALIGN:
+                        n = fmt.align_up(n)
+                        chunk.view[fill:n] = bytes(n - fill)  # zeroed tail, truncated away below
+                    inflight[chunk.index] = chunk
+                    self.backend.write(fd, chunk.view[:n], base, chunk, path)
+                    for c in self.backend.wait(0):
+                        self.pool.release(inflight.pop(c.index))
+                except OSError as e:
+                    failed = e
+                    self._release_all(inflight)
+            if msg is FlushJob.ABORT and failed is None:
+                failed = CheckpointError("staging was interrupted; nothing was committed")
+            if failed is None:
+                try:
+                    for c in self.backend.drain():
+                        self.pool.release(inflight.pop(c.index))
+                    if direct:
+                        os.ftruncate(fd, layout.size)
+                    os.fdatasync(fd)
+                except OSError as e:
+                    failed = e
+                    self._release_all(inflight)
+        finally:
+            os.close(fd)
+        if failed is not None:
+            _unlink_quietly(path)
+            raise failed
+        try:
+            fmt.fsync_dir(os.path.dirname(path))
+            m = job.manifest
+            m["checksum"] = CHECKSUM
+            m["files"][job.fname] = {"step": m["step"], "rank": 0, "size": layout.size}
+            m["tensors"].update({
+                it.key: {"file": job.fname, "dtype": fmt.DTYPES[it.tensor.dtype], "shape": list(it.tensor.shape),
+                         "offset": it.offset, "nbytes": it.nbytes, "crc": crcs[i]}
+                for i, it in enumerate(layout.items)
+            })
+            job.pending.manifest_path = store.commit(self.root, m)
+        except OSError as e:
+            raise CheckpointWriteError(e.errno or errno.EIO, getattr(e, "filename", None) or self.root) from None
+        job.pending.bytes_written = layout.size
+        try:
+            store.retain(self.root, self.config.keep_last)
+        except OSError as e:  # retention failing must not fail a committed save
+            log.warning("layerckpt: retention after step %d failed: %s", m["step"], e)
+
+    def _release_all(self, inflight: Dict[int, Any]) -> None:
+        try:  # the backend raised only after its queue drained; make sure
+            self.backend.drain()
+        except OSError:
+            pass
+        for c in inflight.values():
+            self.pool.release(c)
+        inflight.clear()
+
+    def _discard(self, job: FlushJob) -> None:
+        while True:
+            msg = job.chunks.get()
+            if msg is None or msg is FlushJob.ABORT:
+                return
+            self.pool.release(msg[0])
+
+
+def _as_checkpoint_error(e: BaseException, path: str) -> BaseException:
+    if isinstance(e, CheckpointError):
+        return e
+    if isinstance(e, OSError):
+        return CheckpointWriteError(e.errno or errno.EIO, e.filename or path)
+    return e
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,202 @@
+"""restore(): read a committed checkpoint back into a model (and optimizer)."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from . import format as fmt
+from . import store
+from .backend import checksum_function, make_backend
+from .config import Config
+from .errors import CheckpointCorruptError, CheckpointMismatchError, StalenessError
+from .reader import Want, read_file
+from .staging import BufferPool
+from .state import decode, model_state, optimizer_params, param_names, set_rng_state, tensor_refs
+
+log = logging.getLogger("layerckpt")
+
+
+@dataclass
+class RestoreReport:
+    step: int
+    layers: Dict[str, int]  # layer -> step its newest version was persisted at
+    staleness: Dict[str, int]  # layer -> checkpoints it lags the restored step
+    max_staleness: int
+    bytes_read: int
+    extra: Dict[str, Any]
+    manifest: str
+    seconds: float = 0.0
+    missing: List[str] = field(default_factory=list)
+    unexpected: List[str] = field(default_factory=list)
+    mismatched: List[str] = field(default_factory=list)
+
+
+def restore(
+    dirpath: Union[str, os.PathLike],
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    step: Optional[int] = None,
+    strict: bool = True,
+    *,
+    config: Optional[Config] = None,
+) -> RestoreReport:
+    """Load the newest committed checkpoint (or the one of ``step``) into ``model`` and ``optimizer``.
+
+    Nothing is changed in the model or optimizer unless every tensor read back
+    intact and matched.  Never unpickles.
+    """
+    t0 = time.perf_counter()
+    cfg = config or Config()
+    root = os.path.abspath(os.fspath(dirpath))
+    mpath = store.resolve(root, step)
+    m = fmt.load_manifest(mpath)
+
+    # -- what goes where: model tensors, optimizer state, rng, extra
+    plan = _ModelPlan(model, m, strict)
+    opt_keys = _optimizer_keys(optimizer, model, m, strict) if optimizer is not None else []
+    meta_keys = set(tensor_refs(m.get("rng") or {})) if cfg.restore_rng else set()
+    meta_keys |= set(tensor_refs(m.get("extra") or {}))
+    meta_keys |= set(tensor_refs((m.get("optimizer") or {}).get("param_groups", []))) if optimizer is not None else set()
+    needed = set(plan.keys) | set(opt_keys) | meta_keys
+    _check_staleness(m, cfg, strict)
+
+    # -- read into fresh host tensors; verify everything before touching the model
+    tensors = {k: _empty(m["tensors"][k]) for k in sorted(needed) if _known(m, k, mpath)}
+    by_file: Dict[str, List[Want]] = {}
+    for k, t in tensors.items():
+        e = m["tensors"][k]
+        by_file.setdefault(e["file"], []).append(
+            Want(k, e["offset"], e["nbytes"], e["crc"], t.reshape(-1).view(torch.uint8)))
+    check = checksum_function(m.get("checksum", "crc32c")) if cfg.verify_checksums else None
+    backend = make_backend(cfg.backend, cfg.queue_depth)
+    pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * max(2, cfg.queue_depth))
+    total = 0
+    try:
+        for fname, wants in sorted(by_file.items()):
+            path = fmt.safe_join(root, fmt.DATA_DIR, fname, f"manifest {mpath}")
+            size = m["files"][fname].get("size", 0)
+            total += read_file(backend, pool, path, size, wants, check, direct=cfg.direct_io)
+    finally:
+        backend.close()
+        pool.close()
+
+    # -- load
+    with torch.no_grad():
+        for name, key in plan.pairs:
+            plan.targets[name].copy_(tensors[key])
+    if optimizer is not None:
+        optimizer.load_state_dict(_optimizer_state_dict(optimizer, model, m, tensors))
+    if cfg.restore_rng and m.get("rng"):
+        set_rng_state(m["rng"], tensors)
+    layers = {name: e["step"] for name, e in m["layers"].items()}
+    ages = {name: int(e.get("age", 0)) for name, e in m["layers"].items()}
+    return RestoreReport(
+        step=m["step"], layers=layers, staleness=ages, max_staleness=max(ages.values(), default=0),
+        bytes_read=total, extra=decode(m.get("extra") or {}, tensors), manifest=mpath,
+        seconds=time.perf_counter() - t0, missing=plan.missing, unexpected=plan.unexpected,
+        mismatched=plan.mismatched,
+    )
+
+
+def _known(m: Dict[str, Any], key: str, mpath: str) -> bool:
+    if key not in m["tensors"]:
+        raise CheckpointCorruptError(f"manifest {mpath} refers to tensor {key!r} but has no entry for it",
+                                     path=mpath, tensor=key)
+    return True
+
+
+def _empty(e: Dict[str, Any]) -> torch.Tensor:
+    dtype = fmt.CODES[e["dtype"]]
+    t = torch.empty(e["shape"], dtype=dtype)
+    if t.numel() * t.element_size() != e["nbytes"]:
+        raise CheckpointCorruptError(f"manifest entry {e} has a byte count that does not match its shape and dtype")
+    return t
+
+
+class _ModelPlan:
+    """Pairs each model tensor with its checkpoint key; collects every difference."""
+
+    def __init__(self, model: torch.nn.Module, m: Dict[str, Any], strict: bool):
+        tensors, aliases, _ = model_state(model)
+        current = {**{n: t for n, t in tensors.items()}, **{a: tensors[c] for a, c in aliases.items()}}
+        saved_alias = m["model"].get("aliases", {})
+        saved = {k[len("model/"):] for k in m["tensors"] if k.startswith("model/")} | set(saved_alias)
+
+        def key_of(name: str) -> str:
+            return "model/" + saved_alias.get(name, name)
+
+        self.missing = sorted(set(current) - saved)
+        self.unexpected = sorted(saved - set(current))
+        self.mismatched: List[str] = []
+        self.pairs: List[Tuple[str, str]] = []
+        self.targets = current
+        done_storage = set()
+        for name in sorted(set(current) & saved):
+            e = m["tensors"].get(key_of(name))
+            if e is None:
+                self.unexpected.append(name)
+                continue
+            t = current[name]
+            if list(t.shape) != e["shape"] or fmt.DTYPES.get(t.dtype) != e["dtype"]:
+                self.mismatched.append(
+                    f"{name}: checkpoint {tuple(e['shape'])} {e['dtype']}, model {tuple(t.shape)} "
+                    f"{fmt.DTYPES.get(t.dtype, t.dtype)}")
+                continue
+            if name in aliases or (id(t) in done_storage):
+                continue  # tied: loaded through its canonical name
+            done_storage.add(id(t))
+            self.pairs.append((name, key_of(name)))
+        if strict and (self.missing or self.unexpected or self.mismatched):
+            raise CheckpointMismatchError("model", self.missing, self.unexpected, self.mismatched)
+        self.keys = sorted({k for _, k in self.pairs})
+
+
+def _optimizer_keys(optimizer, model, m, strict) -> List[str]:
+    saved = m.get("optimizer")
+    if saved is None:
+        if strict:
+            raise CheckpointMismatchError("optimizer", missing=["<optimizer state: this checkpoint has none>"])
+        return []
+    names = param_names(model)
+    cur_groups = [[names.get(id(p), f"<unnamed #{i}>") for i, p in enumerate(g["params"])] for g in optimizer.param_groups]
+    saved_groups = [g["params"] for g in saved["param_groups"]]
+    if len(cur_groups) != len(saved_groups) or any(set(a) != set(b) for a, b in zip(cur_groups, saved_groups)):
+        cur = {n for g in cur_groups for n in g}
+        old = {n for g in saved_groups for n in g}
+        raise CheckpointMismatchError(
+            "optimizer", missing=cur - old, unexpected=old - cur,
+            mismatched=[] if cur != old else [
+                f"param_groups: checkpoint has {len(saved_groups)} group(s) of sizes {[len(g) for g in saved_groups]}, "
+                f"optimizer has {len(cur_groups)} of sizes {[len(g) for g in cur_groups]}"])
+    return sorted(set(tensor_refs(saved["state"])))
+
+
+def _optimizer_state_dict(optimizer, model, m, tensors) -> Dict[str, Any]:
+    saved = m["optimizer"]
+    names = param_names(model)
+    index = {names[id(p)]: i for i, p in enumerate(optimizer_params(optimizer))}
+    state = {index[n]: decode(st, tensors) for n, st in saved["state"].items() if n in index}
+    groups = []
+    for g, cur in zip(saved["param_groups"], optimizer.param_groups):
+        d = {k: decode(v, tensors) for k, v in g.items() if k != "params"}
+        # order as the live optimizer holds them: load_state_dict zips ids with its own params
+        d["params"] = [index[names[id(p)]] for p in cur["params"]]
+        groups.append(d)
+    return {"state": state, "param_groups": groups}
+
+
+def _check_staleness(m: Dict[str, Any], cfg: Config, strict: bool) -> None:
+    bound = (m.get("config") or {}).get("max_staleness", cfg.max_staleness)
+    old = sorted((n, e.get("age", 0)) for n, e in m["layers"].items() if e.get("age", 0) > bound)
+    if not old:
+        return
+    msg = (f"{len(old)} layer(s) older than max_staleness={bound} checkpoints: "
+           + ", ".join(f"{n} (age {a})" for n, a in old))
+    if strict:
+        raise StalenessError(msg + "; pass strict=False to restore anyway")
+    log.warning("layerckpt: %s", msg)

@@ -1,0 +1,96 @@
+"""Pooled, page-aligned host buffers, allocated once and reused across checkpoints.
+
+The pool grows lazily up to ``limit`` bytes in ``chunk`` sized buffers; an
+``acquire()`` past the limit blocks until the flusher returns a buffer
+(back-pressure), so staging never allocates without bound.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+from typing import List, Optional
+
+import torch
+
+
+class Chunk:
+    """One anonymous-mmap buffer (4 KiB aligned) and a uint8 tensor viewing it."""
+
+    __slots__ = ("index", "mem", "view", "tensor", "pinned")
+
+    def __init__(self, index: int, nbytes: int):
+        self.index = index
+        self.mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses and page faults while staging
+            try:
+                self.mem.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        self.view = memoryview(self.mem)
+        self.tensor = torch.frombuffer(self.mem, dtype=torch.uint8)
+        self.tensor.zero_()  # fault the pages in now, not during the first save's copy
+        self.pinned = False
+
+    def pin(self) -> None:
+        """Page-lock for asynchronous device-to-host copies (CUDA only)."""
+        if not self.pinned and torch.cuda.is_available():
+            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.tensor.numel(), 0)
+            self.pinned = int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
+
+    def free(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        self.tensor = None
+        self.view.release()
+        self.mem.close()
+
+
+class BufferPool:
+    def __init__(self, chunk_bytes: int, limit_bytes: int):
+        self.chunk_bytes = chunk_bytes
+        self.capacity = max(1, limit_bytes // chunk_bytes)
+        self.chunks: List[Chunk] = []
+        self._free: List[Chunk] = []
+        self._cv = threading.Condition()
+        self.generation = 0  # bumps when chunks are added (the ring re-registers)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return len(self.chunks) * self.chunk_bytes
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate up front what a save of nbytes will use (capped by the limit)."""
+        want = min(self.capacity, -(-nbytes // self.chunk_bytes))
+        with self._cv:
+            while len(self.chunks) < want:
+                c = Chunk(len(self.chunks), self.chunk_bytes)
+                self.chunks.append(c)
+                self._free.append(c)
+                self.generation += 1
+
+    def acquire(self, timeout: Optional[float] = None) -> Chunk:
+        with self._cv:
+            while not self._free:
+                if len(self.chunks) < self.capacity:
+                    c = Chunk(len(self.chunks), self.chunk_bytes)
+                    self.chunks.append(c)
+                    self.generation += 1
+                    return c
+                if not self._cv.wait(timeout):
+                    raise TimeoutError("no staging buffer was returned in time")
+            # lowest index first keeps reuse (and registration) stable
+            self._free.sort(key=lambda c: c.index, reverse=True)
+            return self._free.pop()
+
+    def release(self, chunk: Chunk) -> None:
+        with self._cv:
+            self._free.append(chunk)
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            for c in self.chunks:
+                c.free()
+            self.chunks.clear()
+            self._free.clear()

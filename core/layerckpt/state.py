@@ -1,0 +1,201 @@
+"""What a checkpoint holds, gathered into (key, tensor) pairs plus JSON metadata.
+
+Model tensors are keyed ``model/<name>``, optimizer state by parameter *name*
+(``optim/<name>/<state key>``), RNG states under ``rng/`` and the user's extra
+under ``extra/``.  Plain values go to the manifest through a small JSON codec
+that keeps tuples and non-string dict keys and never pickles.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError
+
+Entries = List[Tuple[str, torch.Tensor]]
+
+
+# ------------------------------------------------------------------ codec
+
+def encode(value: Any, key: str, out: Entries, where: str) -> Any:
+    """Plain values stay JSON; tensors are appended to ``out`` and replaced by a reference."""
+    if isinstance(value, torch.Tensor):
+        out.append((key, value.detach()))
+        return {"__tensor__": key}
+    if isinstance(value, np.ndarray):
+        out.append((key, torch.from_numpy(np.ascontiguousarray(value))))
+        return {"__ndarray__": key}
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v, f"{key}/{i}", out, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode(v, f"{key}/{i}", out, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in value):
+            return {k: encode(v, f"{key}/{k}", out, f"{where}[{k!r}]") for k, v in value.items()}
+        pairs = []
+        for i, (k, v) in enumerate(value.items()):
+            if not (k is None or isinstance(k, (bool, int, float, str, tuple))):
+                raise CheckpointError(f"{where} has a dict key {k!r} of type {type(k).__name__}; use str/int keys")
+            pairs.append([encode(k, f"{key}/k{i}", out, where), encode(v, f"{key}/{i}", out, f"{where}[{k!r}]")])
+        return {"__dict__": pairs}
+    raise CheckpointError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which layerckpt cannot store "
+        f"without pickling; convert it to tensors or plain values (int, float, str, bool, None, list, tuple, dict)"
+    )
+
+
+def decode(obj: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [decode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if len(obj) == 1:
+            (tag, v), = obj.items()
+            if tag == "__tensor__":
+                return tensors[v]
+            if tag == "__ndarray__":
+                return tensors[v].numpy()
+            if tag == "__tuple__":
+                return tuple(decode(x, tensors) for x in v)
+            if tag == "__dict__":
+                return {_hashable(decode(k, tensors)): decode(x, tensors) for k, x in v}
+        return {k: decode(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(x) for x in k) if isinstance(k, (list, tuple)) else k
+
+
+def tensor_refs(obj: Any) -> List[str]:
+    """Every tensor key an encoded value refers to."""
+    out: List[str] = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, list):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            if len(o) == 1 and next(iter(o)) in ("__tensor__", "__ndarray__"):
+                out.append(next(iter(o.values())))
+            else:
+                stack.extend(o.values())
+    return out
+
+
+# ------------------------------------------------------------------ model
+
+def _storage_key(t: torch.Tensor) -> Tuple:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def model_state(model: torch.nn.Module) -> Tuple[Dict[str, torch.Tensor], Dict[str, str], Dict[str, Any]]:
+    """(unique tensors by name, aliases name -> canonical name, non-tensor entries)."""
+    tensors: Dict[str, torch.Tensor] = {}
+    aliases: Dict[str, str] = {}
+    other: Dict[str, Any] = {}
+    seen: Dict[Tuple, str] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            other[name] = value
+            continue
+        t = value.detach()
+        sk = _storage_key(t) if t.numel() else None
+        if sk is not None and sk in seen:
+            aliases[name] = seen[sk]
+            continue
+        if sk is not None:
+            seen[sk] = name
+        tensors[name] = t
+    return tensors, aliases, other
+
+
+# ------------------------------------------------------------------ optimizer
+
+def param_names(model: torch.nn.Module) -> Dict[int, str]:
+    """id(parameter) -> its first name (tied parameters are named once)."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.nn.Parameter]:
+    """Parameters in the order Optimizer.state_dict() numbers them."""
+    seen, out = set(), []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, names: Dict[int, str], out: Entries) -> Dict[str, Any]:
+    params = optimizer_params(optimizer)
+    unnamed = [i for i, p in enumerate(params) if id(p) not in names]
+    if unnamed:
+        raise CheckpointError(
+            f"the optimizer holds {len(unnamed)} parameter(s) that are not parameters of the model "
+            f"(indices {unnamed[:5]}); pass the model that owns every optimized parameter"
+        )
+    idx_name = [names[id(p)] for p in params]
+    sd = optimizer.state_dict()
+    state = {}
+    for idx, st in sd["state"].items():
+        name = idx_name[idx]
+        state[name] = {k: encode(v, f"optim/{name}/{k}", out, f"optimizer.state[{name}][{k!r}]") for k, v in st.items()}
+    groups = []
+    for gi, g in enumerate(sd["param_groups"]):
+        enc = {k: encode(v, f"optim_groups/{gi}/{k}", out, f"optimizer.param_groups[{gi}][{k!r}]")
+               for k, v in g.items() if k != "params"}
+        enc["params"] = [idx_name[i] for i in g["params"]]
+        groups.append(enc)
+    return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+            "param_groups": groups, "state": state}
+
+
+# ------------------------------------------------------------------ RNG
+
+def rng_state(out: Entries) -> Dict[str, Any]:
+    st: Dict[str, Any] = {
+        "python": encode(random.getstate(), "rng/python", out, "python RNG"),
+        "numpy": encode(np.random.get_state(), "rng/numpy", out, "numpy RNG"),
+        "torch": encode(torch.get_rng_state(), "rng/torch", out, "torch RNG"),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = encode(torch.cuda.get_rng_state_all(), "rng/cuda", out, "CUDA RNG")
+    return st
+
+
+def set_rng_state(st: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
+    if "python" in st:
+        v = decode(st["python"], tensors)
+        random.setstate((v[0], tuple(v[1]), v[2]))
+    if "numpy" in st:
+        np.random.set_state(decode(st["numpy"], tensors))
+    if "torch" in st:
+        torch.set_rng_state(decode(st["torch"], tensors))
+    if "cuda" in st and torch.cuda.is_available():
+        states = decode(st["cuda"], tensors)
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+
+
+def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Optional[dict]
+           ) -> Tuple[Entries, Dict[str, Any]]:
+    """Everything one save holds: tensors to stage, and the manifest's JSON parts."""
+    entries: Entries = []
+    tensors, aliases, other = model_state(model)
+    entries.extend((f"model/{n}", t) for n, t in tensors.items())
+    meta: Dict[str, Any] = {
+        "model": {"aliases": aliases,
+                  "other": encode(other, "model_other", entries, "model.state_dict() non-tensor entry")},
+        "optimizer": optimizer_state(optimizer, param_names(model), entries) if optimizer is not None else None,
+        "rng": rng_state(entries),
+        "extra": encode(extra if extra is not None else {}, "extra", entries, "extra"),
+    }
+    return entries, meta
