@@ -819,6 +819,45 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args)
 	return PyLong_FromUnsignedLong(out);
 }
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+PyDoc_STRVAR(populate_doc,
+"populate(buffer)\n--\n\n"
+"Fault in (and zero) the pages of a fresh writable buffer, GIL released,\n"
+"so that later I/O into it does not fault page by page.");
+
+static PyObject *py_populate(PyObject *self, PyObject *args)
+{
+	Py_buffer view;
+	long page = sysconf(_SC_PAGESIZE);
+	int rc;
+
+	if (!PyArg_ParseTuple(args, "w*", &view))
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	{
+		uintptr_t a = (uintptr_t)view.buf, e = a + (uintptr_t)view.len;
+		uintptr_t s = (a + page - 1) & ~((uintptr_t)page - 1);
+
+		rc = 0;
+		if (e > s)
+			rc = madvise((void *)s, e - s, MADV_POPULATE_WRITE);
+		if (rc < 0 || e <= s) { /* old kernel: touch one byte a page */
+			volatile char *p = view.buf;
+			Py_ssize_t i;
+
+			for (i = 0; i < view.len; i += page)
+				p[i] = p[i];
+			rc = 0;
+		}
+	}
+	Py_END_ALLOW_THREADS
+	PyBuffer_Release(&view);
+	Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(probe_doc,
 "probe()\n--\n\nRaise OSError if this kernel refuses io_uring; else return None.");
 
@@ -838,6 +877,7 @@ static PyObject *py_probe(PyObject *self, PyObject *noargs)
 static PyMethodDef module_methods[] = {
 	{"crc32c", py_crc32c, METH_VARARGS, crc32c_doc},
 	{"probe", py_probe, METH_NOARGS, probe_doc},
+	{"populate", py_populate, METH_VARARGS, populate_doc},
 	{NULL, NULL, 0, NULL},
 };
 

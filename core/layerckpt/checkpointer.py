@@ -203,7 +203,11 @@ def _stage(layout: fmt.Layout, pool: BufferPool, out: "queue.Queue") -> None:
     header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
     sources = [(-1, header, len(layout.header))] + [(i, it.tensor, it.nbytes) for i, it in enumerate(layout.items)]
     stream = None
-    chunk = pool.acquire()
+
+    def starved() -> None:
+        out.put(FlushJob.STARVED)
+
+    chunk = pool.acquire(on_wait=starved)
     base, fill, segs = 0, 0, []
     for idx, t, nbytes in sources:
         if nbytes == 0:
@@ -216,7 +220,7 @@ def _stage(layout: fmt.Layout, pool: BufferPool, out: "queue.Queue") -> None:
         while pos < nbytes:
             if fill == C:
                 _emit(out, chunk, base, fill, segs, stream)
-                chunk = pool.acquire()
+                chunk = pool.acquire(on_wait=starved)
                 base, fill, segs = base + C, 0, []
                 if stream is not None:
                     chunk.pin()

@@ -58,6 +58,7 @@ class PendingSave:
 @dataclass
 class FlushJob:
     ABORT = object()  # staging failed: discard what was sent
+    STARVED = object()  # the stager waits for a free buffer
 
     pending: PendingSave
     layout: fmt.Layout
@@ -107,55 +108,58 @@ class Flusher:
     def _flush(self, job: FlushJob) -> None:
         path = job.pending.path
         layout = job.layout
-        crcs = [0] * len(layout.items)
-        inflight: Dict[int, Any] = {}
         self.backend.register_buffers([c.view for c in self.pool.chunks])
         try:
             fd, direct = open_file(path, write=True, direct=self.config.direct_io)
         except OSError as e:
             self._discard(job)
             raise CheckpointWriteError(e.errno or errno.EIO, path) from None
+        w = _Writes(self.backend, self.pool, len(layout.items))
         failed: Optional[BaseException] = None
+        msg: Any = None
         try:
             while True:
                 msg = job.chunks.get()
                 if msg is None or msg is FlushJob.ABORT:
                     break
-                chunk, base, fill, segs = msg
                 if failed is not None:  # keep consuming so the stager never blocks
-                    self.pool.release(chunk)
+                    if msg is not FlushJob.STARVED:
+                        self.pool.release(msg[0])
                     continue
                 try:
-                    for i, a, b in segs:
-                        crcs[i] = checksum(chunk.view[a:b], crcs[i])
+                    if msg is FlushJob.STARVED:
+                        # the stager waits for a buffer: finish checksums, free one
+                        w.checksum_all()
+                        w.reap(1)
+                        continue
+                    chunk, base, fill, segs = msg
                     n = fill
                     if direct and n % fmt.ALIGN:
                         n = fmt.align_up(n)
                         chunk.view[fill:n] = bytes(n - fill)  # zeroed tail, truncated away below
-                    inflight[chunk.index] = chunk
-                    self.backend.write(fd, chunk.view[:n], base, chunk, path)
-                    for c in self.backend.wait(0):
-                        self.pool.release(inflight.pop(c.index))
+                    w.submit(fd, chunk, base, n, segs, path)
                 except OSError as e:
                     failed = e
-                    self._release_all(inflight)
+                    w.abandon()
             if msg is FlushJob.ABORT and failed is None:
                 failed = CheckpointError("staging was interrupted; nothing was committed")
             if failed is None:
                 try:
-                    for c in self.backend.drain():
-                        self.pool.release(inflight.pop(c.index))
+                    # staging is over: checksums now cost no stall, and run while the writes do
+                    w.checksum_all()
+                    w.reap(w.inflight)
                     if direct:
                         os.ftruncate(fd, layout.size)
                     os.fdatasync(fd)
                 except OSError as e:
                     failed = e
-                    self._release_all(inflight)
+                    w.abandon()
         finally:
             os.close(fd)
         if failed is not None:
             _unlink_quietly(path)
             raise failed
+        crcs = w.crcs
         try:
             fmt.fsync_dir(os.path.dirname(path))
             m = job.manifest
@@ -175,21 +179,72 @@ class Flusher:
         except OSError as e:  # retention failing must not fail a committed save
             log.warning("layerckpt: retention after step %d failed: %s", m["step"], e)
 
-    def _release_all(self, inflight: Dict[int, Any]) -> None:
-        try:  # the backend raised only after its queue drained; make sure
-            self.backend.drain()
-        except OSError:
-            pass
-        for c in inflight.values():
-            self.pool.release(c)
-        inflight.clear()
-
     def _discard(self, job: FlushJob) -> None:
         while True:
             msg = job.chunks.get()
             if msg is None or msg is FlushJob.ABORT:
                 return
-            self.pool.release(msg[0])
+            if msg is not FlushJob.STARVED:
+                self.pool.release(msg[0])
+
+
+class _Writes:
+    """Writes in flight and checksums still owed; a buffer goes back to the pool when both are done.
+
+    Checksums are deferred while staging runs (so they do not compete with the
+    caller's copy for a core) unless the stager runs out of buffers.
+    """
+
+    def __init__(self, backend, pool: BufferPool, nitems: int):
+        self.backend = backend
+        self.pool = pool
+        self.crcs = [0] * nitems
+        self._writing: Dict[int, Any] = {}
+        self._owed: list = []  # (chunk, segs) in file order
+        self._owed_ids: set = set()
+        self._written: set = set()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._writing)
+
+    def submit(self, fd: int, chunk, base: int, n: int, segs, path: str) -> None:
+        self._writing[chunk.index] = chunk
+        self._owed.append((chunk, segs))
+        self._owed_ids.add(chunk.index)
+        self.backend.write(fd, chunk.view[:n], base, chunk, path)
+        self.reap(0)
+
+    def reap(self, want: int) -> None:
+        for c in self.backend.wait(min(want, len(self._writing))):
+            self._writing.pop(c.index)
+            if c.index in self._owed_ids:
+                self._written.add(c.index)
+            else:
+                self.pool.release(c)
+
+    def checksum_all(self) -> None:
+        for chunk, segs in self._owed:
+            for i, a, b in segs:
+                self.crcs[i] = checksum(chunk.view[a:b], self.crcs[i])
+            self._owed_ids.discard(chunk.index)
+            if chunk.index in self._written:
+                self._written.discard(chunk.index)
+                self.pool.release(chunk)
+        self._owed.clear()
+
+    def abandon(self) -> None:
+        """After a failure: wait out the writes, hand every buffer back."""
+        try:  # the backend raised only after its queue drained; make sure
+            self.backend.drain()
+        except OSError:
+            pass
+        for c in list(self._writing.values()) + [c for c, _ in self._owed if c.index not in self._writing]:
+            self.pool.release(c)
+        self._writing.clear()
+        self._owed.clear()
+        self._owed_ids.clear()
+        self._written.clear()
 
 
 def _as_checkpoint_error(e: BaseException, path: str) -> BaseException:

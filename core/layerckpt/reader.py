@@ -1,19 +1,28 @@
-"""Reading tensors back: coalesced, aligned, pipelined reads with checksums."""
+"""Reading tensors back: coalesced, aligned, pipelined reads straight into their final memory.
+
+The byte ranges a restore needs are merged into few 4 KiB-aligned extents,
+read (O_DIRECT where allowed) into one fresh buffer per call, and checked
+against their checksums while later reads are still in flight.  The tensors
+returned are views of that buffer, so restored state costs one allocation and
+no extra copy.
+"""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
+import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import format as fmt
-from .backend import open_file
+from .backend import _uring, open_file
 from .errors import CheckpointCorruptError
-from .staging import BufferPool
 
 GAP = 1 << 20  # read through holes smaller than this rather than issue another request
+PREFAULT_THREADS = 2
 
 
 @dataclass
@@ -22,101 +31,255 @@ class Want:
     offset: int
     nbytes: int
     crc: int
-    sink: torch.Tensor  # flat uint8, nbytes long
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+
+    @classmethod
+    def from_entry(cls, key: str, e: Dict, where: str) -> "Want":
+        dtype = fmt.CODES[e["dtype"]]
+        n = 1
+        for s in e["shape"]:
+            n *= s
+        if n * torch.empty((), dtype=dtype).element_size() != e["nbytes"]:
+            raise CheckpointCorruptError(
+                f"{where}: tensor {key!r} has shape {e['shape']} and dtype {e['dtype']} but {e['nbytes']} bytes",
+                tensor=key)
+        return cls(key, e["offset"], e["nbytes"], e["crc"], dtype, tuple(e["shape"]))
 
 
-def read_file(backend, pool: BufferPool, path: str, size: int, wants: List[Want],
-              check: Optional[Callable], direct: bool = True) -> int:
-    """Fill every Want's sink from ``path``; returns bytes read.  Damage raises CheckpointCorruptError."""
+def _buffer(nbytes: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return buf
+
+
+def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Optional[Callable],
+               piece_bytes: int, direct: bool = True) -> Tuple[Dict[str, torch.Tensor], int]:
+    """Read every wanted tensor of one data file; returns ({key: tensor}, bytes read)."""
     wants = sorted(wants, key=lambda w: w.offset)
+    fd, direct = _open_checked(path, size, wants, direct)
+    try:
+        extents = _extents(wants)
+        total = sum(e - s for s, e in extents)
+        buf = _buffer(total)
+        where = _pump(backend, fd, path, buf, extents, piece_bytes, wants, check)
+    finally:
+        os.close(fd)
+    out = {}
+    for w in wants:
+        if w.nbytes == 0:
+            out[w.key] = torch.empty(w.shape, dtype=w.dtype)
+        else:
+            t = torch.frombuffer(buf, dtype=torch.uint8, count=w.nbytes, offset=where[w.key])
+            out[w.key] = t.view(w.dtype).reshape(w.shape)
+    return out, total
+
+
+def read_into(backend, pool, path: str, size: int, wants: Sequence[Want], sinks: Dict[str, torch.Tensor],
+              check: Optional[Callable], direct: bool = True) -> int:
+    """Read tensors into existing memory (``sinks``: key -> flat uint8 view of the target) through
+    a few reused bounce buffers; cheaper than fresh memory where page faults are dear.
+    A checksum failure can leave targets partly overwritten."""
+    wants = sorted(wants, key=lambda w: w.offset)
+    fd, direct = _open_checked(path, size, wants, direct)
+    try:
+        extents = _extents(wants)
+        pieces = [(o, min(pool.chunk_bytes, e - o)) for s, e in extents for o in range(s, e, pool.chunk_bytes)]
+        crcs = [0] * len(wants)
+        held: Dict[int, object] = {}
+        done: set = set()
+        nxt = first = 0
+        try:
+            for i, (ps, n) in enumerate(pieces):
+                pe = ps + n
+                while nxt < len(pieces) and nxt - i < pool.capacity:
+                    chunk = pool.acquire()
+                    held[nxt] = chunk
+                    backend.read(fd, chunk.view[: pieces[nxt][1]], pieces[nxt][0], nxt, path)
+                    nxt += 1
+                while i not in done:
+                    done.update(backend.wait(1))
+                chunk = held.pop(i)
+                j = first
+                while j < len(wants) and wants[j].offset < pe:
+                    w = wants[j]
+                    a, b = max(w.offset, ps), min(w.offset + w.nbytes, pe)
+                    if a < b:
+                        sinks[w.key][a - w.offset: b - w.offset].copy_(chunk.tensor[a - ps: b - ps])
+                        if check is not None:
+                            crcs[j] = check(chunk.view[a - ps: b - ps], crcs[j])
+                    if j == first and w.offset + w.nbytes <= pe:
+                        _verify(check, crcs[j], w, path)
+                        first += 1
+                    j += 1
+                pool.release(chunk)
+            for w in wants[first:]:  # empty tensors past the last piece
+                _verify(check, 0, w, path)
+        except OSError as e:
+            raise CheckpointCorruptError(f"reading {path} failed: {os.strerror(e.errno or errno.EIO)}",
+                                         path=path) from None
+        finally:
+            try:
+                backend.drain()
+            except OSError:
+                pass
+            for c in held.values():
+                pool.release(c)
+    finally:
+        os.close(fd)
+    return sum(n for _, n in pieces)
+
+
+def _verify(check: Optional[Callable], crc: int, w: Want, path: str) -> None:
+    if check is not None and crc != w.crc:
+        raise CheckpointCorruptError(
+            f"checksum mismatch in tensor {w.key!r} of {path} (bytes {w.offset}..{w.offset + w.nbytes}); "
+            f"the file is damaged: run `layerckpt verify`, or restore an older step",
+            path=path, tensor=w.key)
+
+
+def _open_checked(path: str, size: int, wants: Sequence[Want], direct: bool) -> Tuple[int, bool]:
+    first = wants[0].key if wants else None
     try:
         fd, direct = open_file(path, write=False, direct=direct)
     except FileNotFoundError:
-        raise CheckpointCorruptError(
-            f"data file {path} is missing (needed for tensor {wants[0].key if wants else '?'})",
-            path=path, tensor=wants[0].key if wants else None) from None
-    try:
-        have = os.fstat(fd).st_size
-        if have < size:
-            lost = next((w.key for w in wants if w.offset + w.nbytes > have), None)
-            raise CheckpointCorruptError(
-                f"data file {path} is truncated: {have} bytes, the manifest expects {size}"
-                + (f"; tensor {lost!r} is cut off" if lost else ""), path=path, tensor=lost)
-        pieces = _pieces(wants, pool.chunk_bytes)
-        return _pump(backend, pool, fd, path, pieces, wants, check)
-    finally:
+        raise CheckpointCorruptError(f"data file {path} is missing (it holds tensor {first!r})",
+                                     path=path, tensor=first) from None
+    have = os.fstat(fd).st_size
+    bad = None
+    if have < size:
+        lost = next((w.key for w in wants if w.offset + w.nbytes > have), None)
+        bad = CheckpointCorruptError(
+            f"data file {path} is truncated: {have} bytes, the manifest expects {size}"
+            + (f"; tensor {lost!r} is cut off" if lost else ""), path=path, tensor=lost)
+    elif any(w.offset + w.nbytes > size for w in wants):
+        key = next(w.key for w in wants if w.offset + w.nbytes > size)
+        bad = CheckpointCorruptError(f"tensor {key!r} lies past the end of {path} in the manifest",
+                                     path=path, tensor=key)
+    if bad is not None:
         os.close(fd)
+        raise bad
+    return fd, direct
 
 
-def _pieces(wants: List[Want], C: int) -> List[List[int]]:
-    extents: List[List[int]] = []
+def _extents(wants: Sequence[Want]) -> List[List[int]]:
+    out: List[List[int]] = []
     for w in wants:
         if w.nbytes == 0:
             continue
         s, e = w.offset // fmt.ALIGN * fmt.ALIGN, fmt.align_up(w.offset + w.nbytes)
-        if extents and s <= extents[-1][1] + GAP:
-            extents[-1][1] = max(extents[-1][1], e)
+        if out and s <= out[-1][1] + GAP:
+            out[-1][1] = max(out[-1][1], e)
         else:
-            extents.append([s, e])
-    out = []
-    for s, e in extents:
-        while s < e:
-            out.append([s, min(e, s + C)])
-            s = out[-1][1]
+            out.append([s, e])
     return out
 
 
-def _pump(backend, pool, fd, path, pieces, wants, check) -> int:
-    crcs = [0] * len(wants)
-    got = [0] * len(wants)
-    chunks: Dict[int, object] = {}
+def _pump(backend, fd, path, buf, extents, piece_bytes, wants, check) -> Dict[str, int]:
+    """Read extents into buf in pieces; verify each tensor once its bytes are in.  Returns key -> buffer offset."""
+    pieces = []  # (file offset, buffer offset, length)
+    b = 0
+    for s, e in extents:
+        for o in range(s, e, piece_bytes):
+            n = min(piece_bytes, e - o)
+            pieces.append((o, b + o - s, n))
+        b += e - s
+    view = memoryview(buf)
+    where: Dict[str, int] = {}
+    ext_i, ext_base = 0, 0
+    for w in wants:  # buffer position of every tensor
+        if w.nbytes == 0:
+            continue
+        while not (extents[ext_i][0] <= w.offset < extents[ext_i][1]):
+            ext_base += extents[ext_i][1] - extents[ext_i][0]
+            ext_i += 1
+        where[w.key] = ext_base + w.offset - extents[ext_i][0]
     done: set = set()
-    nxt = first = 0  # next piece to submit; first want not yet complete
-    total = 0
-    depth = max(1, pool.capacity)
+    nxt = ptr = wi = 0
+    pre = _Prefault(view, pieces)
     try:
-        for i, (ps, pe) in enumerate(pieces):
-            while nxt < len(pieces) and nxt - i < depth:
-                chunk = pool.acquire()
-                chunks[nxt] = chunk
-                s, e = pieces[nxt]
-                backend.read(fd, chunk.view[: e - s], s, nxt, path)
+        while ptr < len(pieces):
+            while nxt < len(pieces) and backend.inflight < backend.depth and pre.ready(nxt):
+                fo, bo, n = pieces[nxt]
+                backend.read(fd, view[bo:bo + n], fo, nxt, path)
                 nxt += 1
-            while i not in done:
-                done.update(backend.wait(1))
-            chunk = chunks.pop(i)
-            total += pe - ps
-            j = first
-            while j < len(wants) and wants[j].offset < pe:
-                w = wants[j]
-                a, b = max(w.offset, ps), min(w.offset + w.nbytes, pe)
-                if a < b:
-                    seg = chunk.view[a - ps: b - ps]
-                    w.sink[a - w.offset: b - w.offset].copy_(chunk.tensor[a - ps: b - ps])
-                    if check is not None:
-                        crcs[j] = check(seg, crcs[j])
-                    got[j] += b - a
-                if got[j] == w.nbytes and j == first:
-                    if check is not None and crcs[j] != w.crc:
-                        raise CheckpointCorruptError(
-                            f"checksum mismatch in tensor {w.key!r} of {path} (bytes {w.offset}..{w.offset + w.nbytes}): "
-                            f"expected {w.crc:#010x}, got {crcs[j]:#010x}; the file is damaged, restore an older step",
-                            path=path, tensor=w.key)
-                    first += 1
-                j += 1
-            pool.release(chunk)
-        for j in range(first, len(wants)):
-            w = wants[j]
-            if w.nbytes == 0 and check is not None and w.crc != 0:
-                raise CheckpointCorruptError(f"checksum mismatch in empty tensor {w.key!r} of {path}", path=path,
-                                             tensor=w.key)
+            if backend.inflight == 0 and ptr not in done:
+                pre.wait(nxt)
+                continue
+            done.update(backend.wait(0 if ptr in done else 1))
+            while ptr in done:
+                fo, bo, n = pieces[ptr]
+                # every tensor ending inside what is now contiguous is complete: check it
+                while wi < len(wants) and wants[wi].offset + wants[wi].nbytes <= fo + n:
+                    w = wants[wi]
+                    if check is not None and w.nbytes:
+                        _verify(check, check(view[where[w.key]:where[w.key] + w.nbytes]), w, path)
+                    wi += 1
+                ptr += 1
+        for w in wants[wi:]:  # empty tensors past the last piece
+            _verify(check, 0, w, path)
     except OSError as e:
-        raise CheckpointCorruptError(f"reading {path} failed: {os.strerror(e.errno or errno.EIO)}", path=path) from None
+        raise CheckpointCorruptError(f"reading {path} failed: {os.strerror(e.errno or errno.EIO)}",
+                                     path=path) from None
     finally:
+        pre.close()
         try:
             backend.drain()
         except OSError:
             pass
-        for c in chunks.values():
-            pool.release(c)
-    return total
+        view.release()
+    return where
+
+
+class _Prefault:
+    """Fault in the pages of fresh read buffers on helper threads, ahead of the reads.
+
+    Page faults, not the disk, bound a restore into new memory on many
+    machines; taken inside the read syscalls they serialise with submission,
+    while here they run on the other cores as the device reads.
+    """
+
+    def __init__(self, view: memoryview, pieces: List[Tuple[int, int, int]]):
+        self._events = [threading.Event() for _ in pieces]
+        if _uring is None or len(pieces) < 2 or PREFAULT_THREADS < 1:
+            for e in self._events:
+                e.set()
+            self._threads: List[threading.Thread] = []
+            return
+        self._view, self._pieces = view, pieces
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stop = False
+        n = max(0, min(PREFAULT_THREADS, os.cpu_count() or 1, len(pieces)))
+        self._threads = [threading.Thread(target=self._run, daemon=True, name="layerckpt-prefault")
+                         for _ in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                i = self._next
+                self._next += 1
+            if self._stop or i >= len(self._pieces):
+                return
+            _, bo, n = self._pieces[i]
+            try:
+                _uring.populate(self._view[bo:bo + n])
+            finally:
+                self._events[i].set()
+
+    def ready(self, i: int) -> bool:
+        return self._events[i].is_set()
+
+    def wait(self, i: int) -> None:
+        self._events[i].wait()
+
+    def close(self) -> None:
+        self._stop = True
+        for t in self._threads:
+            t.join()

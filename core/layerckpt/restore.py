@@ -14,7 +14,7 @@ from . import store
 from .backend import checksum_function, make_backend
 from .config import Config
 from .errors import CheckpointCorruptError, CheckpointMismatchError, StalenessError
-from .reader import Want, read_file
+from .reader import Want, read_into, read_views
 from .staging import BufferPool
 from .state import decode, model_state, optimizer_params, param_names, set_rng_state, tensor_refs
 
@@ -47,8 +47,10 @@ def restore(
 ) -> RestoreReport:
     """Load the newest committed checkpoint (or the one of ``step``) into ``model`` and ``optimizer``.
 
-    Nothing is changed in the model or optimizer unless every tensor read back
-    intact and matched.  Never unpickles.
+    Names, shapes and dtypes are all checked before anything is read, and the
+    optimizer state, RNG and extra are verified before the model is touched; a
+    checksum failure inside the model's own tensors can leave them partly
+    loaded (restore another step).  Never unpickles.
     """
     t0 = time.perf_counter()
     cfg = config or Config()
@@ -65,30 +67,20 @@ def restore(
     needed = set(plan.keys) | set(opt_keys) | meta_keys
     _check_staleness(m, cfg, strict)
 
-    # -- read into fresh host tensors; verify everything before touching the model
-    tensors = {k: _empty(m["tensors"][k]) for k in sorted(needed) if _known(m, k, mpath)}
-    by_file: Dict[str, List[Want]] = {}
-    for k, t in tensors.items():
-        e = m["tensors"][k]
-        by_file.setdefault(e["file"], []).append(
-            Want(k, e["offset"], e["nbytes"], e["crc"], t.reshape(-1).view(torch.uint8)))
+    # -- read.  Optimizer state, RNG and extra go into one fresh buffer each file
+    # and stay there as views (no second copy); they are read and verified first,
+    # so damage there leaves the model untouched.  Model tensors already have
+    # memory: they are read through a few reused bounce buffers straight into it.
     check = checksum_function(m.get("checksum", "crc32c")) if cfg.verify_checksums else None
     backend = make_backend(cfg.backend, cfg.queue_depth)
-    pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * max(2, cfg.queue_depth))
-    total = 0
+    pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * min(4, cfg.queue_depth))  # bounce buffers
     try:
-        for fname, wants in sorted(by_file.items()):
-            path = fmt.safe_join(root, fmt.DATA_DIR, fname, f"manifest {mpath}")
-            size = m["files"][fname].get("size", 0)
-            total += read_file(backend, pool, path, size, wants, check, direct=cfg.direct_io)
+        tensors, total = read_tensors(root, m, mpath, sorted(needed - set(plan.keys)), backend, check, cfg)
+        total += _read_model(root, m, mpath, plan, backend, pool, check, cfg)
     finally:
         backend.close()
         pool.close()
 
-    # -- load
-    with torch.no_grad():
-        for name, key in plan.pairs:
-            plan.targets[name].copy_(tensors[key])
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state_dict(optimizer, model, m, tensors))
     if cfg.restore_rng and m.get("rng"):
@@ -103,19 +95,52 @@ def restore(
     )
 
 
-def _known(m: Dict[str, Any], key: str, mpath: str) -> bool:
-    if key not in m["tensors"]:
-        raise CheckpointCorruptError(f"manifest {mpath} refers to tensor {key!r} but has no entry for it",
-                                     path=mpath, tensor=key)
-    return True
+def read_tensors(root: str, m: Dict[str, Any], mpath: str, keys: List[str], backend, check, cfg: Config
+                 ) -> Tuple[Dict[str, torch.Tensor], int]:
+    """Read the named tensors of manifest ``m`` (file by file, checksums verified)."""
+    by_file: Dict[str, List[Want]] = {}
+    for k in keys:
+        e = m["tensors"].get(k)
+        if e is None:
+            raise CheckpointCorruptError(f"manifest {mpath} refers to tensor {k!r} but has no entry for it",
+                                         path=mpath, tensor=k)
+        by_file.setdefault(e["file"], []).append(Want.from_entry(k, e, mpath))
+    out: Dict[str, torch.Tensor] = {}
+    total = 0
+    for fname, wants in sorted(by_file.items()):
+        path = fmt.safe_join(root, fmt.DATA_DIR, fname, f"manifest {mpath}")
+        views, n = read_views(backend, path, m["files"][fname].get("size", 0), wants, check, cfg.chunk_bytes,
+                              direct=cfg.direct_io)
+        out.update(views)
+        total += n
+    return out, total
 
 
-def _empty(e: Dict[str, Any]) -> torch.Tensor:
-    dtype = fmt.CODES[e["dtype"]]
-    t = torch.empty(e["shape"], dtype=dtype)
-    if t.numel() * t.element_size() != e["nbytes"]:
-        raise CheckpointCorruptError(f"manifest entry {e} has a byte count that does not match its shape and dtype")
-    return t
+def _read_model(root, m, mpath, plan: "_ModelPlan", backend, pool, check, cfg: Config) -> int:
+    by_file: Dict[str, List[Want]] = {}
+    sinks: Dict[str, torch.Tensor] = {}
+    for name, key in plan.pairs:
+        e = m["tensors"][key]
+        by_file.setdefault(e["file"], []).append(Want.from_entry(key, e, mpath))
+        sinks[key] = _flat_target(plan.targets[name])
+    total = 0
+    with torch.no_grad():
+        for fname, wants in sorted(by_file.items()):
+            path = fmt.safe_join(root, fmt.DATA_DIR, fname, f"manifest {mpath}")
+            total += read_into(backend, pool, path, m["files"][fname].get("size", 0), wants, sinks, check,
+                               direct=cfg.direct_io)
+        for name, key in plan.pairs:  # targets that could not be written in place
+            t = plan.targets[name]
+            if not t.is_contiguous():
+                t.copy_(sinks[key].view(t.dtype).reshape(t.shape))
+    return total
+
+
+def _flat_target(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.is_contiguous():
+        return t.reshape(-1).view(torch.uint8)
+    return torch.empty(t.shape, dtype=t.dtype).reshape(-1).view(torch.uint8)
 
 
 class _ModelPlan:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -69,7 +69,8 @@ class BufferPool:
                 self._free.append(c)
                 self.generation += 1
 
-    def acquire(self, timeout: Optional[float] = None) -> Chunk:
+    def acquire(self, timeout: Optional[float] = None, on_wait: Optional[Callable[[], None]] = None) -> Chunk:
+        """A free buffer; ``on_wait`` is called once if the pool is exhausted and this call must wait."""
         with self._cv:
             while not self._free:
                 if len(self.chunks) < self.capacity:
@@ -77,6 +78,9 @@ class BufferPool:
                     self.chunks.append(c)
                     self.generation += 1
                     return c
+                if on_wait is not None:
+                    on_wait()
+                    on_wait = None
                 if not self._cv.wait(timeout):
                     raise TimeoutError("no staging buffer was returned in time")
             # lowest index first keeps reuse (and registration) stable

@@ -1,0 +1,438 @@
+"""`layerckpt bench`: layerckpt against torch.save, safetensors and DCP, beside the machine's own limits.
+
+Every figure comes from one run on one state (GPT-2 small + AdamW by default),
+so the ratios compare like with like.  Files are dropped from the page cache
+before each restore so that every reader starts cold.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .backend import CHECKSUM, checksum, make_backend, open_file, uring_available
+from .config import Config, MiB
+from .models import GPT, GPTConfig
+
+
+def build_state(preset: str = "gpt2-small", seed: int = 0, step: bool = True
+                ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The bench's model and AdamW; ``step=False`` leaves the optimizer without state (a fresh process)."""
+    torch.manual_seed(seed)
+    cfg = GPTConfig.gpt2_small() if preset == "gpt2-small" else GPTConfig.tiny()
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if not step:
+        return model, opt
+    for p in model.parameters():  # one step so every parameter has AdamW moments
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def state_bytes(model, opt) -> int:
+    return sum(t.numel() * t.element_size() for t in flat_tensors(model, opt).values())
+
+
+def flat_tensors(model, opt) -> Dict[str, torch.Tensor]:
+    out = {f"model.{k}": v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            out[f"optim.{names[id(p)]}.{k}"] = v
+    return out
+
+
+def drop_cache(path: str) -> None:
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+class PeakRSS:
+    """Samples RSS every millisecond in a thread (VmHWM cannot be reset everywhere)."""
+
+    def __enter__(self):
+        self.base = _rss()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+# ---------------------------------------------------------------- machine limits
+
+def memcpy_time(tensors: List[torch.Tensor], reps: int = 3) -> float:
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    dst = torch.empty(total, dtype=torch.uint8)
+    dst.zero_()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        o = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            dst[o:o + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+            o += n
+        best = min(best, time.perf_counter() - t0)
+    del dst
+    return best
+
+
+def odirect_limits(path: str, nbytes: int, block: int = 64 * MiB, depth: int = 8) -> Dict[str, float]:
+    """Best sequential O_DIRECT write and read of nbytes: plain pwrite at QD1, and the raw ring at QD depth."""
+    nbytes = (nbytes + 4095) // 4096 * 4096
+    buf = mmap.mmap(-1, block)
+    buf.write(os.urandom(1 << 20) * (block >> 20))
+    view = memoryview(buf)
+    out: Dict[str, float] = {}
+
+    def seq_write_qd1():
+        fd, _ = open_file(path, write=True)
+        try:
+            o = 0
+            while o < nbytes:
+                n = min(block, nbytes - o)
+                os.pwrite(fd, view[: (n + 4095) // 4096 * 4096], o)
+                o += n
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def seq_write_ring():
+        be = make_backend("auto", depth)
+        fd, _ = open_file(path, write=True)
+        try:
+            o = 0
+            while o < nbytes:
+                n = min(block, nbytes - o)
+                be.write(fd, view[: (n + 4095) // 4096 * 4096], o, o, path)
+                be.wait(0)
+                o += n
+            be.drain()
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+            be.close()
+
+    def seq_read_ring():
+        be = make_backend("auto", depth)
+        fd, _ = open_file(path, write=False)
+        bufs = [mmap.mmap(-1, block) for _ in range(depth)]
+        try:
+            o, i = 0, 0
+            while o < nbytes:
+                n = min(block, nbytes - o)
+                be.read(fd, memoryview(bufs[i % depth])[: (n + 4095) // 4096 * 4096], o, o, path)
+                be.wait(0)
+                o += n
+                i += 1
+            be.drain()
+        finally:
+            os.close(fd)
+            be.close()
+            for b in bufs:
+                b.close()
+
+    out["write_qd1_s"] = min(_timed(seq_write_qd1) for _ in range(2))
+    out["write_ring_s"] = min(_timed(seq_write_ring) for _ in range(2))
+    out["write_s"] = min(out["write_qd1_s"], out["write_ring_s"])
+    drop_cache(path)
+    out["read_s"] = _timed(seq_read_ring)
+
+    def read_fresh():  # into new memory, as any restore in a fresh process must: page faults included
+        from .reader import _Prefault
+
+        be = make_backend("auto", depth)
+        fd, _ = open_file(path, write=False)
+        big = mmap.mmap(-1, nbytes)
+        v = memoryview(big)
+        pieces = [(o, o, min(block, nbytes - o)) for o in range(0, nbytes, block)]
+        pre = _Prefault(v, pieces)
+        try:
+            for o, _, n in pieces:
+                pre.wait(pieces.index((o, o, n)))
+                be.read(fd, v[o:o + n], o, o, path)
+                be.wait(0)
+            be.drain()
+        finally:
+            pre.close()
+            os.close(fd)
+            be.close()
+            v.release()
+            big.close()
+
+    drop_cache(path)
+    out["read_fresh_s"] = _timed(read_fresh)
+    os.unlink(path)
+    view.release()
+    buf.close()
+    return out
+
+
+# ---------------------------------------------------------------- contenders
+
+def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int) -> Dict[str, Any]:
+    from .checkpointer import Checkpointer
+    from .restore import restore
+
+    d = os.path.join(root, "layerckpt")
+    gc.collect()
+    with PeakRSS() as mem:
+        ck = Checkpointer(d, model, opt, config=cfg)
+        first = ck.save(0).wait()
+    pool = ck.pool.allocated_bytes
+    stalls, durables = [], []
+    for i in range(reps):
+        p = ck.save(i + 1).wait()
+        stalls.append(p.stall_s)
+        durables.append(p.durable_s)
+    backend = ck.backend_name
+    ck.close()
+    m2, o2 = build_state(seed=1, step=False)  # a fresh process: the optimizer has no state yet
+    drop_cache(d)
+    t = _timed(lambda: restore(d, m2, o2))
+    ok = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
+    return {"stall_s": statistics.median(stalls), "durable_s": statistics.median(durables),
+            "first_save_durable_s": first.durable_s, "restore_s": t, "restore_bit_exact": ok,
+            "bytes": first.bytes_written, "extra_mem_bytes": mem.extra, "pool_bytes": pool, "backend": backend}
+
+
+def bench_torch_save(root: str, model, opt) -> Dict[str, Any]:
+    f = os.path.join(root, "torch.pt")
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    def save():
+        torch.save(sd, f)
+        fsync_tree(f)
+
+    t = _timed(save)
+    m2, o2 = build_state(seed=1, step=False)
+    drop_cache(f)
+
+    def load():
+        sd = torch.load(f, weights_only=True)
+        m2.load_state_dict(sd["model"])
+        o2.load_state_dict(sd["optim"])
+
+    r = _timed(load)
+    return {"stall_s": t, "durable_s": t, "restore_s": r, "bytes": os.path.getsize(f)}
+
+
+def bench_safetensors(root: str, model, opt) -> Dict[str, Any]:
+    from safetensors.torch import load_file, save_file
+
+    f = os.path.join(root, "st.safetensors")
+    flat = {k: v.contiguous() for k, v in flat_tensors(model, opt).items()}
+
+    def save():
+        save_file(flat, f)
+        fsync_tree(f)
+
+    t = _timed(save)
+    m2, _ = build_state(seed=1, step=False)
+    drop_cache(f)
+
+    def load():  # every tensor in memory, the model's loaded
+        flat = load_file(f)
+        m2.load_state_dict({k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}, strict=False)
+
+    r = _timed(load)
+    return {"stall_s": t, "durable_s": t, "restore_s": r, "bytes": os.path.getsize(f)}
+
+
+def bench_dcp(root: str, model, opt) -> Dict[str, Any]:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    d1, d2 = os.path.join(root, "dcp"), os.path.join(root, "dcp_async")
+    out: Dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out["durable_s"] = _timed(lambda: dcp.save(sd, checkpoint_id=d1))
+        out["stall_s"] = out["durable_s"]
+        t0 = time.perf_counter()
+        try:
+            fut = dcp.async_save(sd, checkpoint_id=d2)
+            out["async_stall_s"] = time.perf_counter() - t0
+            (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+            out["async_durable_s"] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - report, do not abort the bench
+            out["async_error"] = f"{type(e).__name__}: {e}"
+        out["bytes"] = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(d1) for f in fs)
+        m2, o2 = build_state(seed=1)  # DCP loads in place: the optimizer state must exist already
+        target = {"model": m2.state_dict(), "optim": o2.state_dict()}
+        drop_cache(d1)
+        out["restore_s"] = _timed(lambda: dcp.load(target, checkpoint_id=d1))
+    return out
+
+
+def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3,
+        config: Optional[Config] = None, only: Optional[List[str]] = None) -> Dict[str, Any]:
+    cfg = config or Config()
+    if dirpath:
+        os.makedirs(dirpath, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="layerckpt-bench-", dir=dirpath)
+    try:
+        model, opt = build_state(preset)
+        nbytes = state_bytes(model, opt)
+        tensors = list(flat_tensors(model, opt).values())
+        res: Dict[str, Any] = {
+            "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "kernel": platform.release(),
+                        "torch": torch.__version__, "dir": root, "io_uring": uring_available() or "yes"},
+            "preset": preset, "state_bytes": nbytes, "checksum": CHECKSUM,
+            "config": {"chunk_bytes": cfg.chunk_bytes, "queue_depth": cfg.queue_depth},
+        }
+        res["memcpy_s"] = memcpy_time(tensors)
+        res["checksum_gbps"] = _checksum_rate()
+        res["disk"] = odirect_limits(os.path.join(root, "limit.bin"), nbytes, depth=cfg.queue_depth)
+        want = set(only or ["layerckpt", "torch.save", "safetensors", "dcp"])
+        runs = {}
+        if "layerckpt" in want:
+            runs["layerckpt"] = bench_layerckpt(root, model, opt, cfg, reps)
+        if "torch.save" in want:
+            runs["torch.save"] = bench_torch_save(root, model, opt)
+        if "safetensors" in want:
+            runs["safetensors"] = bench_safetensors(root, model, opt)
+        if "dcp" in want:
+            runs["dcp"] = bench_dcp(root, model, opt)
+        res["runs"] = runs
+        res["ratios"] = _ratios(res)
+        return res
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _checksum_rate() -> float:
+    b = bytearray(os.urandom(1 << 20) * 256)
+    t = min(_timed(lambda: checksum(b)) for _ in range(3))
+    return len(b) / t / 1e9
+
+
+def _ratios(res: Dict[str, Any]) -> Dict[str, float]:
+    r = res["runs"]
+    lc = r.get("layerckpt")
+    if not lc:
+        return {}
+    out = {
+        "durable_vs_odirect_write": lc["durable_s"] / res["disk"]["write_s"],
+        "stall_vs_memcpy": lc["stall_s"] / res["memcpy_s"],
+        "restore_vs_odirect_read": lc["restore_s"] / res["disk"]["read_s"],
+        "restore_vs_odirect_read_fresh_memory": lc["restore_s"] / res["disk"]["read_fresh_s"],
+        "extra_mem_vs_state": lc["extra_mem_bytes"] / res["state_bytes"],
+        "extra_mem_over_pool_vs_state": (lc["extra_mem_bytes"] - lc["pool_bytes"]) / res["state_bytes"],
+    }
+    for name in ("torch.save", "safetensors", "dcp"):
+        if name in r:
+            out[f"{name}_durable_over_ours"] = r[name]["durable_s"] / lc["durable_s"]
+            out[f"{name}_restore_over_ours"] = r[name]["restore_s"] / lc["restore_s"]
+    if "dcp" in r and "async_durable_s" in r["dcp"]:
+        out["dcp_async_durable_over_ours"] = r["dcp"]["async_durable_s"] / lc["durable_s"]
+        out["dcp_async_stall_over_ours"] = r["dcp"]["async_stall_s"] / lc["stall_s"]
+    return out
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def format_table(res: Dict[str, Any]) -> str:
+    gb = res["state_bytes"] / 1e9
+    m = res["machine"]
+    lines = [
+        f"layerckpt bench: {res['preset']}, {gb:.2f} GB of state, on {m['cpu']} ({m['cores']} cores), "
+        f"kernel {m['kernel']}, torch {m['torch']}",
+        f"machine limits: memcpy {res['memcpy_s']:.3f}s ({gb / res['memcpy_s']:.1f} GB/s), "
+        f"O_DIRECT write {res['disk']['write_s']:.3f}s ({gb / res['disk']['write_s']:.2f} GB/s), "
+        f"O_DIRECT read {res['disk']['read_s']:.3f}s ({gb / res['disk']['read_s']:.2f} GB/s; "
+        f"into fresh memory {res['disk']['read_fresh_s']:.3f}s), "
+        f"{res['checksum']} {res['checksum_gbps']:.1f} GB/s",
+        "",
+        f"{'method':<22}{'stall s':>9}{'durable s':>11}{'GB/s':>7}{'vs O_DIRECT':>13}{'restore s':>11}",
+    ]
+    for name, r in res["runs"].items():
+        lines.append(f"{name:<22}{r['stall_s']:>9.3f}{r['durable_s']:>11.3f}{gb / r['durable_s']:>7.2f}"
+                     f"{r['durable_s'] / res['disk']['write_s']:>12.2f}x{r['restore_s']:>11.3f}")
+        if name == "dcp" and "async_durable_s" in r:
+            lines.append(f"{'dcp async_save':<22}{r['async_stall_s']:>9.3f}{r['async_durable_s']:>11.3f}"
+                         f"{gb / r['async_durable_s']:>7.2f}{r['async_durable_s'] / res['disk']['write_s']:>12.2f}x"
+                         f"{'':>11}")
+    lc = res["runs"].get("layerckpt")
+    if lc:
+        lines += ["", f"layerckpt backend {lc['backend']}; first save (allocates the pool) {lc['first_save_durable_s']:.3f}s; "
+                  f"restore bit-exact: {lc['restore_bit_exact']}; extra memory during the first save "
+                  f"{lc['extra_mem_bytes'] / 1e9:.2f} GB (pool {lc['pool_bytes'] / 1e9:.2f} GB)"]
+    lines.append("ratios: " + ", ".join(f"{k}={v:.2f}" for k, v in res["ratios"].items()))
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    cfg = Config.from_yaml(args.config) if args.config else Config()
+    if args.chunk_bytes:
+        cfg = cfg.replace(chunk_bytes=args.chunk_bytes)
+    if args.queue_depth:
+        cfg = cfg.replace(queue_depth=args.queue_depth)
+    res = run(args.preset, args.dir, args.reps, cfg, args.only)
+    print(json.dumps(res, indent=None if args.json else 2) if args.json else format_table(res))
+    return 0
