@@ -157,6 +157,8 @@ class Flusher:
         finally:
             os.close(fd)
         if failed is not None:
+            if direct and isinstance(failed, OSError) and failed.errno == errno.EINVAL:
+                failed = _diagnose_einval(path, layout.size, failed)
             _unlink_quietly(path)
             raise failed
         crcs = w.crcs
@@ -253,6 +255,21 @@ def _as_checkpoint_error(e: BaseException, path: str) -> BaseException:
     if isinstance(e, OSError):
         return CheckpointWriteError(e.errno or errno.EIO, e.filename or path)
     return e
+
+
+def _diagnose_einval(path: str, size: int, err: OSError) -> OSError:
+    """Our O_DIRECT writes are always aligned, so EINVAL means the kernel cut a write short at a
+    limit (RLIMIT_FSIZE, quota, a full disk) and then refused the unaligned rest.  A buffered write
+    at the file's intended end tells which limit it was."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\0", size - 1)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return OSError(e.errno, os.strerror(e.errno or errno.EIO), path)
+    return OSError(errno.EINVAL, "O_DIRECT write refused; set Config(direct_io=False) for this file system", path)
 
 
 def _unlink_quietly(path: str) -> None:

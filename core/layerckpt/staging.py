@@ -42,8 +42,11 @@ class Chunk:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
         self.tensor = None
-        self.view.release()
-        self.mem.close()
+        try:
+            self.view.release()
+            self.mem.close()
+        except BufferError:  # a slice is still referenced (e.g. by a traceback): freed when it goes
+            pass
 
 
 class BufferPool:

@@ -1,0 +1,67 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from layerckpt.backend import uring_available
+
+BACKENDS = ["uring", "threads"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    """Runs a test once per I/O backend, forced the way users force it."""
+    if request.param == "uring" and uring_available() is not None:
+        pytest.skip(f"io_uring unavailable here: {uring_available()}")
+    monkeypatch.setenv("LAYERCKPT_BACKEND", request.param)
+    return request.param
+
+
+def small_model(seed: int = 0) -> torch.nn.Module:
+    from layerckpt.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig.tiny())
+
+
+def trained(seed: int = 0, opt_cls=torch.optim.AdamW, steps: int = 2, **opt_kw):
+    """A tiny GPT and its optimizer after a few real steps (so every state tensor exists)."""
+    model = small_model(seed)
+    opt = opt_cls(model.parameters(), **(opt_kw or {"lr": 1e-3}))
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 64, (2, 16), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def assert_same_optimizer(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for i in sa["state"]:
+        assert sa["state"][i].keys() == sb["state"][i].keys()
+        for k, v in sa["state"][i].items():
+            w = sb["state"][i][k]
+            if isinstance(v, torch.Tensor):
+                assert v.dtype == w.dtype and v.shape == w.shape and torch.equal(v, w), (i, k)
+            else:
+                assert v == w, (i, k)
+
+
+def run_py(code: str, *args: str, timeout: float = 120, env=None, preexec_fn=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, preexec_fn=preexec_fn)

@@ -1,0 +1,110 @@
+"""The native ring and the threads backend, through the one backend interface."""
+import errno
+import mmap
+import os
+
+import pytest
+
+from layerckpt import backend as B
+
+pytestmark = pytest.mark.usefixtures("backend")
+
+
+def _aligned(n: int, fill: bytes) -> mmap.mmap:
+    m = mmap.mmap(-1, n)
+    m.write((fill * (n // len(fill) + 1))[:n])
+    return m
+
+
+def test_write_read_roundtrip_odirect(tmp_path, backend):
+    be = B.make_backend("auto", depth=4)
+    assert be.name == backend
+    path = str(tmp_path / "f.bin")
+    bufs = [_aligned(1 << 20, bytes([i]) * 4099) for i in range(6)]
+    be.register_buffers([memoryview(b) for b in bufs])
+    fd, direct = B.open_file(path, write=True)
+    assert direct, "ext4 and tmpfs here accept O_DIRECT"
+    for i, b in enumerate(bufs):  # more requests than the queue depth
+        be.write(fd, memoryview(b), i << 20, i, path)
+    done = be.drain()
+    assert sorted(done) == list(range(6))
+    os.fdatasync(fd)
+    os.close(fd)
+    assert os.path.getsize(path) == 6 << 20
+    fd, _ = B.open_file(path, write=False)
+    out = mmap.mmap(-1, 6 << 20)
+    view = memoryview(out)
+    for i in range(6):
+        be.read(fd, view[i << 20:(i + 1) << 20], i << 20, ("r", i), path)
+    assert len(be.drain()) == 6
+    os.close(fd)
+    assert out[:] == b"".join(b[:] for b in bufs)
+    view.release()
+    be.close()
+
+
+def test_read_stops_at_eof(tmp_path, backend):
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 5000)
+    be = B.make_backend("auto", depth=2)
+    fd, _ = B.open_file(str(path), write=False)
+    buf = mmap.mmap(-1, 8192)
+    be.read(fd, memoryview(buf), 0, "t", str(path))
+    assert be.drain() == ["t"]
+    assert buf[:5000] == b"x" * 5000 and buf[5000:] == bytes(3192)
+    os.close(fd)
+    be.close()
+
+
+def test_error_carries_errno_and_path(tmp_path, backend):
+    path = str(tmp_path / "ro.bin")
+    open(path, "wb").close()
+    fd = os.open(path, os.O_RDONLY)  # writing to a read-only fd: EBADF
+    be = B.make_backend("auto", depth=2)
+    buf = _aligned(4096, b"a")
+    be.write(fd, memoryview(buf), 0, "t1", path)
+    with pytest.raises(OSError) as ei:
+        be.drain()
+    assert ei.value.errno == errno.EBADF
+    assert ei.value.filename == path
+    # the backend is usable again after an error
+    fd2, _ = B.open_file(str(tmp_path / "ok.bin"), write=True)
+    be.write(fd2, memoryview(buf), 0, "t2", path)
+    assert be.drain() == ["t2"]
+    os.close(fd)
+    os.close(fd2)
+    be.close()
+
+
+def test_env_forces_backend(monkeypatch):
+    monkeypatch.setenv("LAYERCKPT_BACKEND", "threads")
+    assert B.make_backend("uring").name == "threads"
+    monkeypatch.setenv("LAYERCKPT_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="LAYERCKPT_BACKEND"):
+        B.make_backend()
+
+
+@pytest.mark.skipif(B._uring is None, reason="native module not built")
+def test_crc32c_known_vectors_and_continuation():
+    crc = B._uring.crc32c
+    assert crc(b"123456789") == 0xE3069283  # the CRC-32C check value
+    assert crc(b"") == 0
+    data = os.urandom(3 * 4096 * 5 + 77)  # crosses the 3-stream blocks and an odd tail
+    assert crc(data) == crc(data[1000:], crc(data[:1000]))
+    assert crc(memoryview(data)[3:]) == crc(data[3:])
+
+
+@pytest.mark.skipif(B._uring is None, reason="native module not built")
+def test_ring_fixed_buffers_registered(tmp_path):
+    if B.uring_available():
+        pytest.skip(B.uring_available())
+    be = B.UringBackend(2)
+    bufs = [memoryview(mmap.mmap(-1, 1 << 16)) for _ in range(3)]
+    be.register_buffers(bufs)
+    assert be.registered in (0, 3)  # 0 only where the kernel refuses registration
+    path = str(tmp_path / "fx.bin")
+    fd, _ = B.open_file(path, write=True)
+    be.write(fd, bufs[1][:8192], 0, "a", path)  # a slice of a registered buffer
+    assert be.drain() == ["a"]
+    os.close(fd)
+    be.close()
