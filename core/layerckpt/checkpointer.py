@@ -159,6 +159,7 @@ class Checkpointer:
             job.chunks.put(FlushJob.ABORT)
             raise
         pending.stall_s = time.perf_counter() - t0
+        pending.nbytes = layout.size
         return pending
 
     def _fresh_name(self, step: int) -> str:

@@ -29,7 +29,8 @@ class PendingSave:
         self.error: Optional[BaseException] = None
         self.stall_s: float = 0.0  # save() call to return
         self.durable_s: float = 0.0  # save() call to commit
-        self.bytes_written: int = 0
+        self.nbytes: int = 0  # bytes this save writes (known once staged)
+        self.bytes_written: int = 0  # set once committed
         self.manifest_path: Optional[str] = None
         self._done = threading.Event()
         self._reported = False

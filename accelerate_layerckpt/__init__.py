@@ -1,0 +1,1 @@
+"""HF Accelerate adapter for layerckpt; the plugin lands with its own issue."""

@@ -1,0 +1,61 @@
+"""A small, deterministic post-training workload: pre-train on one synthetic task, fine-tune on another.
+
+Batches depend only on (task, step), never on global RNG state, so a run that
+is stopped and restored sees exactly the data the uninterrupted run saw.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch.nn import functional as F
+
+from .models import GPT, GPTConfig
+
+VOCAB = 96
+SEQ = 32
+TASKS = {
+    "count": (1, 1),  # x[t+1] = (a * x[t] + b) mod VOCAB
+    "affine": (5, 3),
+}
+
+
+def make_model(seed: int = 0, n_layer: int = 6, n_embd: int = 128) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=VOCAB, n_positions=SEQ, n_embd=n_embd, n_layer=n_layer, n_head=4))
+
+
+def make_optimizer(model: torch.nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+
+
+def batch(task: str, step: int, batch_size: int = 16) -> Tuple[torch.Tensor, torch.Tensor]:
+    a, b = TASKS[task]
+    g = torch.Generator().manual_seed(step * 1009 + sorted(TASKS).index(task))  # stable across processes
+    x0 = torch.randint(0, VOCAB, (batch_size, 1), generator=g)
+    seq = [x0]
+    for _ in range(SEQ):
+        seq.append((a * seq[-1] + b) % VOCAB)
+    s = torch.cat(seq, dim=1)
+    return s[:, :-1], s[:, 1:]
+
+
+def train_step(model, opt, task: str, step: int) -> float:
+    x, y = batch(task, step)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def run(model, opt, task: str, start: int, stop: int,
+        after_step: Optional[Callable[[int, float], None]] = None) -> List[float]:
+    """Train steps [start, stop) of ``task``; returns the losses."""
+    losses = []
+    for step in range(start, stop):
+        loss = train_step(model, opt, task, step)
+        losses.append(loss)
+        if after_step is not None:
+            after_step(step, loss)
+    return losses
