@@ -3,7 +3,6 @@ import json
 import subprocess
 import sys
 
-import torch
 from safetensors.torch import load_file
 
 import layerckpt

@@ -2,8 +2,6 @@
 import errno
 import json
 import os
-import resource
-import shutil
 import subprocess
 import uuid
 

@@ -70,6 +70,8 @@ class Checkpointer:
         self._pending: List[PendingSave] = []
         self._closed = False
         self._lock = threading.Lock()  # one save() at a time
+        self._layout_cache = fmt.LayoutCache()
+        self._layer_cache: Optional[tuple] = None
 
     # ------------------------------------------------------------ public
 
@@ -139,7 +141,7 @@ class Checkpointer:
     def _save(self, step: int, extra: Optional[Dict[str, Any]]) -> PendingSave:
         t0 = time.perf_counter()
         entries, meta = gather(self.model, self.optimizer, extra)
-        layout = fmt.plan_layout(entries)
+        layout = self._layout_cache.plan(entries)
         fname = self._fresh_name(step)
         self._seq += 1
         manifest = {
@@ -171,11 +173,14 @@ class Checkpointer:
         return fmt.data_name(step, self.rank, v)
 
     def _layers(self, step: int, fname: str, keys: List[str]) -> Dict[str, Any]:
-        owner: Dict[str, str] = {}
-        names = [k[len("model/"):] for k in keys if k.startswith("model/")]
-        for layer, members in group_layers(self.model, names).items():
-            for n in members:
-                owner[n] = layer
+        names = tuple(k[len("model/"):] for k in keys if k.startswith("model/"))
+        if self._layer_cache is None or self._layer_cache[0] != names:
+            owner: Dict[str, str] = {}
+            for layer, members in group_layers(self.model, names).items():
+                for n in members:
+                    owner[n] = layer
+            self._layer_cache = (names, owner)
+        owner = self._layer_cache[1]
         out: Dict[str, Dict[str, Any]] = {}
         for k in keys:
             parts = k.split("/")

@@ -95,6 +95,25 @@ class Layout:
         return len(self.header)
 
 
+class LayoutCache:
+    """Saves of one model repeat the same tensors: reuse the placement and header when nothing changed."""
+
+    def __init__(self) -> None:
+        self._sig: Optional[tuple] = None
+        self._plan: Optional[Tuple[bytes, List[Tuple[int, int, int]], int]] = None
+
+    def plan(self, entries: Sequence[Tuple[str, torch.Tensor]]) -> Layout:
+        sig = tuple((k, t.dtype, t.shape) for k, t in entries)
+        if sig != self._sig or self._plan is None:
+            layout = plan_layout(entries)
+            index = {k: i for i, (k, _) in enumerate(entries)}
+            self._sig = sig
+            self._plan = (layout.header, [(index[it.key], it.offset, it.nbytes) for it in layout.items], layout.size)
+            return layout
+        header, placed, size = self._plan
+        return Layout(header=header, items=[Item(entries[i][0], entries[i][1], o, n) for i, o, n in placed], size=size)
+
+
 def plan_layout(entries: Sequence[Tuple[str, torch.Tensor]]) -> Layout:
     """Place tensors in a safetensors file image; header padded to 4 KiB."""
     order = sorted(range(len(entries)), key=lambda i: -entries[i][1].element_size())
