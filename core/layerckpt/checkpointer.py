@@ -156,7 +156,7 @@ class Checkpointer:
         self._flusher.submit(job)
         self._pending.append(pending)
         try:
-            _stage(layout, self.pool, job.chunks)
+            _stage(layout, self.pool, job.chunks, job.staged)
         except BaseException:
             job.chunks.put(FlushJob.ABORT)
             raise
@@ -203,7 +203,7 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _stage(layout: fmt.Layout, pool: BufferPool, out: "queue.Queue") -> None:
+def _stage(layout: fmt.Layout, pool: BufferPool, out: "queue.Queue", staged: threading.Event) -> None:
     """Copy the file image into pool chunks, handing each full chunk to the flusher at once."""
     C = pool.chunk_bytes
     header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
@@ -240,6 +240,7 @@ def _stage(layout: fmt.Layout, pool: BufferPool, out: "queue.Queue") -> None:
                 segs.append((idx, fill, fill + n))
             fill += n
             pos += n
+    staged.set()
     _emit(out, chunk, base, fill, segs, stream)
     out.put(None)
 

@@ -67,6 +67,7 @@ class FlushJob:
     manifest: Dict[str, Any]
     t0: float
     chunks: "queue.Queue" = field(default_factory=queue.Queue)
+    staged: threading.Event = field(default_factory=threading.Event)  # the caller's copy is over
 
 
 class Flusher:
@@ -139,6 +140,8 @@ class Flusher:
                         n = fmt.align_up(n)
                         chunk.view[fill:n] = bytes(n - fill)  # zeroed tail, truncated away below
                     w.submit(fd, chunk, base, n, segs, path)
+                    if job.staged.is_set():  # the stall is over: checksum while the writes run
+                        w.checksum_all()
                 except OSError as e:
                     failed = e
                     w.abandon()
