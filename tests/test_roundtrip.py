@@ -122,7 +122,7 @@ def test_rng_states_restored(tmp_path):
 
 def test_back_pressure_small_pool_and_many_saves(tmp_path):
     model, opt = trained()
-    cfg = layerckpt.Config(staging_bytes="16KiB", chunk_bytes="4KiB", keep_last=2)
+    cfg = layerckpt.Config(staging_bytes="16KiB", chunk_bytes="4KiB", keep_last=2, threshold=0.0)
     with layerckpt.Checkpointer(tmp_path, model, opt, config=cfg) as ck:
         for step in range(1, 5):
             ck.save(step).wait()
@@ -141,7 +141,7 @@ def test_back_pressure_small_pool_and_many_saves(tmp_path):
 
 def test_pipelined_saves_and_resave_of_a_committed_step(tmp_path):
     model = small_model()
-    cfg = layerckpt.Config(max_inflight=2, keep_last=0)
+    cfg = layerckpt.Config(max_inflight=2, keep_last=0, threshold=0.0)
     with layerckpt.Checkpointer(tmp_path, model, config=cfg) as ck:
         pend = []
         for step in (1, 2, 3):

@@ -17,7 +17,8 @@ from .backend import make_backend
 from .config import Config
 from .errors import CheckpointError, CheckpointWriteError
 from .flusher import FlushJob, Flusher, PendingSave
-from .layers import group_layers
+from .layers import LayerSpec
+from .selection import Selector
 from .staging import BufferPool
 from .state import gather
 
@@ -26,6 +27,9 @@ log = logging.getLogger("layerckpt")
 
 class Checkpointer:
     """Saves ``model`` (and ``optimizer``) into ``dirpath``.
+
+    ``layers`` overrides the automatic grouping: a callable mapping a state_dict
+    name to its layer, or a dict of glob patterns to layer names (first match).
 
     ``save(step)`` copies the state into pooled host buffers and returns a
     :class:`PendingSave` as soon as the copy is done; a background thread writes
@@ -38,6 +42,8 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: Optional[torch.optim.Optimizer] = None,
         config: Optional[Config] = None,
+        *,
+        layers: LayerSpec = None,
     ):
         if not isinstance(model, torch.nn.Module):
             raise CheckpointError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -71,7 +77,7 @@ class Checkpointer:
         self._closed = False
         self._lock = threading.Lock()  # one save() at a time
         self._layout_cache = fmt.LayoutCache()
-        self._layer_cache: Optional[tuple] = None
+        self.selector = Selector(model, config, layers)
 
     # ------------------------------------------------------------ public
 
@@ -89,7 +95,8 @@ class Checkpointer:
             raise CheckpointError(f"extra must be a dict of tensors and plain values, got {type(extra).__name__}")
         with self._lock:
             self._raise_unreported()
-            self._throttle(self.config.max_inflight - 1)
+            # a selective save composes on the last committed one: that one must be finished
+            self._throttle(self.config.max_inflight - 1 if self.selector.full else 0)
             self._raise_unreported()  # the flush just waited for may have failed
             return self._save(step, extra)
 
@@ -141,17 +148,18 @@ class Checkpointer:
     def _save(self, step: int, extra: Optional[Dict[str, Any]]) -> PendingSave:
         t0 = time.perf_counter()
         entries, meta = gather(self.model, self.optimizer, extra)
-        layout = self._layout_cache.plan(entries)
         fname = self._fresh_name(step)
+        write, layers, carried, files, samples, chain = self.selector.plan(step, fname, entries)
+        layout = self._layout_cache.plan(write)
         self._seq += 1
         manifest = {
             "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "step": step, "seq": self._seq,
-            "world_size": 1, "created": time.time(), "config": self.config.to_dict(),
-            "files": {}, "tensors": {}, "layers": self._layers(step, fname, [k for k, _ in entries]),
-            **meta,
+            "chain": chain, "world_size": 1, "created": time.time(), "config": self.config.to_dict(),
+            "files": dict(files), "tensors": dict(carried), "layers": layers, **meta,
         }
         pending = PendingSave(step, os.path.join(self.dirpath, fmt.DATA_DIR, fname))
-        job = FlushJob(pending=pending, layout=layout, fname=fname, manifest=manifest, t0=t0)
+        job = FlushJob(pending=pending, layout=layout, fname=fname, manifest=manifest, t0=t0,
+                       on_commit=lambda m: self.selector.committed(m, samples))
         self.pool.reserve(layout.size)
         self._flusher.submit(job)
         self._pending.append(pending)
@@ -171,29 +179,6 @@ class Checkpointer:
         while os.path.exists(os.path.join(d, fmt.data_name(step, self.rank, v))):
             v += 1
         return fmt.data_name(step, self.rank, v)
-
-    def _layers(self, step: int, fname: str, keys: List[str]) -> Dict[str, Any]:
-        names = tuple(k[len("model/"):] for k in keys if k.startswith("model/"))
-        if self._layer_cache is None or self._layer_cache[0] != names:
-            owner: Dict[str, str] = {}
-            for layer, members in group_layers(self.model, names).items():
-                for n in members:
-                    owner[n] = layer
-            self._layer_cache = (names, owner)
-        owner = self._layer_cache[1]
-        out: Dict[str, Dict[str, Any]] = {}
-        for k in keys:
-            parts = k.split("/")
-            if parts[0] == "model":
-                layer = owner[k[len("model/"):]]
-            elif parts[0] == "optim":
-                layer = owner.get(parts[1], "")
-            else:
-                continue
-            if layer:
-                e = out.setdefault(layer, {"step": step, "file": fname, "age": 0, "reason": "full", "tensors": []})
-                e["tensors"].append(k)
-        return out
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -37,9 +37,9 @@ class Config:
     ``Config(threshold=0.0)`` persists every layer at every save (a full checkpoint).
     """
 
-    threshold: float = 0.0
-    """Relative drift ||W - W_p|| / ||W_p|| at or above which a layer is persisted."""
-    max_staleness: int = 10
+    threshold: float = 0.05
+    """Relative drift ||W - W_p|| / ||W_p|| at or above which a layer is persisted (0.0: every layer, every save)."""
+    max_staleness: int = 50
     """A layer may lag at most this many checkpoints; at the bound it is persisted regardless."""
     base_every: int = 0
     """Write a full (every-layer) checkpoint every N checkpoints; 0 never forces one after the first."""
@@ -61,10 +61,23 @@ class Config:
     """Check every tensor's CRC32C on restore."""
     restore_rng: bool = True
     """Restore the python/numpy/torch RNG states saved with the checkpoint."""
+    budget_bytes: Optional[int] = None
+    """Optional cap on the bytes one checkpoint writes: drifted layers go most-drifted first; forced ones always."""
+    drift_sample: int = 65536
+    """Elements per layer sampled to estimate drift (0: every element; exact, but keeps a copy of the weights)."""
+    layers: Optional[Dict[str, str]] = None
+    """Glob patterns of state_dict names -> layer name, overriding the automatic grouping (first match wins)."""
 
     def __post_init__(self) -> None:
         self.staging_bytes = parse_size(self.staging_bytes, "staging_bytes")
         self.chunk_bytes = parse_size(self.chunk_bytes, "chunk_bytes")
+        if self.budget_bytes is not None:
+            self.budget_bytes = parse_size(self.budget_bytes, "budget_bytes")
+            _number(self, "budget_bytes", int, lo=0)
+        _number(self, "drift_sample", int, lo=0)
+        if self.layers is not None and not (isinstance(self.layers, dict) and all(
+                isinstance(k, str) and isinstance(v, str) and v for k, v in self.layers.items())):
+            raise ConfigError(f"Config.layers must map name patterns to layer names, got {self.layers!r}")
         _number(self, "threshold", float, lo=0.0)
         _number(self, "max_staleness", int, lo=1)
         _number(self, "base_every", int, lo=0)

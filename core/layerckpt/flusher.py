@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from . import format as fmt
 from . import store
@@ -68,6 +68,7 @@ class FlushJob:
     t0: float
     chunks: "queue.Queue" = field(default_factory=queue.Queue)
     staged: threading.Event = field(default_factory=threading.Event)  # the caller's copy is over
+    on_commit: Optional[Callable[[Dict[str, Any]], None]] = None
 
 
 class Flusher:
@@ -179,6 +180,8 @@ class Flusher:
             job.pending.manifest_path = store.commit(self.root, m)
         except OSError as e:
             raise CheckpointWriteError(e.errno or errno.EIO, getattr(e, "filename", None) or self.root) from None
+        if job.on_commit is not None:
+            job.on_commit(m)
         job.pending.bytes_written = layout.size
         try:
             store.retain(self.root, self.config.keep_last)

@@ -34,6 +34,7 @@ class RestoreReport:
     missing: List[str] = field(default_factory=list)
     unexpected: List[str] = field(default_factory=list)
     mismatched: List[str] = field(default_factory=list)
+    layer_bytes: Dict[str, int] = field(default_factory=dict)  # layer -> bytes of its tensors read
 
 
 def restore(
@@ -65,7 +66,7 @@ def restore(
     meta_keys |= set(tensor_refs(m.get("extra") or {}))
     meta_keys |= set(tensor_refs((m.get("optimizer") or {}).get("param_groups", []))) if optimizer is not None else set()
     needed = set(plan.keys) | set(opt_keys) | meta_keys
-    _check_staleness(m, cfg, strict)
+    _check_staleness(m, config.max_staleness if config is not None else None, strict)
 
     # -- read.  Optimizer state, RNG and extra go into one fresh buffer each file
     # and stay there as views (no second copy); they are read and verified first,
@@ -77,6 +78,8 @@ def restore(
     try:
         tensors, total = read_tensors(root, m, mpath, sorted(needed - set(plan.keys)), backend, check, cfg)
         total += _read_model(root, m, mpath, plan, backend, pool, check, cfg)
+    except CheckpointCorruptError as e:
+        raise _with_layer(e, m) from None
     finally:
         backend.close()
         pool.close()
@@ -87,11 +90,13 @@ def restore(
         set_rng_state(m["rng"], tensors)
     layers = {name: e["step"] for name, e in m["layers"].items()}
     ages = {name: int(e.get("age", 0)) for name, e in m["layers"].items()}
+    layer_bytes = {name: sum(m["tensors"][k]["nbytes"] for k in e.get("tensors", []) if k in needed)
+                   for name, e in m["layers"].items()}
     return RestoreReport(
         step=m["step"], layers=layers, staleness=ages, max_staleness=max(ages.values(), default=0),
         bytes_read=total, extra=decode(m.get("extra") or {}, tensors), manifest=mpath,
         seconds=time.perf_counter() - t0, missing=plan.missing, unexpected=plan.unexpected,
-        mismatched=plan.mismatched,
+        mismatched=plan.mismatched, layer_bytes=layer_bytes,
     )
 
 
@@ -215,9 +220,27 @@ def _optimizer_state_dict(optimizer, model, m, tensors) -> Dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _check_staleness(m: Dict[str, Any], cfg: Config, strict: bool) -> None:
-    bound = (m.get("config") or {}).get("max_staleness", cfg.max_staleness)
-    old = sorted((n, e.get("age", 0)) for n, e in m["layers"].items() if e.get("age", 0) > bound)
+def _with_layer(e: CheckpointCorruptError, m: Dict[str, Any]) -> CheckpointCorruptError:
+    """Say which layer, and the step it was persisted at, a damaged tensor or file belongs to."""
+    where = []
+    for name, info in sorted(m["layers"].items()):
+        if (e.tensor is not None and e.tensor in info.get("tensors", ())) or (
+                e.tensor is None and e.path is not None and os.path.basename(e.path) == info.get("file")):
+            where.append(f"layer {name!r} persisted at step {info['step']}")
+    if not where:
+        return e
+    shown = ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
+    out = CheckpointCorruptError(f"{e} [{shown}]", path=e.path, tensor=e.tensor)
+    out.layers = [w.split("'")[1] for w in where]
+    return out
+
+
+def _check_staleness(m: Dict[str, Any], bound: Optional[int], strict: bool) -> None:
+    """Frozen layers are exempt: their old version is their current one."""
+    if bound is None:
+        bound = (m.get("config") or {}).get("max_staleness", Config.max_staleness)
+    old = sorted((n, e.get("age", 0)) for n, e in m["layers"].items()
+                 if e.get("age", 0) > bound and not e.get("frozen"))
     if not old:
         return
     msg = (f"{len(old)} layer(s) older than max_staleness={bound} checkpoints: "

@@ -14,6 +14,7 @@ from .models import GPT, GPTConfig
 
 VOCAB = 96
 SEQ = 32
+NOISE = 0.3  # chance that the next token jumps at random: an irreducible loss, as in language data
 TASKS = {
     "count": (1, 1),  # x[t+1] = (a * x[t] + b) mod VOCAB
     "affine": (5, 3),
@@ -25,17 +26,28 @@ def make_model(seed: int = 0, n_layer: int = 6, n_embd: int = 128) -> GPT:
     return GPT(GPTConfig(vocab_size=VOCAB, n_positions=SEQ, n_embd=n_embd, n_layer=n_layer, n_head=4))
 
 
-def make_optimizer(model: torch.nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
+PRETRAIN_LR = 1e-3
+FINETUNE_LR = 3e-4  # post-training runs at a lower learning rate than pre-training
+
+
+def make_optimizer(model: torch.nn.Module, lr: float = PRETRAIN_LR) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+
+
+def start_finetune(opt: torch.optim.Optimizer, lr: float = FINETUNE_LR) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
 
 
 def batch(task: str, step: int, batch_size: int = 16) -> Tuple[torch.Tensor, torch.Tensor]:
     a, b = TASKS[task]
     g = torch.Generator().manual_seed(step * 1009 + sorted(TASKS).index(task))  # stable across processes
     x0 = torch.randint(0, VOCAB, (batch_size, 1), generator=g)
+    jump = torch.rand(batch_size, SEQ, generator=g) < NOISE
+    rand = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
     seq = [x0]
-    for _ in range(SEQ):
-        seq.append((a * seq[-1] + b) % VOCAB)
+    for t in range(SEQ):
+        seq.append(torch.where(jump[:, t:t + 1], rand[:, t:t + 1], (a * seq[-1] + b) % VOCAB))
     s = torch.cat(seq, dim=1)
     return s[:, :-1], s[:, 1:]
 

@@ -1,0 +1,133 @@
+"""Per save: measure each layer's drift, decide what to persist, and compose the manifest.
+
+A manifest is a *composite*: for every layer it names the step and file of the
+layer's newest persisted version, carrying forward the entries of layers that
+this save skips.  A layer's weights and its optimizer state always travel
+together, so they always come from the same step.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from . import policy
+from .config import Config
+from .layers import LayerSpec, group_layers
+from .tracker import DriftTracker
+
+NEW = "new"  # the layer's tensors changed since the last composite (added, reshaped, new optimizer state)
+
+
+def _param_of(key: str) -> Optional[str]:
+    parts = key.split("/", 2)
+    if parts[0] == "model":
+        return key[len("model/"):]
+    if parts[0] == "optim" and len(parts) == 3:
+        return parts[1]
+    return None
+
+
+class Selector:
+    def __init__(self, model: torch.nn.Module, config: Config, layers: LayerSpec = None):
+        self.model = model
+        self.config = config
+        self.spec = layers if layers is not None else config.layers
+        self.tracker = DriftTracker(config.drift_sample)
+        self.composite: Optional[Dict[str, Any]] = None  # the last committed manifest of this Checkpointer
+        self._lock = threading.Lock()
+        self._owner: Optional[Tuple[tuple, Dict[str, str]]] = None
+
+    @property
+    def full(self) -> bool:
+        """Every layer at every save: no save depends on the one before."""
+        return self.config.threshold == 0.0 and self.config.budget_bytes is None
+
+    def owners(self, names: Tuple[str, ...]) -> Dict[str, str]:
+        if self._owner is None or self._owner[0] != names:
+            owner = {n: layer for layer, members in group_layers(self.model, names, self.spec).items() for n in members}
+            self._owner = (names, owner)
+        return self._owner[1]
+
+    def plan(self, step: int, fname: str, entries: List[Tuple[str, torch.Tensor]]):
+        """Returns (entries to write, layer map, carried tensor entries, carried file entries, samples to commit)."""
+        cfg = self.config
+        owner = self.owners(tuple(k[len("model/"):] for k, _ in entries if k.startswith("model/")))
+        key_layer: Dict[str, str] = {}
+        layer_keys: Dict[str, List[str]] = {}
+        weights: Dict[str, Dict[str, torch.Tensor]] = {}
+        nbytes: Dict[str, int] = {}
+        for k, t in entries:
+            p = _param_of(k)
+            layer = owner.get(p) if p is not None else None
+            if layer is None:
+                continue
+            key_layer[k] = layer
+            layer_keys.setdefault(layer, []).append(k)
+            nbytes[layer] = nbytes.get(layer, 0) + t.numel() * t.element_size()
+            if k.startswith("model/"):
+                weights.setdefault(layer, {})[p] = t
+        trainable: Dict[str, bool] = {}
+        for n, prm in self.model.named_parameters():
+            if n in owner:
+                trainable[owner[n]] = trainable.get(owner[n], False) or prm.requires_grad
+        shapes = {k: (str(t.dtype), tuple(t.shape)) for k, t in entries}
+
+        with self._lock:
+            prev = self.composite
+            samples = {layer: self.tracker.sample(w) for layer, w in weights.items()}
+            drift = {layer: self.tracker.drift(layer, s) for layer, s in samples.items()}
+        chain = 0 if prev is None else prev.get("chain", 0) + 1
+        states, forced = {}, set()
+        for layer, keys in layer_keys.items():
+            before = prev["layers"].get(layer) if prev is not None else None
+            if before is None or sorted(before["tensors"]) != sorted(keys) or any(
+                    _shape(prev["tensors"].get(k)) != shapes[k] for k in keys):
+                forced.add(layer)
+            states[layer] = policy.LayerState(
+                drift=drift.get(layer, math.inf), age=before["age"] if before else 0, nbytes=nbytes[layer],
+                frozen=layer in trainable and not trainable[layer])
+        if self.full:
+            reasons = {layer: "full" for layer in states}
+        else:
+            reasons = policy.decide(states, first=prev is None,
+                                    base_due=cfg.base_every > 0 and chain % cfg.base_every == 0,
+                                    threshold=cfg.threshold, max_staleness=cfg.max_staleness,
+                                    budget_bytes=cfg.budget_bytes)
+            for layer in forced:
+                if reasons[layer] not in policy.WRITE:
+                    reasons[layer] = NEW
+        persist = {layer for layer, why in reasons.items() if why in policy.WRITE or why in (NEW, "full")}
+
+        layers: Dict[str, Any] = {}
+        carried: Dict[str, Any] = {}
+        for layer, keys in layer_keys.items():
+            d = drift.get(layer, math.inf)
+            info = {"reason": reasons[layer], "drift": d if math.isfinite(d) else None,
+                    "frozen": states[layer].frozen}
+            if layer in persist:
+                layers[layer] = {"step": step, "file": fname, "age": 0, "tensors": keys, "nbytes": nbytes[layer], **info}
+            else:
+                before = prev["layers"][layer]
+                layers[layer] = {**before, "age": before["age"] + 1, **info}
+                carried.update({k: prev["tensors"][k] for k in before["tensors"]})
+        files = {e["file"]: prev["files"][e["file"]] for e in carried.values()} if carried else {}
+        write = [(k, t) for k, t in entries if key_layer.get(k) is None or key_layer[k] in persist]
+        commit = {layer: samples[layer] for layer in persist if layer in samples}
+        return write, layers, carried, files, commit, chain
+
+    def committed(self, manifest: Dict[str, Any], samples: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        """Called by the flusher once a save committed: it becomes the base of the next composite."""
+        with self._lock:
+            self.composite = manifest
+            self.tracker.commit(samples)
+
+
+def _shape(e: Optional[Dict[str, Any]]):
+    if e is None:
+        return None
+    from .format import CODES
+
+    return (str(CODES[e["dtype"]]), tuple(e["shape"]))
