@@ -18,7 +18,7 @@ import os, sys, torch, layerckpt
 root = sys.argv[1]
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(12)])  # ~12.6 MB a checkpoint
-ck = layerckpt.Checkpointer(root, model, config=layerckpt.Config(keep_last=2, chunk_bytes="1MiB", queue_depth=4))
+ck = layerckpt.Checkpointer(root, model, config=layerckpt.Config(threshold=0.0, keep_last=2, chunk_bytes="1MiB", queue_depth=4))
 print("READY", flush=True)
 step = int(sys.argv[2])
 while True:

@@ -148,7 +148,7 @@ def _open_checked(path: str, size: int, wants: Sequence[Want], direct: bool) -> 
         fd, direct = open_file(path, write=False, direct=direct)
     except FileNotFoundError:
         raise CheckpointCorruptError(f"data file {path} is missing (it holds tensor {first!r})",
-                                     path=path, tensor=first) from None
+                                     path=path) from None  # the whole file: every layer in it is named
     have = os.fstat(fd).st_size
     bad = None
     if have < size:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import format as fmt
@@ -116,6 +117,8 @@ def retain(root: str, keep_last: int) -> List[str]:
         _unlink(os.path.join(root, fmt.MANIFEST_DIR, n), removed)
     if drop:
         fmt.fsync_dir(os.path.join(root, fmt.MANIFEST_DIR))
+        if os.environ.get("LAYERCKPT_FAULT") == "kill-in-retain":  # fault injection for the tests
+            os.kill(os.getpid(), signal.SIGKILL)
     if bad:
         return removed
     keep = referenced_files({n: good[n] for n in order[:keep_last]})

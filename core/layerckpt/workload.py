@@ -71,3 +71,46 @@ def run(model, opt, task: str, start: int, stop: int,
         if after_step is not None:
             after_step(step, loss)
     return losses
+
+
+def post_training_run(root: str, config=None, every: int = 4, crash_at: int = 168, pretrain: int = 60,
+                      finetune: int = 240, seed: int = 0) -> dict:
+    """The whole story on one directory: pre-train, fine-tune with a checkpoint every ``every`` steps,
+    then restore the composite of fine-tuning step ``crash_at`` in a fresh model and optimizer and
+    train on to the end.  Returns bytes written against full checkpoints, and the losses after the
+    restore against the run that never stopped."""
+    import time
+
+    from .checkpointer import Checkpointer
+    from .config import Config
+    from .restore import restore
+
+    cfg = (config or Config()).replace(keep_last=0)  # keep every composite: any step may be restored
+    model = make_model(seed)
+    opt = make_optimizer(model)
+    run(model, opt, "count", 0, pretrain)
+    start_finetune(opt)
+    saves = []
+    with Checkpointer(root, model, opt, config=cfg) as ck:
+        def after(step: int, loss: float) -> None:
+            if (step + 1) % every == 0:
+                p = ck.save(step + 1, extra={"finetune_step": step + 1})
+                saves.append(p)
+                p.wait()
+
+        reference = run(model, opt, "affine", 0, finetune, after)
+    full_bytes = saves[0].nbytes  # the first save is always full
+    model2 = make_model(seed + 1)
+    opt2 = make_optimizer(model2)
+    t = time.perf_counter()
+    report = restore(root, model2, opt2, step=crash_at)
+    resume_s = time.perf_counter() - t
+    resumed = run(model2, opt2, "affine", crash_at, finetune)
+    want = reference[crash_at:]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {
+        "saves": len(saves), "bytes": sum(p.nbytes for p in saves), "full_bytes": full_bytes * len(saves),
+        "stall_s": sum(p.stall_s for p in saves), "report": report, "resume_s": resume_s,
+        "losses_after": resumed, "reference_after": want,
+        "mean_loss_rel": abs(mean(resumed) - mean(want)) / mean(want), "identical": resumed == want,
+    }
