@@ -233,6 +233,7 @@ def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLim
     from .restore import restore
 
     d = os.path.join(root, "layerckpt")
+    cfg = cfg.replace(threshold=0.0)  # full checkpoints: every byte of the state, every time
     gc.collect()
     with PeakRSS() as mem:
         ck = Checkpointer(d, model, opt, config=cfg)
@@ -260,6 +261,65 @@ def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLim
             "restore_median_s": statistics.median(restores),
             "first_save_durable_s": first.durable_s, "restore_bit_exact": ok,
             "bytes": first.bytes_written, "extra_mem_bytes": mem.extra, "pool_bytes": pool, "backend": backend}
+
+
+def bench_selective(root: str, model, opt, cfg: Config, blocks=(0, 1, 3, 6, 12)) -> List[Dict[str, Any]]:
+    """Selective saves of the same model with k blocks moved past the threshold: cost follows bytes."""
+    from .checkpointer import Checkpointer
+
+    d = os.path.join(root, "selective")
+    cfg = cfg.replace(threshold=0.05, max_staleness=1000, keep_last=2)
+    rows = []
+    saved = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("h.")}
+    with Checkpointer(d, model, opt, config=cfg) as ck:
+        ck.save(0).wait()
+        for i, k in enumerate(blocks):
+            with torch.no_grad():
+                for b in range(k):
+                    for p in model.h[b].parameters():
+                        p.mul_(1.1)  # a 10% drift
+            p = ck.save(i + 1).wait()
+            rows.append({"blocks_moved": k, "bytes": p.nbytes, "stall_s": p.stall_s, "durable_s": p.durable_s})
+        tracker_bytes = ck.selector.tracker.memory_bytes
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in saved:
+                p.copy_(saved[n])
+    for r in rows:
+        r["tracker_bytes"] = tracker_bytes
+    return rows
+
+
+def bench_overhead(root: str, steps: int = 80, every: int = 4) -> Dict[str, Any]:
+    """Step time of the fine-tuning workload with a default-Config checkpoint every few steps, against none."""
+    from .checkpointer import Checkpointer
+    from .workload import make_model, make_optimizer, run, start_finetune
+
+    def timed_run(with_ckpt: bool) -> Tuple[float, int, int]:
+        model = make_model(0)
+        opt = make_optimizer(model)
+        run(model, opt, "count", 0, 5)
+        start_finetune(opt)
+        ck = Checkpointer(os.path.join(root, "overhead"), model, opt) if with_ckpt else None
+        written = []
+
+        def after(step: int, loss: float) -> None:
+            if ck is not None and (step + 1) % every == 0:
+                written.append(ck.save(step + 1).nbytes)
+
+        t0 = time.perf_counter()
+        run(model, opt, "affine", 0, steps, after)
+        t = time.perf_counter() - t0
+        mem = 0
+        if ck is not None:
+            ck.close()
+            mem = ck.selector.tracker.memory_bytes
+        return t, sum(written), mem
+
+    base = min(timed_run(False)[0] for _ in range(2))
+    with_ck, written, mem = min((timed_run(True) for _ in range(2)), key=lambda r: r[0])
+    return {"steps": steps, "every": every, "no_ckpt_s": base, "ckpt_s": with_ck,
+            "overhead": with_ck / base - 1, "bytes": written, "tracker_bytes": mem}
 
 
 def bench_torch_save(root: str, model, opt) -> Dict[str, Any]:
@@ -352,7 +412,7 @@ def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3
         res["memcpy_s"] = memcpy_time(tensors)
         res["checksum_gbps"] = _checksum_rate()
         disk = DiskLimits(os.path.join(root, "limit.bin"), nbytes, cfg.chunk_bytes, cfg.queue_depth)
-        want = set(only or ["layerckpt", "torch.save", "safetensors", "dcp"])
+        want = set(only or ["layerckpt", "selective", "torch.save", "safetensors", "dcp"])
         runs = {}
         if "layerckpt" in want:
             runs["layerckpt"] = bench_layerckpt(root, model, opt, cfg, reps, disk)
@@ -363,6 +423,9 @@ def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3
         disk.close()
         res["disk"] = {"write_s": min(disk.writes), "read_s": min(disk.reads), "read_fresh_s": min(disk.fresh_reads),
                        "write_all_s": disk.writes, "read_all_s": disk.reads, "read_fresh_all_s": disk.fresh_reads}
+        if "selective" in want:
+            res["selective"] = bench_selective(root, model, opt, cfg)
+            res["overhead"] = bench_overhead(root)
         if "torch.save" in want:
             runs["torch.save"] = bench_torch_save(root, model, opt)
         if "safetensors" in want:
@@ -442,6 +505,17 @@ def format_table(res: Dict[str, Any]) -> str:
         lines += ["", f"layerckpt backend {lc['backend']}; first save (allocates the pool) {lc['first_save_durable_s']:.3f}s; "
                   f"restore bit-exact: {lc['restore_bit_exact']}; extra memory during the first save "
                   f"{lc['extra_mem_bytes'] / 1e9:.2f} GB (pool {lc['pool_bytes'] / 1e9:.2f} GB)"]
+    if res.get("selective"):
+        lines += ["", "selective saves (threshold 0.05) of the same model, k of 12 blocks moved 10%:",
+                  f"{'blocks':>8}{'MB written':>12}{'stall s':>10}{'durable s':>11}"]
+        for r in res["selective"]:
+            lines.append(f"{r['blocks_moved']:>8}{r['bytes'] / 1e6:>12.1f}{r['stall_s']:>10.3f}{r['durable_s']:>11.3f}")
+        lines.append(f"drift tracker memory: {res['selective'][0]['tracker_bytes'] / 1e6:.1f} MB")
+    if res.get("overhead"):
+        o = res["overhead"]
+        lines.append(f"fine-tuning workload, default Config, checkpoint every {o['every']} steps: step time "
+                     f"{o['overhead'] * 100:+.1f}% against no checkpointing ({o['ckpt_s']:.2f}s vs {o['no_ckpt_s']:.2f}s "
+                     f"for {o['steps']} steps), {o['bytes'] / 1e6:.1f} MB written, tracker {o['tracker_bytes'] / 1e3:.0f} kB")
     lines.append("ratios: " + ", ".join(f"{k}={v:.2f}" for k, v in res["ratios"].items()))
     return "\n".join(lines)
 

@@ -98,7 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.add_argument("--config", help="a layerckpt YAML config")
     a.add_argument("--chunk-bytes", type=int)
     a.add_argument("--queue-depth", type=int)
-    a.add_argument("--only", nargs="+", choices=["layerckpt", "torch.save", "safetensors", "dcp"])
+    a.add_argument("--only", nargs="+", choices=["layerckpt", "selective", "torch.save", "safetensors", "dcp"])
     a.set_defaults(fn=lambda args: __import__("layerckpt.bench", fromlist=["main"]).main(args))
     args = p.parse_args(argv)
     try:

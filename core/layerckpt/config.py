@@ -63,7 +63,7 @@ class Config:
     """Restore the python/numpy/torch RNG states saved with the checkpoint."""
     budget_bytes: Optional[int] = None
     """Optional cap on the bytes one checkpoint writes: drifted layers go most-drifted first; forced ones always."""
-    drift_sample: int = 65536
+    drift_sample: int = 16384
     """Elements per layer sampled to estimate drift (0: every element; exact, but keeps a copy of the weights)."""
     layers: Optional[Dict[str, str]] = None
     """Glob patterns of state_dict names -> layer name, overriding the automatic grouping (first match wins)."""

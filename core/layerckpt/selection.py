@@ -39,6 +39,7 @@ class Selector:
         self.composite: Optional[Dict[str, Any]] = None  # the last committed manifest of this Checkpointer
         self._lock = threading.Lock()
         self._owner: Optional[Tuple[tuple, Dict[str, str]]] = None
+        self._prev_shapes: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = {}
 
     @property
     def full(self) -> bool:
@@ -73,7 +74,7 @@ class Selector:
         for n, prm in self.model.named_parameters():
             if n in owner:
                 trainable[owner[n]] = trainable.get(owner[n], False) or prm.requires_grad
-        shapes = {k: (str(t.dtype), tuple(t.shape)) for k, t in entries}
+        shapes = {k: (t.dtype, tuple(t.shape)) for k, t in entries}
 
         with self._lock:
             prev = self.composite
@@ -84,7 +85,7 @@ class Selector:
         for layer, keys in layer_keys.items():
             before = prev["layers"].get(layer) if prev is not None else None
             if before is None or sorted(before["tensors"]) != sorted(keys) or any(
-                    _shape(prev["tensors"].get(k)) != shapes[k] for k in keys):
+                    self._prev_shapes.get(k) != shapes[k] for k in keys):
                 forced.add(layer)
             states[layer] = policy.LayerState(
                 drift=drift.get(layer, math.inf), age=before["age"] if before else 0, nbytes=nbytes[layer],
@@ -120,14 +121,10 @@ class Selector:
 
     def committed(self, manifest: Dict[str, Any], samples: Dict[str, Dict[str, torch.Tensor]]) -> None:
         """Called by the flusher once a save committed: it becomes the base of the next composite."""
+        from .format import CODES
+
+        shapes = {k: (CODES[e["dtype"]], tuple(e["shape"])) for k, e in manifest["tensors"].items()}
         with self._lock:
             self.composite = manifest
+            self._prev_shapes = shapes
             self.tracker.commit(samples)
-
-
-def _shape(e: Optional[Dict[str, Any]]):
-    if e is None:
-        return None
-    from .format import CODES
-
-    return (str(CODES[e["dtype"]]), tuple(e["shape"]))

@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
-Sample = Tuple[Optional[torch.Tensor], torch.Tensor]  # (flat indices or None for all, values as float64)
 
 
 class DriftTracker:
     def __init__(self, sample_per_layer: int):
         self.sample_per_layer = sample_per_layer
         self._index: Dict[str, Optional[torch.Tensor]] = {}  # tensor name -> sampled flat indices (None: all)
-        self._ref: Dict[str, Dict[str, torch.Tensor]] = {}  # layer -> tensor name -> reference values
+        self._ref: Dict[str, torch.Tensor] = {}  # layer -> sampled reference values
 
     @property
     def memory_bytes(self) -> int:
         n = sum(i.numel() * i.element_size() for i in self._index.values() if i is not None)
-        return n + sum(v.numel() * v.element_size() for r in self._ref.values() for v in r.values())
+        return n + sum(v.numel() * v.element_size() for v in self._ref.values())
 
     def _indices(self, name: str, t: torch.Tensor, budget: int) -> Optional[torch.Tensor]:
         if name not in self._index:
@@ -35,34 +34,35 @@ class DriftTracker:
                 self._index[name] = None
             else:  # fixed per tensor name, so every checkpoint compares the same elements
                 g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-                self._index[name] = torch.randint(0, n, (budget,), generator=g)
+                self._index[name] = torch.randint(0, n, (budget,), generator=g).sort().values  # gathers in order
         return self._index[name]
 
-    def sample(self, layer_tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The sampled values of one layer's tensors now (float64, on the CPU)."""
+    def sample(self, layer_tensors: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The sampled values of one layer's tensors now: one flat float32 vector on the CPU."""
         total = sum(t.numel() for t in layer_tensors.values()) or 1
-        out = {}
+        parts = []
         for name, t in layer_tensors.items():
             budget = 0 if self.sample_per_layer <= 0 else max(1, self.sample_per_layer * t.numel() // total)
             idx = self._indices(name, t, budget)
             flat = t.detach().reshape(-1)
             if idx is not None:
-                flat = flat[idx.to(flat.device)] if flat.is_cuda else flat[idx]
-            out[name] = flat.to(device="cpu", dtype=torch.float64)
-        return out
+                flat = flat[idx.to(flat.device) if flat.is_cuda else idx]
+            parts.append(flat.to(dtype=torch.float32))
+        out = torch.cat(parts) if len(parts) > 1 else parts[0].clone() if parts else torch.empty(0)
+        return out.cpu()
 
-    def drift(self, layer: str, now: Dict[str, torch.Tensor]) -> float:
+    def drift(self, layer: str, now: torch.Tensor) -> float:
         """Relative drift of a sampled layer against its reference; inf when there is none yet."""
         ref = self._ref.get(layer)
-        if ref is None or ref.keys() != now.keys() or any(ref[k].shape != now[k].shape for k in ref):
+        if ref is None or ref.shape != now.shape:
             return math.inf
-        num = sum(float(torch.sum((now[k] - ref[k]) ** 2)) for k in ref)
-        den = sum(float(torch.sum(ref[k] ** 2)) for k in ref)
+        den = float(torch.dot(ref, ref))
+        num = float(torch.dot(now - ref, now - ref))
         if den == 0.0:
             return 0.0 if num == 0.0 else math.inf
         return math.sqrt(num / den)
 
-    def commit(self, samples: Dict[str, Dict[str, torch.Tensor]]) -> None:
+    def commit(self, samples: Dict[str, torch.Tensor]) -> None:
         """The layers in ``samples`` were persisted with these values."""
         self._ref.update(samples)
 
