@@ -78,7 +78,8 @@ class Selector:
 
         with self._lock:
             prev = self.composite
-            samples = {layer: self.tracker.sample(w) for layer, w in weights.items()}
+            # full checkpoints decide nothing by drift: keep their stall to the copy alone
+            samples = {} if self.full else {layer: self.tracker.sample(w) for layer, w in weights.items()}
             drift = {layer: self.tracker.drift(layer, s) for layer, s in samples.items()}
         chain = 0 if prev is None else prev.get("chain", 0) + 1
         states, forced = {}, set()
