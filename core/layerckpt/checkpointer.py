@@ -53,26 +53,24 @@ class Checkpointer:
             config = Config()
         elif not isinstance(config, Config):
             raise CheckpointError(f"config must be a layerckpt.Config, got {type(config).__name__}")
-        if dist.world_size() > 1:
-            raise CheckpointError(
-                "this layerckpt build saves from a single process; multi-rank saving comes with the "
-                "Lightning and Accelerate adapters"
-            )
         self.dirpath = os.path.abspath(os.fspath(dirpath))
         self.model = model
         self.optimizer = optimizer
         self.config = config
-        self.rank = dist.rank()
-        store.ensure_layout(self.dirpath)
+        # every rank builds its Checkpointer together: the group and the cleanup are collective
+        self.group = dist.Group()
+        self.rank = self.group.rank
         if self.rank == 0:
+            store.ensure_layout(self.dirpath)
             removed = store.cleanup(self.dirpath)
             if removed:
                 log.info("layerckpt: removed %d leftover file(s) of interrupted saves", len(removed))
+        self.group.barrier()  # no rank writes before the leftovers are gone
         good, _ = store.read_all(self.dirpath)
         self._seq = max((m.get("seq", 0) for m in good.values()), default=0)
         self.backend = make_backend(config.backend, config.queue_depth)
         self.pool = BufferPool(config.chunk_bytes, config.staging_bytes)
-        self._flusher = Flusher(self.backend, self.pool, config, self.dirpath)
+        self._flusher = Flusher(self.backend, self.pool, config, self.dirpath, self.group)
         self._pending: List[PendingSave] = []
         self._closed = False
         self._lock = threading.Lock()  # one save() at a time
@@ -147,14 +145,15 @@ class Checkpointer:
 
     def _save(self, step: int, extra: Optional[Dict[str, Any]]) -> PendingSave:
         t0 = time.perf_counter()
-        entries, meta = gather(self.model, self.optimizer, extra)
+        entries, meta = gather(self.model, self.optimizer, extra, self.rank)
         fname = self._fresh_name(step)
-        write, layers, carried, files, samples, chain = self.selector.plan(step, fname, entries)
+        write, layers, carried, files, samples, chain = self.selector.plan(step, fname, entries, self.rank,
+                                                                          self.group.world)
         layout = self._layout_cache.plan(write)
         self._seq += 1
         manifest = {
             "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "step": step, "seq": self._seq,
-            "chain": chain, "world_size": 1, "created": time.time(), "config": self.config.to_dict(),
+            "chain": chain, "world_size": self.group.world, "created": time.time(), "config": self.config.to_dict(),
             "files": dict(files), "tensors": dict(carried), "layers": layers, **meta,
         }
         pending = PendingSave(step, os.path.join(self.dirpath, fmt.DATA_DIR, fname))

@@ -1,6 +1,8 @@
 """The one place that talks to torch.distributed; world size 1 when it is not initialised."""
 from __future__ import annotations
 
+import datetime
+import json
 from typing import Any, List
 
 import torch.distributed as _dist
@@ -18,14 +20,25 @@ def world_size() -> int:
     return _dist.get_world_size() if initialized() else 1
 
 
-def barrier() -> None:
-    if world_size() > 1:
-        _dist.barrier()
+class Group:
+    """A gloo group of its own for checkpoint coordination, so the flusher thread's collectives never
+    interleave with the training's.  Every rank must create it (with its Checkpointer) in the same order."""
 
+    def __init__(self, timeout_s: float = 1800.0):
+        self.rank = rank()
+        self.world = world_size()
+        self._pg = None
+        if self.world > 1:
+            self._pg = _dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
-def all_gather_object(obj: Any) -> List[Any]:
-    if world_size() == 1:
-        return [obj]
-    out: List[Any] = [None] * world_size()
-    _dist.all_gather_object(out, obj)
-    return out
+    def barrier(self) -> None:
+        if self._pg is not None:
+            _dist.barrier(group=self._pg)
+
+    def exchange(self, obj: Any) -> List[Any]:
+        """Every rank's JSON-able ``obj``, in rank order (sent as JSON text: nothing is unpickled as code)."""
+        if self._pg is None:
+            return [obj]
+        out: List[Any] = [None] * self.world
+        _dist.all_gather_object(out, json.dumps(obj), group=self._pg)
+        return [json.loads(s) for s in out]

@@ -74,7 +74,10 @@ class FlushJob:
 class Flusher:
     """One daemon thread that runs flush jobs in order."""
 
-    def __init__(self, backend, pool: BufferPool, config: Config, root: str):
+    def __init__(self, backend, pool: BufferPool, config: Config, root: str, group=None):
+        from .dist import Group
+
+        self.group = group if group is not None else Group()
         self.backend = backend
         self.pool = pool
         self.config = config
@@ -109,6 +112,54 @@ class Flusher:
                 job.pending._done.set()
 
     def _flush(self, job: FlushJob) -> None:
+        """Write this rank's file, then agree with every rank; rank 0 commits only if all succeeded."""
+        try:
+            crcs = self._write_local(job)
+            fmt.fsync_dir(os.path.dirname(job.pending.path))
+            failed: Optional[BaseException] = None
+        except BaseException as e:  # noqa: BLE001 - every rank must still take part in the exchange
+            failed, crcs = _as_checkpoint_error(e, job.pending.path), []
+        m = job.manifest
+        mine = {
+            "rank": self.group.rank, "fname": job.fname, "size": job.layout.size, "rng": m.get("rng"),
+            "error": None if failed is None else [getattr(failed, "errno", None) or errno.EIO,
+                                                  getattr(failed, "path", None) or job.pending.path, str(failed)],
+            "tensors": {} if failed is not None else {
+                it.key: {"file": job.fname, "dtype": fmt.DTYPES[it.tensor.dtype], "shape": list(it.tensor.shape),
+                         "offset": it.offset, "nbytes": it.nbytes, "crc": crcs[i]}
+                for i, it in enumerate(job.layout.items)},
+        }
+        ranks = self.group.exchange(mine)  # every rank's data is durable (or failed) past this point
+        bad = [r for r in ranks if r["error"] is not None]
+        if bad:
+            _unlink_quietly(job.pending.path)
+            if failed is not None:
+                raise failed
+            err, path, text = bad[0]["error"]
+            raise CheckpointWriteError(err, path, detail=f"rank {bad[0]['rank']} failed ({text}); nothing was committed")
+        _merge(m, ranks)
+        status = None
+        if self.group.rank == 0:
+            try:
+                job.pending.manifest_path = store.commit(self.root, m)
+            except OSError as e:
+                status = [e.errno or errno.EIO, getattr(e, "filename", None) or self.root]
+        if self.group.world > 1:
+            status = self.group.exchange(status)[0]  # rank 0's word: committed or not
+            job.pending.manifest_path = os.path.join(self.root, fmt.MANIFEST_DIR, fmt.manifest_name(m["step"]))
+        if status is not None:
+            raise CheckpointWriteError(status[0], status[1], detail="the manifest could not be committed")
+        if job.on_commit is not None:
+            job.on_commit(m)
+        job.pending.bytes_written = job.layout.size
+        if self.group.rank == 0:
+            try:
+                store.retain(self.root, self.config.keep_last)
+            except OSError as e:  # retention failing must not fail a committed save
+                log.warning("layerckpt: retention after step %d failed: %s", m["step"], e)
+
+    def _write_local(self, job: FlushJob) -> list:
+        """This rank's data file, durable; returns the per-tensor checksums."""
         path = job.pending.path
         layout = job.layout
         self.backend.register_buffers([c.view for c in self.pool.chunks])
@@ -166,27 +217,7 @@ class Flusher:
                 failed = _diagnose_einval(path, layout.size, failed)
             _unlink_quietly(path)
             raise failed
-        crcs = w.crcs
-        try:
-            fmt.fsync_dir(os.path.dirname(path))
-            m = job.manifest
-            m["checksum"] = CHECKSUM
-            m["files"][job.fname] = {"step": m["step"], "rank": 0, "size": layout.size}
-            m["tensors"].update({
-                it.key: {"file": job.fname, "dtype": fmt.DTYPES[it.tensor.dtype], "shape": list(it.tensor.shape),
-                         "offset": it.offset, "nbytes": it.nbytes, "crc": crcs[i]}
-                for i, it in enumerate(layout.items)
-            })
-            job.pending.manifest_path = store.commit(self.root, m)
-        except OSError as e:
-            raise CheckpointWriteError(e.errno or errno.EIO, getattr(e, "filename", None) or self.root) from None
-        if job.on_commit is not None:
-            job.on_commit(m)
-        job.pending.bytes_written = layout.size
-        try:
-            store.retain(self.root, self.config.keep_last)
-        except OSError as e:  # retention failing must not fail a committed save
-            log.warning("layerckpt: retention after step %d failed: %s", m["step"], e)
+        return w.crcs
 
     def _discard(self, job: FlushJob) -> None:
         while True:
@@ -254,6 +285,22 @@ class _Writes:
         self._owed.clear()
         self._owed_ids.clear()
         self._written.clear()
+
+
+def _merge(m: Dict[str, Any], ranks: list) -> None:
+    """Fold every rank's file and tensors into the manifest (the same result on every rank)."""
+    m["checksum"] = CHECKSUM
+    fname = {}
+    for r in ranks:
+        fname[r["rank"]] = r["fname"]
+        m["files"][r["fname"]] = {"step": m["step"], "rank": r["rank"], "size": r["size"]}
+        m["tensors"].update(r["tensors"])
+    for info in m["layers"].values():
+        if info.get("file") is None:
+            info["file"] = fname[info.get("rank", 0)]
+    m["rng"] = ranks[0]["rng"]
+    if len(ranks) > 1:
+        m["rng_ranks"] = {str(r["rank"]): r["rng"] for r in ranks[1:]}
 
 
 def _as_checkpoint_error(e: BaseException, path: str) -> BaseException:

@@ -62,7 +62,8 @@ def restore(
     # -- what goes where: model tensors, optimizer state, rng, extra
     plan = _ModelPlan(model, m, strict)
     opt_keys = _optimizer_keys(optimizer, model, m, strict) if optimizer is not None else []
-    meta_keys = set(tensor_refs(m.get("rng") or {})) if cfg.restore_rng else set()
+    rng = _rng_for_this_rank(m)
+    meta_keys = set(tensor_refs(rng or {})) if cfg.restore_rng else set()
     meta_keys |= set(tensor_refs(m.get("extra") or {}))
     meta_keys |= set(tensor_refs((m.get("optimizer") or {}).get("param_groups", []))) if optimizer is not None else set()
     needed = set(plan.keys) | set(opt_keys) | meta_keys
@@ -86,8 +87,8 @@ def restore(
 
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state_dict(optimizer, model, m, tensors))
-    if cfg.restore_rng and m.get("rng"):
-        set_rng_state(m["rng"], tensors)
+    if cfg.restore_rng and rng:
+        set_rng_state(rng, tensors)
     layers = {name: e["step"] for name, e in m["layers"].items()}
     ages = {name: int(e.get("age", 0)) for name, e in m["layers"].items()}
     layer_bytes = {name: sum(m["tensors"][k]["nbytes"] for k in e.get("tensors", []) if k in needed)
@@ -218,6 +219,14 @@ def _optimizer_state_dict(optimizer, model, m, tensors) -> Dict[str, Any]:
         d["params"] = [index[names[id(p)]] for p in cur["params"]]
         groups.append(d)
     return {"state": state, "param_groups": groups}
+
+
+def _rng_for_this_rank(m: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Each rank gets back its own RNG states when the checkpoint has them, else rank 0's."""
+    from . import dist
+
+    r = dist.rank()
+    return (m.get("rng_ranks") or {}).get(str(r)) if r > 0 and str(r) in (m.get("rng_ranks") or {}) else m.get("rng")
 
 
 def _with_layer(e: CheckpointCorruptError, m: Dict[str, Any]) -> CheckpointCorruptError:

@@ -30,6 +30,26 @@ def _param_of(key: str) -> Optional[str]:
     return None
 
 
+def assign(layers, nbytes: Dict[str, int], world: int) -> Dict[str, int]:
+    """Each layer to one rank, biggest first onto the least loaded: every rank writes about 1/world
+    of the bytes.  Deterministic, so every rank computes the same answer without talking."""
+    load = [0] * world
+    out = {}
+    for layer in sorted(layers, key=lambda n: (-nbytes.get(n, 0), n)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        out[layer] = r
+        load[r] += nbytes.get(layer, 0)
+    return out
+
+
+def _mine(key: str, layer: Optional[str], persist, owner_rank: Dict[str, int], rank: int) -> bool:
+    if layer is not None:
+        return layer in persist and owner_rank[layer] == rank
+    if key.startswith("rng"):
+        return True  # every rank's own RNG keys (distinct names)
+    return rank == 0  # extra, param_groups, non-tensor model state: once
+
+
 class Selector:
     def __init__(self, model: torch.nn.Module, config: Config, layers: LayerSpec = None):
         self.model = model
@@ -52,8 +72,10 @@ class Selector:
             self._owner = (names, owner)
         return self._owner[1]
 
-    def plan(self, step: int, fname: str, entries: List[Tuple[str, torch.Tensor]]):
-        """Returns (entries to write, layer map, carried tensor entries, carried file entries, samples to commit)."""
+    def plan(self, step: int, fname: str, entries: List[Tuple[str, torch.Tensor]], rank: int = 0, world: int = 1):
+        """Returns (entries this rank writes, layer map, carried tensor entries, carried file entries,
+        samples to commit, chain index).  With several ranks each persisted layer is written by one
+        rank (balanced by bytes); its "file" is filled in when the ranks' results are merged."""
         cfg = self.config
         owner = self.owners(tuple(k[len("model/"):] for k, _ in entries if k.startswith("model/")))
         key_layer: Dict[str, str] = {}
@@ -103,6 +125,7 @@ class Selector:
                     reasons[layer] = NEW
         persist = {layer for layer, why in reasons.items() if why in policy.WRITE or why in (NEW, "full")}
 
+        owner_rank = assign(persist, nbytes, world)
         layers: Dict[str, Any] = {}
         carried: Dict[str, Any] = {}
         for layer, keys in layer_keys.items():
@@ -110,13 +133,14 @@ class Selector:
             info = {"reason": reasons[layer], "drift": d if math.isfinite(d) else None,
                     "frozen": states[layer].frozen}
             if layer in persist:
-                layers[layer] = {"step": step, "file": fname, "age": 0, "tensors": keys, "nbytes": nbytes[layer], **info}
+                layers[layer] = {"step": step, "file": fname if world == 1 else None, "rank": owner_rank[layer],
+                                 "age": 0, "tensors": keys, "nbytes": nbytes[layer], **info}
             else:
                 before = prev["layers"][layer]
                 layers[layer] = {**before, "age": before["age"] + 1, **info}
                 carried.update({k: prev["tensors"][k] for k in before["tensors"]})
         files = {e["file"]: prev["files"][e["file"]] for e in carried.values()} if carried else {}
-        write = [(k, t) for k, t in entries if key_layer.get(k) is None or key_layer[k] in persist]
+        write = [(k, t) for k, t in entries if _mine(k, key_layer.get(k), persist, owner_rank, rank)]
         commit = {layer: samples[layer] for layer in persist if layer in samples}
         return write, layers, carried, files, commit, chain
 

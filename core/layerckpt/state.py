@@ -160,14 +160,20 @@ def optimizer_state(optimizer: torch.optim.Optimizer, names: Dict[int, str], out
 
 # ------------------------------------------------------------------ RNG
 
-def rng_state(out: Entries) -> Dict[str, Any]:
+def rng_key(rank: int) -> str:
+    """Key prefix of a rank's RNG states: each rank keeps its own."""
+    return "rng" if rank == 0 else f"rng.rank{rank}"
+
+
+def rng_state(out: Entries, rank: int = 0) -> Dict[str, Any]:
+    k = rng_key(rank)
     st: Dict[str, Any] = {
-        "python": encode(random.getstate(), "rng/python", out, "python RNG"),
-        "numpy": encode(np.random.get_state(), "rng/numpy", out, "numpy RNG"),
-        "torch": encode(torch.get_rng_state(), "rng/torch", out, "torch RNG"),
+        "python": encode(random.getstate(), f"{k}/python", out, "python RNG"),
+        "numpy": encode(np.random.get_state(), f"{k}/numpy", out, "numpy RNG"),
+        "torch": encode(torch.get_rng_state(), f"{k}/torch", out, "torch RNG"),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = encode(torch.cuda.get_rng_state_all(), "rng/cuda", out, "CUDA RNG")
+        st["cuda"] = encode(torch.cuda.get_rng_state_all(), f"{k}/cuda", out, "CUDA RNG")
     return st
 
 
@@ -185,8 +191,8 @@ def set_rng_state(st: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
             torch.cuda.set_rng_state_all(states)
 
 
-def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Optional[dict]
-           ) -> Tuple[Entries, Dict[str, Any]]:
+def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Optional[dict],
+           rank: int = 0) -> Tuple[Entries, Dict[str, Any]]:
     """Everything one save holds: tensors to stage, and the manifest's JSON parts."""
     entries: Entries = []
     tensors, aliases, other = model_state(model)
@@ -195,7 +201,7 @@ def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], e
         "model": {"aliases": aliases,
                   "other": encode(other, "model_other", entries, "model.state_dict() non-tensor entry")},
         "optimizer": optimizer_state(optimizer, param_names(model), entries) if optimizer is not None else None,
-        "rng": rng_state(entries),
+        "rng": rng_state(entries, rank),
         "extra": encode(extra if extra is not None else {}, "extra", entries, "extra"),
     }
     return entries, meta
