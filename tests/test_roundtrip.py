@@ -192,3 +192,26 @@ def test_bad_arguments_are_refused(tmp_path):
         ck.save(2).wait()  # a refused save leaves the Checkpointer usable
     with pytest.raises(layerckpt.CheckpointError, match="closed"):
         ck.save(3)
+
+
+def test_module_extra_state_round_trips(tmp_path):
+    class WithExtra(torch.nn.Module):
+        def __init__(self, tag):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.tag = tag
+
+        def get_extra_state(self):
+            return {"tag": self.tag, "table": torch.arange(3) * len(self.tag)}
+
+        def set_extra_state(self, state):
+            self.tag = state["tag"]
+            self.table = state["table"]
+
+    a = torch.nn.Sequential(WithExtra("trained"))
+    with layerckpt.Checkpointer(tmp_path, a) as ck:
+        ck.save(0).wait()
+    b = torch.nn.Sequential(WithExtra("fresh"))
+    layerckpt.restore(tmp_path, b)
+    assert b[0].tag == "trained" and torch.equal(b[0].table, torch.arange(3) * 7)
+    assert torch.equal(b[0].lin.weight, a[0].lin.weight)

@@ -65,6 +65,8 @@ def restore(
     rng = _rng_for_this_rank(m)
     meta_keys = set(tensor_refs(rng or {})) if cfg.restore_rng else set()
     meta_keys |= set(tensor_refs(m.get("extra") or {}))
+    other = m["model"].get("other") or {}  # non-tensor state_dict entries, e.g. a module's _extra_state
+    meta_keys |= set(tensor_refs(other))
     meta_keys |= set(tensor_refs((m.get("optimizer") or {}).get("param_groups", []))) if optimizer is not None else set()
     needed = set(plan.keys) | set(opt_keys) | meta_keys
     _check_staleness(m, config.max_staleness if config is not None else None, strict)
@@ -85,6 +87,9 @@ def restore(
         backend.close()
         pool.close()
 
+    if other:
+        wanted = set(model.state_dict())
+        model.load_state_dict({k: v for k, v in decode(other, tensors).items() if k in wanted}, strict=False)
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state_dict(optimizer, model, m, tensors))
     if cfg.restore_rng and rng:
