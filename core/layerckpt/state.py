@@ -16,6 +16,7 @@ import torch
 from .errors import CheckpointError
 
 Entries = List[Tuple[str, torch.Tensor]]
+_PLAIN = (int, float, str, bool, type(None))
 
 
 # ------------------------------------------------------------------ codec
@@ -32,10 +33,12 @@ def encode(value: Any, key: str, out: Entries, where: str) -> Any:
         return value.item()
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, f"{key}/{i}", out, f"{where}[{i}]") for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [encode(v, f"{key}/{i}", out, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, (tuple, list)):
+        if all(type(v) in _PLAIN for v in value):  # fast path: e.g. the 625 ints of python's RNG state
+            items = list(value)
+        else:
+            items = [encode(v, f"{key}/{i}", out, f"{where}[{i}]") for i, v in enumerate(value)]
+        return {"__tuple__": items} if isinstance(value, tuple) else items
     if isinstance(value, dict):
         if all(isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in value):
             return {k: encode(v, f"{key}/{k}", out, f"{where}[{k!r}]") for k, v in value.items()}
