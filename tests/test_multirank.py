@@ -5,7 +5,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
 import torch
 
 import layerckpt

@@ -56,7 +56,6 @@ class BufferPool:
         self.chunks: List[Chunk] = []
         self._free: List[Chunk] = []
         self._cv = threading.Condition()
-        self.generation = 0  # bumps when chunks are added (the ring re-registers)
 
     @property
     def allocated_bytes(self) -> int:
@@ -70,7 +69,6 @@ class BufferPool:
                 c = Chunk(len(self.chunks), self.chunk_bytes)
                 self.chunks.append(c)
                 self._free.append(c)
-                self.generation += 1
 
     def acquire(self, timeout: Optional[float] = None, on_wait: Optional[Callable[[], None]] = None) -> Chunk:
         """A free buffer; ``on_wait`` is called once if the pool is exhausted and this call must wait."""
@@ -79,7 +77,6 @@ class BufferPool:
                 if len(self.chunks) < self.capacity:
                     c = Chunk(len(self.chunks), self.chunk_bytes)
                     self.chunks.append(c)
-                    self.generation += 1
                     return c
                 if on_wait is not None:
                     on_wait()
