@@ -215,3 +215,21 @@ def test_module_extra_state_round_trips(tmp_path):
     layerckpt.restore(tmp_path, b)
     assert b[0].tag == "trained" and torch.equal(b[0].table, torch.arange(3) * 7)
     assert torch.equal(b[0].lin.weight, a[0].lin.weight)
+
+
+EXIT_WITHOUT_CLOSE = r"""
+import sys, torch, layerckpt
+model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(16)])
+ck = layerckpt.Checkpointer(sys.argv[1], model, config=layerckpt.Config(threshold=0.0))
+ck.save(5)  # neither wait() nor close(): the interpreter exits while the flush runs
+"""
+
+
+def test_flush_in_flight_completes_at_normal_exit(tmp_path):
+    from conftest import run_py
+
+    r = run_py(EXIT_WITHOUT_CLOSE, str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "manifests" / "step-00000005.json").exists()
+    out = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(16)])
+    assert layerckpt.restore(tmp_path, out).step == 5

@@ -1,11 +1,13 @@
 """Checkpointer: stage on the caller's thread, flush and commit in the background."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -73,6 +75,12 @@ class Checkpointer:
         self._flusher = Flusher(self.backend, self.pool, config, self.dirpath, self.group)
         self._pending: List[PendingSave] = []
         self._closed = False
+        # A flush in flight completes before a normal interpreter exit, even without close().  It
+        # must run before thread pools refuse new work at shutdown, hence threading's exit hooks
+        # (run newest first, before concurrent.futures' own) where this Python has them.
+        ref = weakref.ref(self)
+        getattr(threading, "_register_atexit", atexit.register)(
+            lambda: ref() is not None and ref()._finish_at_exit())
         self._lock = threading.Lock()  # one save() at a time
         self._layout_cache = fmt.LayoutCache()
         self.selector = Selector(model, config, layers)
@@ -114,6 +122,14 @@ class Checkpointer:
             self._flusher.stop()
             self.backend.close()
             self.pool.close()
+
+    def _finish_at_exit(self) -> None:
+        if self._closed:
+            return
+        for p in list(self._pending):
+            p._done.wait()
+            if p.error is not None and not p._reported:
+                log.error("layerckpt: the checkpoint of step %d was not committed: %s", p.step, p.error)
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -144,7 +144,7 @@ class Selector:
         commit = {layer: samples[layer] for layer in persist if layer in samples}
         return write, layers, carried, files, commit, chain
 
-    def committed(self, manifest: Dict[str, Any], samples: Dict[str, Dict[str, torch.Tensor]]) -> None:
+    def committed(self, manifest: Dict[str, Any], samples: Dict[str, torch.Tensor]) -> None:
         """Called by the flusher once a save committed: it becomes the base of the next composite."""
         from .format import CODES
 
