@@ -6,391 +6,20 @@ before each restore so that every reader starts cold.
 """
 from __future__ import annotations
 
-import gc
 import json
-import mmap
 import os
 import platform
 import shutil
-import statistics
 import tempfile
-import threading
-import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
-from .backend import CHECKSUM, checksum, make_backend, open_file, uring_available
-from .config import Config, MiB
-from .models import GPT, GPTConfig
-
-
-def build_state(preset: str = "gpt2-small", seed: int = 0, step: bool = True
-                ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The bench's model and AdamW; ``step=False`` leaves the optimizer without state (a fresh process)."""
-    torch.manual_seed(seed)
-    cfg = GPTConfig.gpt2_small() if preset == "gpt2-small" else GPTConfig.tiny()
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if not step:
-        return model, opt
-    for p in model.parameters():  # one step so every parameter has AdamW moments
-        p.grad = torch.randn_like(p) * 1e-3
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return model, opt
-
-
-def state_bytes(model, opt) -> int:
-    return sum(t.numel() * t.element_size() for t in flat_tensors(model, opt).values())
-
-
-def flat_tensors(model, opt) -> Dict[str, torch.Tensor]:
-    out = {f"model.{k}": v for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p, st in opt.state.items():
-        for k, v in st.items():
-            out[f"optim.{names[id(p)]}.{k}"] = v
-    return out
-
-
-def drop_cache(path: str) -> None:
-    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def fsync_tree(path: str) -> None:
-    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * mmap.PAGESIZE
-
-
-class PeakRSS:
-    """Samples RSS every millisecond in a thread (VmHWM cannot be reset everywhere)."""
-
-    def __enter__(self):
-        self.base = _rss()
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _rss())
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.base
-
-
-# ---------------------------------------------------------------- machine limits
-
-def memcpy_time(tensors: List[torch.Tensor], reps: int = 3) -> float:
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    dst = torch.empty(total, dtype=torch.uint8)
-    dst.zero_()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        o = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            dst[o:o + n].copy_(t.detach().reshape(-1).view(torch.uint8))
-            o += n
-        best = min(best, time.perf_counter() - t0)
-    del dst
-    return best
-
-
-class DiskLimits:
-    """The disk's own sequential O_DIRECT limits for nbytes, measured from pre-touched buffers.
-
-    Writes: plain pwrite of 64 MiB blocks at queue depth 1, and the raw ring at the
-    configured depth and chunk size (layerckpt's write pattern minus staging and
-    checksums); the faster counts.  Reads: into a reused buffer (the disk alone),
-    and into fresh memory (what any restore in a new process pays: page faults).
-    """
-
-    def __init__(self, path: str, nbytes: int, chunk: int, depth: int, block: int = 64 * MiB):
-        block = max(block, chunk)  # a multiple of chunk: both are powers of two times 4 KiB here
-        self.path, self.depth, self.chunk, self.block = path, depth, chunk, block
-        self.nbytes = (nbytes + 4095) // 4096 * 4096
-        self.buf = mmap.mmap(-1, block)
-        self.buf.write(os.urandom(1 << 20) * (block >> 20))
-        self.view = memoryview(self.buf)
-        self.writes: List[float] = []
-        self.reads: List[float] = []
-        self.fresh_reads: List[float] = []
-
-    def _blocks(self, size: int):
-        for o in range(0, self.nbytes, size):
-            yield o, min(size, self.nbytes - o)
-
-    def write(self) -> float:
-        def qd1():
-            fd, _ = open_file(self.path, write=True)
-            try:
-                for o, n in self._blocks(self.block):
-                    os.pwrite(fd, self.view[:n], o)
-                os.fdatasync(fd)
-            finally:
-                os.close(fd)
-
-        def ring():
-            be = make_backend("auto", self.depth)
-            fd, _ = open_file(self.path, write=True)
-            try:
-                for o, n in self._blocks(self.chunk):
-                    be.write(fd, self.view[o % self.block:][:n], o, o, self.path)
-                    be.wait(0)
-                be.drain()
-                os.fdatasync(fd)
-            finally:
-                os.close(fd)
-                be.close()
-
-        times = []
-        for fn in (qd1, ring):
-            if os.path.exists(self.path):  # a new file each time, as a checkpoint is (no truncation inside the timing)
-                os.unlink(self.path)
-            times.append(_timed(fn))
-        t = min(times)
-        self.writes.append(t)
-        return t
-
-    def read(self, fresh: bool) -> float:
-        from .reader import _Prefault
-
-        drop_cache(self.path)
-        be = make_backend("auto", self.depth)
-        fd, _ = open_file(self.path, write=False)
-        big = mmap.mmap(-1, self.nbytes) if fresh else None
-        bufs = [mmap.mmap(-1, self.chunk) for _ in range(self.depth)] if not fresh else []
-        for b in bufs:
-            b.write(bytes(self.chunk))
-        pieces = [(o, o, n) for o, n in self._blocks(self.chunk)]
-        t0 = time.perf_counter()
-        v = memoryview(big) if fresh else None
-        pre = _Prefault(v, pieces) if fresh else None
-        try:
-            for i, (o, _, n) in enumerate(pieces):
-                if fresh:
-                    pre.wait(i)
-                be.read(fd, v[o:o + n] if fresh else memoryview(bufs[i % self.depth])[:n], o, o, self.path)
-                be.wait(0)
-            be.drain()
-            t = time.perf_counter() - t0
-        finally:
-            if pre is not None:
-                pre.close()
-            os.close(fd)
-            be.close()
-            del v, bufs, big  # freed with their last reference
-        (self.fresh_reads if fresh else self.reads).append(t)
-        return t
-
-    def close(self) -> None:
-        self.view.release()
-        self.buf.close()
-        if os.path.exists(self.path):
-            os.unlink(self.path)
-
-
-# ---------------------------------------------------------------- contenders
-
-def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLimits) -> Dict[str, Any]:
-    """Saves and restores, each rep right after a disk-limit measurement, so both see the same disk."""
-    from .checkpointer import Checkpointer
-    from .restore import restore
-
-    d = os.path.join(root, "layerckpt")
-    cfg = cfg.replace(threshold=0.0)  # full checkpoints: every byte of the state, every time
-    gc.collect()
-    with PeakRSS() as mem:
-        ck = Checkpointer(d, model, opt, config=cfg)
-        first = ck.save(0).wait()
-    pool = ck.pool.allocated_bytes
-    stalls, durables = [], []
-    for i in range(reps):
-        disk.write()
-        p = ck.save(i + 1).wait()
-        stalls.append(p.stall_s)
-        durables.append(p.durable_s)
-    backend = ck.backend_name
-    ck.close()
-    disk.write()  # the limit's file holds the same bytes again for the reads
-    restores, ok = [], True
-    for _ in range(max(2, reps - 1)):
-        disk.read(fresh=False)
-        disk.read(fresh=True)
-        m2, o2 = build_state(seed=1, step=False)  # a fresh process: the optimizer has no state yet
-        drop_cache(d)
-        restores.append(_timed(lambda: restore(d, m2, o2)))
-        ok = ok and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
-    return {"stall_s": min(stalls), "durable_s": min(durables), "restore_s": min(restores),
-            "stall_median_s": statistics.median(stalls), "durable_median_s": statistics.median(durables),
-            "restore_median_s": statistics.median(restores),
-            "first_save_durable_s": first.durable_s, "restore_bit_exact": ok,
-            "bytes": first.bytes_written, "extra_mem_bytes": mem.extra, "pool_bytes": pool, "backend": backend}
-
-
-def bench_selective(root: str, model, opt, cfg: Config, blocks=(0, 1, 3, 6, 12)) -> List[Dict[str, Any]]:
-    """Selective saves of the same model with k blocks moved past the threshold: cost follows bytes."""
-    from .checkpointer import Checkpointer
-
-    d = os.path.join(root, "selective")
-    cfg = cfg.replace(threshold=0.05, max_staleness=1000, keep_last=2)
-    rows = []
-    saved = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("h.")}
-    with Checkpointer(d, model, opt, config=cfg) as ck:
-        ck.save(0).wait()
-        for i, k in enumerate(blocks):
-            with torch.no_grad():
-                for b in range(k):
-                    for p in model.h[b].parameters():
-                        p.mul_(1.1)  # a 10% drift
-            p = ck.save(i + 1).wait()
-            rows.append({"blocks_moved": k, "bytes": p.nbytes, "stall_s": p.stall_s, "durable_s": p.durable_s})
-        tracker_bytes = ck.selector.tracker.memory_bytes
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n in saved:
-                p.copy_(saved[n])
-    for r in rows:
-        r["tracker_bytes"] = tracker_bytes
-    return rows
-
-
-def bench_overhead(root: str, steps: int = 80, every: int = 4) -> Dict[str, Any]:
-    """Step time of the fine-tuning workload with a default-Config checkpoint every few steps, against none."""
-    from .checkpointer import Checkpointer
-    from .workload import make_model, make_optimizer, run, start_finetune
-
-    def timed_run(with_ckpt: bool) -> Tuple[float, int, int]:
-        model = make_model(0)
-        opt = make_optimizer(model)
-        run(model, opt, "count", 0, 5)
-        start_finetune(opt)
-        ck = Checkpointer(os.path.join(root, "overhead"), model, opt) if with_ckpt else None
-        written = []
-
-        def after(step: int, loss: float) -> None:
-            if ck is not None and (step + 1) % every == 0:
-                written.append(ck.save(step + 1).nbytes)
-
-        t0 = time.perf_counter()
-        run(model, opt, "affine", 0, steps, after)
-        t = time.perf_counter() - t0
-        mem = 0
-        if ck is not None:
-            ck.close()
-            mem = ck.selector.tracker.memory_bytes
-        return t, sum(written), mem
-
-    base = min(timed_run(False)[0] for _ in range(2))
-    with_ck, written, mem = min((timed_run(True) for _ in range(2)), key=lambda r: r[0])
-    return {"steps": steps, "every": every, "no_ckpt_s": base, "ckpt_s": with_ck,
-            "overhead": with_ck / base - 1, "bytes": written, "tracker_bytes": mem}
-
-
-def bench_torch_save(root: str, model, opt) -> Dict[str, Any]:
-    f = os.path.join(root, "torch.pt")
-    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-
-    def save():
-        torch.save(sd, f)
-        fsync_tree(f)
-
-    t = _timed(save)
-    m2, o2 = build_state(seed=1, step=False)
-    drop_cache(f)
-
-    def load():
-        sd = torch.load(f, weights_only=True)
-        m2.load_state_dict(sd["model"])
-        o2.load_state_dict(sd["optim"])
-
-    r = _timed(load)
-    return {"stall_s": t, "durable_s": t, "restore_s": r, "bytes": os.path.getsize(f)}
-
-
-def bench_safetensors(root: str, model, opt) -> Dict[str, Any]:
-    from safetensors.torch import load_file, save_file
-
-    f = os.path.join(root, "st.safetensors")
-    flat = {k: v.contiguous() for k, v in flat_tensors(model, opt).items()}
-
-    def save():
-        save_file(flat, f)
-        fsync_tree(f)
-
-    t = _timed(save)
-    m2, _ = build_state(seed=1, step=False)
-    drop_cache(f)
-
-    def load():  # every tensor in memory, the model's loaded
-        flat = load_file(f)
-        m2.load_state_dict({k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}, strict=False)
-
-    r = _timed(load)
-    return {"stall_s": t, "durable_s": t, "restore_s": r, "bytes": os.path.getsize(f)}
-
-
-def bench_dcp(root: str, model, opt) -> Dict[str, Any]:
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-    d1, d2 = os.path.join(root, "dcp"), os.path.join(root, "dcp_async")
-    out: Dict[str, Any] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out["durable_s"] = _timed(lambda: dcp.save(sd, checkpoint_id=d1))
-        out["stall_s"] = out["durable_s"]
-        t0 = time.perf_counter()
-        try:
-            fut = dcp.async_save(sd, checkpoint_id=d2)
-            out["async_stall_s"] = time.perf_counter() - t0
-            (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
-            out["async_durable_s"] = time.perf_counter() - t0
-        except Exception as e:  # noqa: BLE001 - report, do not abort the bench
-            out["async_error"] = f"{type(e).__name__}: {e}"
-        out["bytes"] = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(d1) for f in fs)
-        m2, o2 = build_state(seed=1)  # DCP loads in place: the optimizer state must exist already
-        target = {"model": m2.state_dict(), "optim": o2.state_dict()}
-        drop_cache(d1)
-        out["restore_s"] = _timed(lambda: dcp.load(target, checkpoint_id=d1))
-    return out
+from .backend import CHECKSUM, uring_available
+from .bench_cases import (DiskLimits, bench_dcp, bench_layerckpt, bench_overhead, bench_safetensors, bench_selective,
+                          bench_torch_save, build_state, checksum_rate, compression_rate, flat_tensors, memcpy_time,
+                          state_bytes)
+from .config import Config
 
 
 def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3,
@@ -410,13 +39,13 @@ def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3
             "config": {"chunk_bytes": cfg.chunk_bytes, "queue_depth": cfg.queue_depth},
         }
         res["memcpy_s"] = memcpy_time(tensors)
-        res["checksum_gbps"] = _checksum_rate()
+        res["checksum_gbps"] = checksum_rate()
         res["compression"] = compression_rate(tensors)
         disk = DiskLimits(os.path.join(root, "limit.bin"), nbytes, cfg.chunk_bytes, cfg.queue_depth)
         want = set(only or ["layerckpt", "selective", "torch.save", "safetensors", "dcp"])
         runs = {}
         if "layerckpt" in want:
-            runs["layerckpt"] = bench_layerckpt(root, model, opt, cfg, reps, disk)
+            runs["layerckpt"] = bench_layerckpt(root, model, opt, cfg, reps, disk, preset)
         else:
             disk.write()
             disk.read(fresh=False)
@@ -426,49 +55,18 @@ def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3
                        "write_all_s": disk.writes, "read_all_s": disk.reads, "read_fresh_all_s": disk.fresh_reads}
         if "selective" in want:
             res["selective"] = bench_selective(root, model, opt, cfg)
-            res["overhead"] = bench_overhead(root)
+            res["overhead"] = bench_overhead(root, steps=80 if preset == "gpt2-small" else 8)
         if "torch.save" in want:
-            runs["torch.save"] = bench_torch_save(root, model, opt)
+            runs["torch.save"] = bench_torch_save(root, model, opt, preset)
         if "safetensors" in want:
-            runs["safetensors"] = bench_safetensors(root, model, opt)
+            runs["safetensors"] = bench_safetensors(root, model, opt, preset)
         if "dcp" in want:
-            runs["dcp"] = bench_dcp(root, model, opt)
+            runs["dcp"] = bench_dcp(root, model, opt, preset)
         res["runs"] = runs
         res["ratios"] = _ratios(res)
         return res
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-
-def compression_rate(tensors: List[torch.Tensor], sample_bytes: int = 256 * MiB) -> Optional[Dict[str, float]]:
-    """Byte-shuffle + zstd (level 1, all cores) on a sample of the state: is it worth it against the disk?"""
-    try:
-        import zstandard
-    except ImportError:
-        return None
-    import numpy as np
-
-    parts, n = [], 0
-    for t in tensors:
-        if n >= sample_bytes:
-            break
-        flat = t.detach().reshape(-1)[: max(1, (sample_bytes - n) // t.element_size())]
-        parts.append((flat.contiguous().view(torch.uint8).numpy(), t.element_size()))
-        n += parts[-1][0].nbytes
-    cctx = zstandard.ZstdCompressor(level=1, threads=-1)
-    t0 = time.perf_counter()
-    out = 0
-    for raw, width in parts:
-        shuffled = np.ascontiguousarray(raw.reshape(-1, width).T) if width > 1 and raw.size % width == 0 else raw
-        out += len(cctx.compress(shuffled.tobytes()))
-    t = time.perf_counter() - t0
-    return {"gbps": n / t / 1e9, "ratio": n / max(out, 1), "sample_bytes": n}
-
-
-def _checksum_rate() -> float:
-    b = bytearray(os.urandom(1 << 20) * 256)
-    t = min(_timed(lambda: checksum(b)) for _ in range(3))
-    return len(b) / t / 1e9
 
 
 def _ratios(res: Dict[str, Any]) -> Dict[str, float]:
@@ -538,7 +136,8 @@ def format_table(res: Dict[str, Any]) -> str:
                   f"restore bit-exact: {lc['restore_bit_exact']}; extra memory during the first save "
                   f"{lc['extra_mem_bytes'] / 1e9:.2f} GB (pool {lc['pool_bytes'] / 1e9:.2f} GB)"]
     if res.get("selective"):
-        lines += ["", "selective saves (threshold 0.05) of the same model, k of 12 blocks moved 10%:",
+        lines += ["", f"selective saves (threshold 0.05) of the same model, k of {res['selective'][-1]['blocks_moved']} "
+                  "blocks moved 10%:",
                   f"{'blocks':>8}{'MB written':>12}{'stall s':>10}{'durable s':>11}"]
         for r in res["selective"]:
             lines.append(f"{r['blocks_moved']:>8}{r['bytes'] / 1e6:>12.1f}{r['stall_s']:>10.3f}{r['durable_s']:>11.3f}")
