@@ -34,6 +34,7 @@ except layerckpt.CheckpointWriteError as e:
     print("FAIL2", e.errno, str(e).replace(chr(10), " "), flush=True)
 print("RNG", torch.rand(1).item(), flush=True)
 ck.close()
+dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks aborts the peer
 dist.destroy_process_group()
 """
 
