@@ -9,7 +9,6 @@ no extra copy.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import threading
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 from . import format as fmt
 from .backend import _uring, open_file
 from .errors import CheckpointCorruptError
+from .staging import anon_buffer
 
 GAP = 1 << 20  # read through holes smaller than this rather than issue another request
 PREFAULT_THREADS = 2
@@ -47,16 +47,6 @@ class Want:
         return cls(key, e["offset"], e["nbytes"], e["crc"], dtype, tuple(e["shape"]))
 
 
-def _buffer(nbytes: int) -> mmap.mmap:
-    buf = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    return buf
-
-
 def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Optional[Callable],
                piece_bytes: int, direct: bool = True) -> Tuple[Dict[str, torch.Tensor], int]:
     """Read every wanted tensor of one data file; returns ({key: tensor}, bytes read)."""
@@ -65,7 +55,7 @@ def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Opti
     try:
         extents = _extents(wants)
         total = sum(e - s for s, e in extents)
-        buf = _buffer(total)
+        buf = anon_buffer(total)
         where = _pump(backend, fd, path, buf, extents, piece_bytes, wants, check)
     finally:
         os.close(fd)
@@ -120,18 +110,26 @@ def read_into(backend, pool, path: str, size: int, wants: Sequence[Want], sinks:
             for w in wants[first:]:  # empty tensors past the last piece
                 _verify(check, 0, w, path)
         except OSError as e:
-            raise CheckpointCorruptError(f"reading {path} failed: {os.strerror(e.errno or errno.EIO)}",
-                                         path=path) from None
+            raise _read_failed(path, e) from None
         finally:
-            try:
-                backend.drain()
-            except OSError:
-                pass
+            _drain_quietly(backend)
             for c in held.values():
                 pool.release(c)
     finally:
         os.close(fd)
     return sum(n for _, n in pieces)
+
+
+def _read_failed(path: str, e: OSError) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"reading {path} failed: {os.strerror(e.errno or errno.EIO)}", path=path)
+
+
+def _drain_quietly(backend) -> None:
+    """After a failure: let every read in flight land before its buffer can be reused or freed."""
+    try:
+        backend.drain()
+    except OSError:
+        pass
 
 
 def _verify(check: Optional[Callable], crc: int, w: Want, path: str) -> None:
@@ -223,14 +221,10 @@ def _pump(backend, fd, path, buf, extents, piece_bytes, wants, check) -> Dict[st
         for w in wants[wi:]:  # empty tensors past the last piece
             _verify(check, 0, w, path)
     except OSError as e:
-        raise CheckpointCorruptError(f"reading {path} failed: {os.strerror(e.errno or errno.EIO)}",
-                                     path=path) from None
+        raise _read_failed(path, e) from None
     finally:
         pre.close()
-        try:
-            backend.drain()
-        except OSError:
-            pass
+        _drain_quietly(backend)
         view.release()
     return where
 

@@ -13,6 +13,17 @@ from typing import Callable, List, Optional
 import torch
 
 
+def anon_buffer(nbytes: int) -> mmap.mmap:
+    """Page-aligned anonymous memory, with transparent huge pages asked for (fewer TLB misses and faults)."""
+    mem = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mem.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return mem
+
+
 class Chunk:
     """One anonymous-mmap buffer (4 KiB aligned) and a uint8 tensor viewing it."""
 
@@ -20,12 +31,7 @@ class Chunk:
 
     def __init__(self, index: int, nbytes: int):
         self.index = index
-        self.mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses and page faults while staging
-            try:
-                self.mem.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
+        self.mem = anon_buffer(nbytes)
         self.view = memoryview(self.mem)
         self.tensor = torch.frombuffer(self.mem, dtype=torch.uint8)
         self.tensor.zero_()  # fault the pages in now, not during the first save's copy

@@ -44,8 +44,13 @@ def read_all(root: str) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
     return good, bad
 
 
+def _recency(manifests: Dict[str, Dict[str, Any]]):
+    """Commit order (seq), then step: the newest committed is not always the highest step."""
+    return lambda n: (manifests[n].get("seq", 0), manifests[n]["step"])
+
+
 def newest(manifests: Dict[str, Dict[str, Any]]) -> Optional[str]:
-    return max(manifests, key=lambda n: (manifests[n].get("seq", 0), manifests[n]["step"]), default=None)
+    return max(manifests, key=_recency(manifests), default=None)
 
 
 def resolve(root: str, step: Optional[int] = None) -> str:
@@ -110,7 +115,7 @@ def retain(root: str, keep_last: int) -> List[str]:
     if keep_last <= 0:
         return []
     good, bad = read_all(root)
-    order = sorted(good, key=lambda n: (good[n].get("seq", 0), good[n]["step"]), reverse=True)
+    order = sorted(good, key=_recency(good), reverse=True)
     drop = order[keep_last:]
     removed: List[str] = []
     for n in drop:
