@@ -1,0 +1,250 @@
+"""Checkpoint folders and the layerckpt store beside them: pointer files, folder numbers, pruning.
+
+Every folder ``save_state`` writes gets a small pointer, ``layerckpt.json``, naming
+the store (relative to the folder), the composite's step and a token that the
+composite's manifest also holds.  The store sits *beside* the folders, never in
+them, because accelerate's ``total_limit`` rotation deletes whole folders:
+
+    <project_dir>/checkpoints/checkpoint_N/   (automatic naming)   store: <project_dir>/layerckpt/
+    <parent>/<any folder>/                    (save_state(dir))     store: <parent>/.layerckpt/
+
+A composite stays in the store while some folder beside it points at it (and
+the newest one always); :func:`prune` drops the others.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Set, Tuple
+
+from layerckpt import format as fmt
+from layerckpt import store
+from layerckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+
+log = logging.getLogger("layerckpt.accelerate")
+
+POINTER = "layerckpt.json"
+POINTER_FORMAT = "layerckpt-accelerate"
+POINTER_VERSION = 1
+AUTO_STORE = "layerckpt"  # <project_dir>/layerckpt, next to <project_dir>/checkpoints
+EXPLICIT_STORE = ".layerckpt"  # <parent>/.layerckpt, next to the folders given to save_state
+
+_NUMBER = re.compile(r"[0-9]+")
+
+
+def model_dir(i: int) -> str:
+    return f"model_{i}"
+
+
+def folder_number(path: str) -> Optional[int]:
+    """The number accelerate orders ``checkpoints/`` entries by: the first digits of the name."""
+    m = _NUMBER.search(os.path.basename(os.path.normpath(path)))
+    return int(m.group()) if m else None
+
+
+def auto_dir(project_dir: str) -> str:
+    return os.path.join(os.path.abspath(project_dir), "checkpoints")
+
+
+def layout(folder: str, project_dir: Optional[str], automatic: bool) -> Tuple[str, str]:
+    """(store root, directory whose entries are the checkpoint folders) for a folder save_state wrote."""
+    folder = os.path.abspath(folder)
+    if automatic:
+        return os.path.join(os.path.abspath(project_dir), AUTO_STORE), auto_dir(project_dir)
+    parent = os.path.dirname(folder)
+    return os.path.join(parent, EXPLICIT_STORE), parent
+
+
+# ------------------------------------------------------------------ pointer files
+
+@dataclass
+class Pointer:
+    path: str  # the pointer file
+    store: str  # absolute store root
+    step: int
+    token: str
+    optimizers: List[bool]  # per model: whether its optimizer state is in the composite
+
+    def model_root(self, i: int) -> str:
+        return os.path.join(self.store, model_dir(i))
+
+
+def write_pointer(folder: str, store_root: str, step: int, token: str, optimizers: List[bool]) -> None:
+    body = {"format": POINTER_FORMAT, "version": POINTER_VERSION,
+            "store": os.path.relpath(store_root, folder), "step": step, "token": token,
+            "models": [{"dir": model_dir(i), "optimizer": has} for i, has in enumerate(optimizers)]}
+    fmt.write_atomic(os.path.join(folder, POINTER), (json.dumps(body, indent=1) + "\n").encode())
+
+
+def read_pointer(folder: str) -> Optional[Pointer]:
+    """The folder's pointer; None when it has none (a folder plain accelerate wrote)."""
+    path = os.path.join(os.path.abspath(folder), POINTER)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        d = json.loads(raw.decode("utf-8"))
+        ok = (isinstance(d, dict) and d.get("format") == POINTER_FORMAT and isinstance(d.get("store"), str)
+              and isinstance(d.get("step"), int) and d["step"] >= 0 and isinstance(d.get("token"), str)
+              and isinstance(d.get("models"), list) and d["models"]
+              and all(isinstance(m, dict) and isinstance(m.get("optimizer"), bool) for m in d["models"]))
+    except (UnicodeDecodeError, ValueError):
+        ok = False
+    if not ok:
+        raise CheckpointCorruptError(
+            f"{path} is not a valid layerckpt pointer (truncated or edited?); it names the layerckpt composite "
+            f"holding this checkpoint's models and optimizers, so the folder cannot be loaded", path=path)
+    if d.get("version", 0) > POINTER_VERSION:
+        raise CheckpointCorruptError(
+            f"{path} has pointer version {d['version']}, newer than this accelerate_layerckpt reads "
+            f"({POINTER_VERSION}); upgrade layerckpt", path=path)
+    root = os.path.normpath(os.path.join(os.path.dirname(path), d["store"]))
+    return Pointer(path=path, store=root, step=d["step"], token=d["token"],
+                   optimizers=[m["optimizer"] for m in d["models"]])
+
+
+def check_committed(ptr: Pointer) -> List[str]:
+    """The manifest of every model of ``ptr``'s composite; a clear error when one is missing or is not it."""
+    if not os.path.isdir(ptr.store):
+        raise CheckpointNotFoundError(
+            f"{ptr.path} points to the layerckpt store {ptr.store}, which does not exist; the models and "
+            f"optimizers of this checkpoint live there: keep that directory beside the checkpoint folders "
+            f"(move or copy them together)")
+    paths = []
+    for i in range(len(ptr.optimizers)):
+        root = ptr.model_root(i)
+        try:
+            mpath = store.resolve(root, ptr.step)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(
+                f"the layerckpt composite of {os.path.dirname(ptr.path)} (step {ptr.step} in {root}) was never "
+                f"committed: the run stopped before that checkpoint was durable; load an older checkpoint folder"
+            ) from None
+        m = fmt.load_manifest(mpath)
+        token = ((m.get("extra") or {}).get("accelerate") or {}).get("token")
+        if token != ptr.token:
+            raise CheckpointNotFoundError(
+                f"{mpath} belongs to another checkpoint than {os.path.dirname(ptr.path)} (token {token!r}, the "
+                f"pointer names {ptr.token!r}): that folder's own composite was never committed; load an older "
+                f"checkpoint folder")
+        paths.append(mpath)
+    return paths
+
+
+def committed(ptr: Pointer) -> bool:
+    try:
+        check_committed(ptr)
+        return True
+    except CheckpointError:
+        return False
+
+
+def pointers_in(folders_dir: str) -> Iterable[Pointer]:
+    """Readable pointers of the folders directly inside ``folders_dir`` (damaged ones are skipped)."""
+    try:
+        names = os.listdir(folders_dir)
+    except FileNotFoundError:
+        return
+    for n in names:
+        d = os.path.join(folders_dir, n)
+        if not os.path.isfile(os.path.join(d, POINTER)):
+            continue
+        try:
+            p = read_pointer(d)
+        except CheckpointError:
+            continue
+        if p is not None:
+            yield p
+
+
+def referenced_steps(store_root: str, folders_dir: str) -> Set[int]:
+    root = os.path.normpath(store_root)
+    return {p.step for p in pointers_in(folders_dir) if os.path.normpath(p.store) == root}
+
+
+def newest_step(model_roots: Iterable[str]) -> int:
+    """The highest committed step among the stores; -1 when there is none."""
+    return max((s for r in model_roots for s, _ in fmt.list_manifests(r)), default=-1)
+
+
+# ------------------------------------------------------------------ automatic naming
+
+def numbered(folders_dir: str) -> List[Tuple[int, str]]:
+    """(number, path) of the entries accelerate's automatic naming sees, oldest first."""
+    try:
+        names = os.listdir(folders_dir)
+    except FileNotFoundError:
+        return []
+    out = [(folder_number(n), os.path.join(folders_dir, n)) for n in names]
+    return sorted((k, p) for k, p in out if k is not None)
+
+
+def newest_loadable(folders_dir: str) -> Optional[str]:
+    """The folder ``load_state()`` should pick: the newest one whose state is all there.
+
+    Accelerate picks the highest number; a folder whose layerckpt composite was
+    never committed (the process died while it was flushing) is skipped for the
+    one before it, with a warning.
+    """
+    entries = numbered(folders_dir)
+    for _, path in reversed(entries):
+        try:
+            ptr = read_pointer(path)
+        except CheckpointError as e:
+            log.warning("layerckpt: skipping %s: %s", path, e)
+            continue
+        if ptr is None or committed(ptr):
+            return path
+        log.warning("layerckpt: skipping %s: its layerckpt composite (step %d) was never committed", path, ptr.step)
+    return entries[-1][1] if entries else None
+
+
+# ------------------------------------------------------------------ retention
+
+def prune(model_roots: Iterable[str], keep_steps: Set[int]) -> List[str]:
+    """Delete the composites no folder points at (the newest is always kept), then the data only they used.
+
+    Manifests go first and data files only when no kept manifest references
+    them, so a kill at any moment leaves every kept composite whole.
+    """
+    removed: List[str] = []
+    for root in model_roots:
+        steps = [s for s, _ in fmt.list_manifests(root)]
+        if not steps:
+            continue
+        drop_steps = set(steps) - set(keep_steps) - {max(steps)}
+        if not drop_steps:
+            continue  # the common case: no manifest is parsed
+        good, bad = store.read_all(root)
+        newest = store.newest(good)
+        drop = {n: m for n, m in good.items() if m["step"] in drop_steps and n != newest}
+        keep = {n: m for n, m in good.items() if n not in drop}
+        for n in sorted(drop):
+            _unlink(os.path.join(root, fmt.MANIFEST_DIR, n), removed)
+        if drop:
+            fmt.fsync_dir(os.path.join(root, fmt.MANIFEST_DIR))
+        if bad:  # what a damaged manifest references is unknown: keep every data file
+            continue
+        for f in sorted(store.referenced_files(drop) - store.referenced_files(keep)):
+            _unlink(os.path.join(root, fmt.DATA_DIR, f), removed)
+    return removed
+
+
+def _unlink(path: str, removed: List[str]) -> None:
+    try:
+        os.unlink(path)
+        removed.append(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # one failed delete must not stop the rest
+        log.warning("layerckpt: could not delete %s: %s", path, e)
+
+
+def is_inside(path: str, folder: str) -> bool:
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)

@@ -1,0 +1,321 @@
+"""LayerCheckpointPlugin: accelerator.save_state / load_state persist models and optimizers through layerckpt."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import uuid
+import weakref
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from layerckpt import Checkpointer, Config, PendingSave, RestoreReport, restore
+from layerckpt.errors import CheckpointError, CheckpointMismatchError, ConfigError
+from layerckpt.layers import LayerSpec
+
+from . import folders
+
+log = logging.getLogger("layerckpt.accelerate")
+
+ENV_ENABLED = "LAYERCKPT_ENABLED"
+ENV_CONFIG = "LAYERCKPT_CONFIG"
+_UNSUPPORTED = {"FSDP": "FSDP shards", "DEEPSPEED": "DeepSpeed engines", "MEGATRON_LM": "Megatron-LM models",
+                "XLA": "XLA devices"}
+_registered: "weakref.WeakKeyDictionary[Any, LayerCheckpointPlugin]" = weakref.WeakKeyDictionary()
+_disabled_logged = False
+
+
+def enabled_by_env() -> bool:
+    """``LAYERCKPT_ENABLED``: unset or 1/true/yes/on enables the plugin, 0/false/no/off disables it."""
+    value = os.environ.get(ENV_ENABLED, "")
+    v = value.strip().lower()
+    if v in ("", "1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{ENV_ENABLED}={value!r} is neither on nor off; set it to 1 or 0")
+
+
+def _routed(orig, route):
+    @functools.wraps(orig)
+    def method(*args: Any, **kwargs: Any):
+        return route(*args, **kwargs)
+
+    return method
+
+
+class _Store:
+    """One layerckpt store and its Checkpointers (one per prepared model)."""
+
+    def __init__(self, root: str, folders_dir: str, checkpointers: List[Checkpointer], optimizers: List[bool],
+                 next_step: int, run_id: str):
+        self.root = root
+        self.folders_dir = folders_dir
+        self.checkpointers = checkpointers
+        self.optimizers = optimizers
+        self.next_step = next_step
+        self.run_id = run_id
+
+    @property
+    def model_roots(self) -> List[str]:
+        return [ck.dirpath for ck in self.checkpointers]
+
+
+class LayerCheckpointPlugin:
+    """Routes ``accelerator.save_state``/``load_state`` for models and optimizers through layerckpt.
+
+    ``config`` defaults to ``Config.from_yaml($LAYERCKPT_CONFIG)`` when that
+    variable is set, else ``Config()``.  ``LAYERCKPT_ENABLED=0`` makes
+    :meth:`register` a no-op.  ``Config.keep_last`` does not apply: a composite
+    lives as long as a checkpoint folder points at it (accelerate's
+    ``total_limit`` decides).  ``layers`` overrides the layer grouping as in
+    :class:`layerckpt.Checkpointer`.
+    """
+
+    def __init__(self, config: Optional[Config] = None, *, layers: LayerSpec = None):
+        if config is None:
+            path = os.environ.get(ENV_CONFIG)
+            config = Config.from_yaml(path) if path else Config()
+        elif not isinstance(config, Config):
+            raise ConfigError(f"config must be a layerckpt.Config, got {type(config).__name__}")
+        self.config = config
+        self.layers = layers
+        self.accelerator = None
+        self.enabled: Optional[bool] = None  # known once registered
+        self.last_saves: List[PendingSave] = []  # this process's saves of the newest save_state, one per model
+        self.last_restore: List[RestoreReport] = []  # of the newest load_state, one per model
+        self._stores: Dict[str, _Store] = {}
+        self._handles: list = []
+        self._orig: Dict[str, Any] = {}
+        self._active = False  # inside a save_state/load_state this plugin routes
+        self._optimizers: List[Any] = []  # the accelerator's optimizers, set aside during that call
+        self._pointer: Optional[folders.Pointer] = None
+
+    @classmethod
+    def from_yaml(cls, path: Union[str, os.PathLike], **kwargs: Any) -> "LayerCheckpointPlugin":
+        """A plugin whose Config is read from a YAML mapping of Config fields."""
+        return cls(Config.from_yaml(path), **kwargs)
+
+    # ------------------------------------------------------------ public
+
+    def register(self, accelerator) -> "LayerCheckpointPlugin":
+        """Install on ``accelerator``: from now on its save_state/load_state go through layerckpt."""
+        global _disabled_logged
+        from accelerate import Accelerator
+
+        if not isinstance(accelerator, Accelerator):
+            raise CheckpointError(f"register() needs an accelerate.Accelerator, got {type(accelerator).__name__}")
+        if self.accelerator is not None:
+            where = "this" if self.accelerator is accelerator else "another"
+            raise CheckpointError(f"this LayerCheckpointPlugin is already registered on {where} Accelerator; "
+                                  f"create one plugin per Accelerator")
+        if not enabled_by_env():
+            self.enabled = False
+            if not _disabled_logged:
+                _disabled_logged = True
+                log.warning("layerckpt: %s=0, the accelerate plugin is off: save_state/load_state are "
+                            "accelerate's own", ENV_ENABLED)
+            return self
+        if accelerator in _registered:
+            raise CheckpointError("this Accelerator already has a LayerCheckpointPlugin registered; register one only")
+        kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
+        if kind in _UNSUPPORTED:
+            raise CheckpointError(
+                f"LayerCheckpointPlugin does not handle {_UNSUPPORTED[kind]} (distributed_type {kind}): their "
+                f"state is saved by their own engine; do not register the plugin for this run")
+        self.accelerator = accelerator
+        self.enabled = True
+        _registered[accelerator] = self
+        # Accelerate has hooks for models but none for optimizers: save_state writes optimizer.bin for every
+        # entry of accelerator._optimizers, and load_state requires that file.  The accelerator's own
+        # save_state/load_state are wrapped (on this instance only) to set that list aside for the call.
+        for name, route in (("save_state", self._save_state), ("load_state", self._load_state)):
+            self._orig[name] = getattr(accelerator, name)
+            setattr(accelerator, name, _routed(self._orig[name], route))
+        self._handles = [accelerator.register_save_state_pre_hook(self._save_hook),
+                         accelerator.register_load_state_pre_hook(self._load_hook)]
+        return self
+
+    def wait(self) -> None:
+        """Block until every save_state so far is durable and committed; re-raises a flush error."""
+        for st in self._stores.values():
+            for ck in st.checkpointers:
+                ck.wait()
+
+    def close(self) -> None:
+        """Wait for in-flight flushes, free the buffers and give the accelerator its own methods back."""
+        try:
+            self.wait()
+        finally:
+            for st in self._stores.values():
+                for ck in st.checkpointers:
+                    ck.close()
+            self._stores.clear()
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            acc = self.accelerator
+            if acc is not None:
+                for name in self._orig:
+                    acc.__dict__.pop(name, None)
+                _registered.pop(acc, None)
+            self._orig = {}
+            self.accelerator = None
+
+    @property
+    def stores(self) -> List[str]:
+        """Store roots this plugin has written to, in first-use order."""
+        return list(self._stores)
+
+    def __repr__(self) -> str:
+        state = {None: "not registered", False: "disabled", True: "registered"}[self.enabled]
+        return f"LayerCheckpointPlugin({state}, threshold={self.config.threshold}, stores={self.stores})"
+
+    # ------------------------------------------------------------ save
+
+    def _save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any):
+        acc = self.accelerator
+        self._optimizers, acc._optimizers = acc._optimizers, []
+        self._active = True
+        try:
+            return self._orig["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
+        finally:
+            acc._optimizers, self._optimizers = self._optimizers, []
+            self._active = False
+
+    def _save_hook(self, models: List[torch.nn.Module], weights: List[dict], output_dir: str) -> None:
+        """Runs inside save_state once the folder exists (and rotation is done), before accelerate writes."""
+        if not self._active:
+            return
+        weights.clear()  # no model.safetensors: the models go to layerckpt
+        acc = self.accelerator
+        pairs = self._pairs(models)
+        folder = os.path.abspath(output_dir)
+        root, folders_dir = folders.layout(folder, acc.project_dir, acc.project_configuration.automatic_checkpoint_naming)
+        if folders.is_inside(root, folder) or folders.is_inside(folder, root):
+            raise CheckpointError(f"save_state({output_dir!r}) would put the checkpoint folder and its layerckpt "
+                                  f"store {root} inside one another; choose another folder name")
+        st = self._stores.get(root) or self._open(root, folders_dir, pairs)
+        shape = [opt is not None for _, opt in pairs]
+        if shape != st.optimizers:
+            raise CheckpointError(
+                f"the prepared models/optimizers changed since the first save_state into {root} "
+                f"(models with an optimizer then {st.optimizers}, now {shape}); use a new folder for the new setup")
+        step = st.next_step
+        st.next_step += 1
+        token = f"{st.run_id}-{step}"
+        extra = {"accelerate": {"token": token, "folder": os.path.basename(folder), "accelerator_step": acc.step}}
+        self.last_saves = [ck.save(step, extra=extra) for ck in st.checkpointers]
+        if acc.is_main_process:
+            folders.write_pointer(folder, root, step, token, st.optimizers)
+            removed = folders.prune(st.model_roots, folders.referenced_steps(root, folders_dir))
+            if removed:
+                log.info("layerckpt: dropped %d file(s) no checkpoint folder needs any more", len(removed))
+
+    def _open(self, root: str, folders_dir: str, pairs) -> _Store:
+        """The store's Checkpointers; collective under torch.distributed, as save_state is called on every rank."""
+        cfg = self.config.replace(keep_last=0)  # retention follows the folders: see folders.prune
+        cks = [Checkpointer(os.path.join(root, folders.model_dir(i)), model, opt, config=cfg, layers=self.layers)
+               for i, (model, opt) in enumerate(pairs)]
+        # Steps name manifests: never reuse one a committed composite or any folder's pointer holds
+        first = max(folders.newest_step(ck.dirpath for ck in cks),
+                    max(folders.referenced_steps(root, folders_dir), default=-1)) + 1
+        start = [first, uuid.uuid4().hex[:12]]
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(start, from_process=0)  # every rank saves the same steps
+        st = _Store(root, folders_dir, cks, [opt is not None for _, opt in pairs], start[0], start[1])
+        self._stores[root] = st
+        return st
+
+    # ------------------------------------------------------------ load
+
+    def _load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs: Any):
+        acc = self.accelerator
+        pc = acc.project_configuration
+        folder = None
+        if input_dir is not None:
+            folder = os.path.expanduser(os.fspath(input_dir))
+        elif pc.automatic_checkpoint_naming and acc.project_dir is not None:
+            folder = folders.newest_loadable(folders.auto_dir(acc.project_dir))
+        if folder is None or not os.path.isdir(folder):
+            return self._orig["load_state"](input_dir, load_kwargs, **kwargs)  # accelerate's own error
+        ptr = folders.read_pointer(folder)
+        if ptr is None:  # written by plain accelerate (or before the plugin was registered)
+            out = self._orig["load_state"](folder, load_kwargs, **kwargs)
+        else:
+            folders.check_committed(ptr)  # before anything is loaded
+            self._pointer = ptr
+            self._optimizers, acc._optimizers = acc._optimizers, []
+            self._active = True
+            try:
+                out = self._orig["load_state"](folder, load_kwargs, **kwargs)
+            finally:
+                acc._optimizers, self._optimizers = self._optimizers, []
+                self._active = False
+                self._pointer = None
+        self._next_iteration(folder)
+        return out
+
+    def _load_hook(self, models: List[torch.nn.Module], input_dir: str) -> None:
+        """Runs inside load_state before accelerate loads schedulers, RNG, samplers and registered objects."""
+        if not self._active:
+            return
+        ptr = self._pointer
+        pairs = self._pairs(models)
+        shape = [opt is not None for _, opt in pairs]
+        if shape != ptr.optimizers:
+            raise CheckpointMismatchError(
+                f"accelerator (models with an optimizer {shape}; the checkpoint {input_dir} has {ptr.optimizers})",
+                mismatched=["number of prepared models or optimizers"])
+        models.clear()  # accelerate loads no weights: layerckpt does, here
+        cfg = self.config.replace(restore_rng=False)  # accelerate restores RNG from its random_states_*.pkl
+        self.last_restore = [restore(ptr.model_root(i), model, opt, step=ptr.step, config=cfg)
+                             for i, (model, opt) in enumerate(pairs)]
+
+    def _next_iteration(self, folder: str) -> None:
+        """Accelerate never moves project_configuration.iteration on load: the next automatic save would
+        write checkpoint_0 again (or fail because it exists).  Continue after the newest existing folder."""
+        acc = self.accelerator
+        pc = acc.project_configuration
+        if not pc.automatic_checkpoint_naming or acc.project_dir is None:
+            return
+        base = folders.auto_dir(acc.project_dir)
+        nums = [n for n, _ in folders.numbered(base)]
+        if folders.is_inside(folder, base) and folders.folder_number(folder) is not None:
+            nums.append(folders.folder_number(folder))
+        pc.iteration = max([pc.iteration] + [n + 1 for n in nums])
+
+    # ------------------------------------------------------------ models and optimizers
+
+    def _pairs(self, models: List[torch.nn.Module]) -> List[Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]]:
+        """Each prepared model (unwrapped) with the optimizer that owns its parameters, or None."""
+        acc = self.accelerator
+        if not models:
+            raise CheckpointError("save_state/load_state with LayerCheckpointPlugin need a model passed through "
+                                  "accelerator.prepare; none is prepared")
+        plain = [acc.unwrap_model(m, keep_torch_compile=False) for m in models]
+        owner: Dict[int, int] = {}
+        for i, m in enumerate(plain):
+            for p in m.parameters():
+                owner.setdefault(id(p), i)
+        paired: List[Optional[torch.optim.Optimizer]] = [None] * len(plain)
+        paired_from: Dict[int, int] = {}
+        for j, wrapped in enumerate(self._optimizers):
+            opt = getattr(wrapped, "optimizer", wrapped)  # AcceleratedOptimizer wraps the torch optimizer
+            idx = {owner.get(id(p)) for g in opt.param_groups for p in g["params"]}
+            if len(idx) != 1 or None in idx:
+                what = "parameters of no prepared model" if idx <= {None} else "parameters of several prepared models"
+                raise CheckpointError(
+                    f"optimizer {j} ({type(opt).__name__}) holds {what}; layerckpt pairs each optimizer with the one "
+                    f"prepared model that owns all its parameters")
+            i = idx.pop()
+            if paired[i] is not None:
+                raise CheckpointError(
+                    f"model {i} ({type(plain[i]).__name__}) has two optimizers (optimizers {paired_from[i]} and {j}); "
+                    f"layerckpt keeps one optimizer per model: split the model or use one optimizer with "
+                    f"several param_groups")
+            paired[i], paired_from[i] = opt, j
+        return list(zip(plain, paired))
