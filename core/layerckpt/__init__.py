@@ -11,12 +11,12 @@ from .errors import (
     StalenessError,
 )
 from .flusher import PendingSave
-from .restore import RestoreReport, restore
+from .restore import LoadedCheckpoint, RestoreReport, read_checkpoint, restore
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Checkpointer", "Config", "PendingSave", "RestoreReport", "restore",
+    "Checkpointer", "Config", "PendingSave", "RestoreReport", "restore", "read_checkpoint", "LoadedCheckpoint",
     "CheckpointError", "CheckpointWriteError", "CheckpointCorruptError", "CheckpointMismatchError",
     "CheckpointNotFoundError", "ConfigError", "StalenessError",
 ]

@@ -36,6 +36,11 @@ class Checkpointer:
     ``save(step)`` copies the state into pooled host buffers and returns a
     :class:`PendingSave` as soon as the copy is done; a background thread writes
     the data, makes it durable and commits the manifest.
+
+    Under torch.distributed every rank constructs its Checkpointer (collectively)
+    and calls ``save`` with the same steps; each persisted layer is written by
+    one rank.  ``distributed=False`` makes a single-process Checkpointer even
+    there: one rank writes everything, with no collective.
     """
 
     def __init__(
@@ -46,6 +51,7 @@ class Checkpointer:
         config: Optional[Config] = None,
         *,
         layers: LayerSpec = None,
+        distributed: bool = True,
     ):
         if not isinstance(model, torch.nn.Module):
             raise CheckpointError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -60,7 +66,7 @@ class Checkpointer:
         self.optimizer = optimizer
         self.config = config
         # every rank builds its Checkpointer together: the group and the cleanup are collective
-        self.group = dist.Group()
+        self.group = dist.Group(enabled=distributed)
         self.rank = self.group.rank
         if self.rank == 0:
             store.ensure_layout(self.dirpath)
@@ -105,6 +111,10 @@ class Checkpointer:
             self._throttle(self.config.max_inflight - 1 if self.selector.full else 0)
             self._raise_unreported()  # the flush just waited for may have failed
             return self._save(step, extra)
+
+    def check(self) -> None:
+        """Raise the first background failure not yet reported, without waiting for flushes in flight."""
+        self._raise_unreported()
 
     def wait(self) -> None:
         """Wait for every flush in flight; raises the first unreported error."""
@@ -185,6 +195,9 @@ class Checkpointer:
             raise
         pending.stall_s = time.perf_counter() - t0
         pending.nbytes = layout.size
+        pending.layers_total = len(layers)
+        pending.layers_persisted = sum(1 for e in layers.values() if e["step"] == step and e.get("age", 0) == 0)
+        pending.max_staleness = max((int(e.get("age", 0)) for e in layers.values()), default=0)
         return pending
 
     def _fresh_name(self, step: int) -> str:

@@ -24,9 +24,9 @@ class Group:
     """A gloo group of its own for checkpoint coordination, so the flusher thread's collectives never
     interleave with the training's.  Every rank must create it (with its Checkpointer) in the same order."""
 
-    def __init__(self, timeout_s: float = 1800.0):
-        self.rank = rank()
-        self.world = world_size()
+    def __init__(self, timeout_s: float = 1800.0, enabled: bool = True):
+        self.rank = rank() if enabled else 0
+        self.world = world_size() if enabled else 1
         self._pg = None
         if self.world > 1:
             self._pg = _dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

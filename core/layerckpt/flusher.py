@@ -30,7 +30,11 @@ class PendingSave:
         self.stall_s: float = 0.0  # save() call to return
         self.durable_s: float = 0.0  # save() call to commit
         self.nbytes: int = 0  # bytes this save writes (known once staged)
-        self.bytes_written: int = 0  # set once committed
+        self.bytes_written: int = 0  # set once committed: this rank's file
+        self.bytes_all_ranks: int = 0  # set once committed: every rank's file of this save
+        self.layers_persisted: int = 0  # layers written by this save (known once staged)
+        self.layers_total: int = 0
+        self.max_staleness: int = 0  # the composite's oldest layer, in checkpoints
         self.manifest_path: Optional[str] = None
         self._done = threading.Event()
         self._reported = False
@@ -152,6 +156,7 @@ class Flusher:
         if job.on_commit is not None:
             job.on_commit(m)
         job.pending.bytes_written = job.layout.size
+        job.pending.bytes_all_ranks = sum(r["size"] for r in ranks)
         if self.group.rank == 0:
             try:
                 store.retain(self.root, self.config.keep_last)

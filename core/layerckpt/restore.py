@@ -13,7 +13,7 @@ from . import format as fmt
 from . import store
 from .backend import checksum_function, make_backend
 from .config import Config
-from .errors import CheckpointCorruptError, CheckpointMismatchError, StalenessError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, StalenessError
 from .reader import Want, read_into, read_views
 from .staging import BufferPool
 from .state import decode, model_state, optimizer_params, param_names, set_rng_state, tensor_refs
@@ -103,6 +103,83 @@ def restore(
         bytes_read=total, extra=decode(m.get("extra") or {}, tensors), manifest=mpath,
         seconds=time.perf_counter() - t0, missing=plan.missing, unexpected=plan.unexpected,
         mismatched=plan.mismatched, layer_bytes=layer_bytes,
+    )
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A committed checkpoint read into fresh memory, for frameworks that load from dicts."""
+    step: int
+    model: Dict[str, torch.Tensor]  # every state_dict name (tied names share one tensor) -> tensor
+    model_other: Dict[str, Any]  # non-tensor state_dict entries
+    optimizer: Optional[Dict[str, Any]]  # Optimizer.state_dict() form; parameters numbered in saved order
+    extra: Dict[str, Any]
+    rng: Optional[Dict[str, Any]]  # this rank's RNG states; apply with restore_rng()
+    manifest: str
+    layers: Dict[str, int]
+    staleness: Dict[str, int]
+    max_staleness: int
+    bytes_read: int
+    seconds: float = 0.0
+    _rng_tensors: Dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def restore_rng(self) -> None:
+        """Set python/numpy/torch (and CUDA) RNG to their state at the save."""
+        if self.rng:
+            set_rng_state(self.rng, self._rng_tensors)
+
+
+def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *,
+                    config: Optional[Config] = None, strict: bool = True) -> LoadedCheckpoint:
+    """Read the checkpoint at ``path`` (a checkpoint directory, or one of its manifests) into fresh tensors.
+
+    Unlike :func:`restore` this needs no model or optimizer: the model comes back
+    as a state dict and the optimizer state in ``Optimizer.state_dict()`` form.
+    Checksums are verified; nothing is unpickled.
+    """
+    t0 = time.perf_counter()
+    cfg = config or Config()
+    root, located = store.locate(path)
+    if step is not None and located is not None and step != located:
+        raise CheckpointError(f"{path} is the checkpoint of step {located}, but step={step} was asked for")
+    mpath = store.resolve(root, located if step is None else step)
+    m = fmt.load_manifest(mpath)
+    _check_staleness(m, config.max_staleness if config is not None else None, strict)
+    rng = _rng_for_this_rank(m)
+    saved_opt = m.get("optimizer")
+    keys = set(m["tensors"]) - {k for k in m["tensors"] if k.startswith("rng")}
+    keys |= set(tensor_refs(rng or {}))
+    check = checksum_function(m.get("checksum", "crc32c")) if cfg.verify_checksums else None
+    backend = make_backend(cfg.backend, cfg.queue_depth)
+    try:
+        tensors, total = read_tensors(root, m, mpath, sorted(keys), backend, check, cfg)
+    except CheckpointCorruptError as e:
+        raise _with_layer(e, m) from None
+    finally:
+        backend.close()
+    model = {k[len("model/"):]: t for k, t in tensors.items() if k.startswith("model/")}
+    for alias, canon in m["model"].get("aliases", {}).items():
+        model[alias] = model[canon]
+    optimizer = None
+    if saved_opt is not None:
+        index: Dict[str, int] = {}
+        for g in saved_opt["param_groups"]:
+            for n in g["params"]:
+                index.setdefault(n, len(index))
+        groups = []
+        for g in saved_opt["param_groups"]:
+            d = {k: decode(v, tensors) for k, v in g.items() if k != "params"}
+            d["params"] = [index[n] for n in g["params"]]
+            groups.append(d)
+        optimizer = {"state": {index[n]: decode(st, tensors) for n, st in saved_opt["state"].items()},
+                     "param_groups": groups}
+    ages = {name: int(e.get("age", 0)) for name, e in m["layers"].items()}
+    return LoadedCheckpoint(
+        step=m["step"], model=model, model_other=decode(m["model"].get("other") or {}, tensors),
+        optimizer=optimizer, extra=decode(m.get("extra") or {}, tensors), rng=rng if cfg.restore_rng else None,
+        manifest=mpath, layers={name: e["step"] for name, e in m["layers"].items()}, staleness=ages,
+        max_staleness=max(ages.values(), default=0), bytes_read=total, seconds=time.perf_counter() - t0,
+        _rng_tensors=tensors,
     )
 
 

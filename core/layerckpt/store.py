@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import signal
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from . import format as fmt
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -84,6 +84,33 @@ def resolve(root: str, step: Optional[int] = None) -> str:
         hint = f" ({len(bad)} damaged manifest(s): {', '.join(bad)})" if bad else ""
         raise CheckpointNotFoundError(f"no committed checkpoint in {root}{hint}")
     return os.path.join(root, fmt.MANIFEST_DIR, name)
+
+
+def is_checkpoint(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path`` is a layerckpt checkpoint directory or one of its manifests."""
+    try:
+        locate(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def locate(path: Union[str, os.PathLike]) -> Tuple[str, Optional[int]]:
+    """(checkpoint directory, step or None for the newest) named by a directory or a manifest path."""
+    p = os.path.abspath(os.fspath(path))
+    if os.path.isfile(p):
+        parent = os.path.dirname(p)
+        step = fmt.manifest_step(os.path.basename(p))
+        if step is None or os.path.basename(parent) != fmt.MANIFEST_DIR:
+            raise CheckpointNotFoundError(f"{p} is a file but not a layerckpt manifest ({fmt.MANIFEST_DIR}/step-N.json)")
+        return os.path.dirname(parent), step
+    if os.path.isdir(p) and os.path.isdir(os.path.join(p, fmt.MANIFEST_DIR)):
+        return p, None
+    if os.path.isdir(p):
+        raise CheckpointNotFoundError(
+            f"{p} is a directory but not a layerckpt checkpoint (it has no {fmt.MANIFEST_DIR}/ folder); "
+            f"pass the dirpath layerckpt saved into, or one of its {fmt.MANIFEST_DIR}/step-N.json")
+    raise CheckpointNotFoundError(f"checkpoint {p} does not exist")
 
 
 def referenced_files(manifests: Dict[str, Dict[str, Any]]) -> Set[str]:

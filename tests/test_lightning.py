@@ -1,0 +1,315 @@
+"""The Lightning adapter on real Trainers: save, crash, resume in a new Trainer, compare with the run that never stopped."""
+import csv
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+import lightning.pytorch as L  # noqa: E402
+from lightning.fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+import layerckpt  # noqa: E402
+from layerckpt import store  # noqa: E402
+from lightning_layerckpt import LayerCheckpoint, LayerCheckpointIO  # noqa: E402
+from lightning_layerckpt.workload import FineTuneModule  # noqa: E402
+from lit_helpers import Crash, CrashAt, Tiny, pretrained, state_of, trainer  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    oa, ob = a["optimizer"], b["optimizer"]
+    assert oa["param_groups"] == ob["param_groups"]
+    assert oa["state"].keys() == ob["state"].keys()
+    for i in oa["state"]:
+        for k, v in oa["state"][i].items():
+            assert torch.equal(v, ob["state"][i][k]), (i, k)
+    assert a["scheduler"] == b["scheduler"]
+    assert a["global_step"] == b["global_step"] and a["epoch"] == b["epoch"]
+    assert a["loops"] == b["loops"]
+
+
+def reference(tmp_path, steps=20, finetune=False, **kw):
+    torch.manual_seed(7)
+    m = pretrained(Tiny(task="affine", lr=3e-4, **kw)) if finetune else Tiny(**kw)
+    t = trainer(steps, [LayerCheckpoint(dirpath=str(tmp_path / "ref"), every_n_train_steps=4, threshold=0.0)],
+                str(tmp_path))
+    t.fit(m)
+    return t, m
+
+
+def crashed_then_resumed(tmp_path, crash_at=14, steps=20, ckpt_path="last", finetune=False, model=None, **cb):
+    d = str(tmp_path / "run")
+    mk = dict(model or {}, **({"task": "affine", "lr": 3e-4} if finetune else {}))
+    torch.manual_seed(7)
+    m = pretrained(Tiny(**mk)) if finetune else Tiny(**mk)
+    t = trainer(steps, [LayerCheckpoint(dirpath=d, every_n_train_steps=4, **cb), CrashAt(crash_at)], str(tmp_path))
+    with pytest.raises(Crash):
+        t.fit(m)
+    # the exception's teardown waited for the flush in flight: the last save before the crash is committed
+    assert layerckpt.read_checkpoint(d).step == (crash_at // 4) * 4
+    torch.manual_seed(123)  # a new process would start from other RNG states and other weights
+    m2 = Tiny(seed=5, **mk)
+    cb2 = LayerCheckpoint(dirpath=d, every_n_train_steps=4, **cb)
+    t2 = trainer(steps, [cb2], str(tmp_path))
+    t2.fit(m2, ckpt_path=ckpt_path(d) if callable(ckpt_path) else ckpt_path)
+    return t2, m2, cb2
+
+
+def test_resume_is_bit_exact_with_threshold_zero(tmp_path):
+    t, m = reference(tmp_path)
+    t2, m2, cb = crashed_then_resumed(tmp_path, threshold=0.0)
+    assert cb.restored["step"] == 12 and cb.restored["max_staleness"] == 0
+    assert_same(state_of(t, m), state_of(t2, m2))
+    assert m.losses[12:] == m2.losses  # dropout draws too: each RNG came back as it was at the save
+
+
+def test_resume_with_defaults_stays_close(tmp_path):
+    t, m = reference(tmp_path, steps=40, finetune=True)
+    t2, m2, cb = crashed_then_resumed(tmp_path, crash_at=30, steps=40, finetune=True)
+    assert cb.restored["step"] == 28
+    assert t2.global_step == 40 and t2.fit_loop.state_dict() == t.fit_loop.state_dict()
+    want, got = m.losses[28:], m2.losses
+    assert abs(sum(got) - sum(want)) / sum(want) < 0.005
+    # selective: some saves skipped layers, and the composites say why
+    ms = [json.load(open(p)) for p in glob.glob(str(tmp_path / "run" / "manifests" / "*.json"))]
+    assert any(e["step"] < mf["step"] for mf in ms for e in mf["layers"].values())
+
+
+def test_resume_from_a_manifest_path(tmp_path):
+    t, m = reference(tmp_path)
+    t2, m2, _ = crashed_then_resumed(tmp_path, threshold=0.0,
+                                     ckpt_path=lambda d: os.path.join(d, "manifests", "step-00000012.json"))
+    assert_same(state_of(t, m), state_of(t2, m2))
+
+
+def test_trainer_save_checkpoint_goes_through_layerckpt(tmp_path):
+    torch.manual_seed(7)
+    m = Tiny()
+    t = trainer(8, [LayerCheckpoint(dirpath=str(tmp_path / "run"), every_n_train_steps=4)], str(tmp_path))
+    t.fit(m)
+    path = str(tmp_path / "manual.ckpt")
+    t.save_checkpoint(path)
+    t.strategy.checkpoint_io.wait()
+    assert os.path.isdir(path) and store.is_checkpoint(path)
+    assert not glob.glob(str(tmp_path / "**" / "*.pt"), recursive=True)
+    ck = t.strategy.checkpoint_io.load_checkpoint(path)
+    assert ck["global_step"] == 8 and ck["pytorch-lightning_version"]
+    for k, v in m.state_dict().items():
+        assert torch.equal(ck["state_dict"][k], v), k
+    sd = t.optimizers[0].state_dict()
+    for i, st in sd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(ck["optimizer_states"][0]["state"][i][k], v)
+    assert ck["lr_schedulers"] == [t.lr_scheduler_configs[0].scheduler.state_dict()]
+    assert ck["hyper_parameters"]["n_embd"] == 32
+
+
+def test_stats_reach_the_loggers(tmp_path):
+    torch.manual_seed(7)
+    m = Tiny()
+    d = str(tmp_path / "run")
+    logger = CSVLogger(str(tmp_path), name="logs")
+    t = trainer(12, [LayerCheckpoint(dirpath=d, every_n_train_steps=4, keep_last=0)], str(tmp_path), logger=logger,
+                log_every_n_steps=1)
+    t.fit(m)
+    rows = list(csv.DictReader(open(os.path.join(logger.log_dir, "metrics.csv"))))
+    logged = {int(r["step"]): r for r in rows if r.get("layerckpt/bytes_written")}
+    assert sorted(logged) == [4, 8, 12]
+    for step, r in logged.items():
+        size = os.path.getsize(os.path.join(d, "data", f"step-{step:08d}.rank0.safetensors"))
+        assert int(float(r["layerckpt/bytes_written"])) == size
+        mf = json.load(open(os.path.join(d, "manifests", f"step-{step:08d}.json")))
+        persisted = sum(1 for e in mf["layers"].values() if e["step"] == step)
+        assert int(float(r["layerckpt/layers_persisted"])) == persisted
+        assert int(float(r["layerckpt/max_staleness"])) == max(e["age"] for e in mf["layers"].values())
+        assert float(r["layerckpt/stall_ms"]) > 0 and float(r["layerckpt/flush_gbps"]) > 0
+
+
+def test_ordinary_ckpt_still_loads(tmp_path):
+    """A run checkpointed by Lightning itself (enabled=False) resumes under an enabled LayerCheckpoint."""
+    t, m = reference(tmp_path)
+    torch.manual_seed(7)
+    m1 = Tiny()
+    cb = LayerCheckpoint(dirpath=str(tmp_path / "plain"), every_n_train_steps=4, enabled=False)
+    t1 = trainer(20, [cb, CrashAt(14)], str(tmp_path))
+    with pytest.raises(Crash):
+        t1.fit(m1)
+    last = str(tmp_path / "plain" / "last.ckpt")
+    assert os.path.isfile(last) and torch.load(last, weights_only=True)["global_step"] == 12
+    torch.manual_seed(7)  # Lightning keeps no RNG state: seed as the reference did, so only the RNG differs
+    m2 = Tiny(seed=5, dropout=0.0)
+    m.losses.clear()
+    t2 = trainer(20, [LayerCheckpoint(dirpath=str(tmp_path / "new"), every_n_train_steps=4)], str(tmp_path))
+    t2.fit(m2, ckpt_path=last)
+    assert t2.global_step == 20
+    assert glob.glob(str(tmp_path / "new" / "manifests" / "*.json"))  # and it now saves through layerckpt
+
+
+def test_disabled_is_lightnings_own_checkpointing(tmp_path):
+    torch.manual_seed(7)
+    m = Tiny()
+    d = tmp_path / "plain"
+    t = trainer(8, [LayerCheckpoint(dirpath=str(d), every_n_train_steps=4, enabled=False)], str(tmp_path))
+    t.fit(m)
+    assert sorted(os.listdir(d)) == ["epoch=0-step=8.ckpt", "last.ckpt"]
+    assert not isinstance(t.strategy.checkpoint_io, LayerCheckpointIO)
+
+
+@pytest.mark.parametrize("what", ["empty", "foreign"])
+def test_a_directory_that_is_no_checkpoint_is_refused(tmp_path, what):
+    d = tmp_path / "dir"
+    d.mkdir()
+    if what == "foreign":
+        (d / "weights.bin").write_bytes(b"\0" * 64)
+    t = trainer(4, [LayerCheckpoint(dirpath=str(tmp_path / "run"))], str(tmp_path))
+    with pytest.raises(layerckpt.CheckpointNotFoundError, match="is a directory but not a layerckpt checkpoint"):
+        t.fit(Tiny(), ckpt_path=str(d))
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"every_n_train_steps": -1}, "every_n_train_steps"), ({"every_n_epochs": -2}, "every_n_epochs"),
+    ({"threshold": -0.1}, "threshold"), ({"max_staleness": 0}, "max_staleness"), ({"keep_last": -1}, "keep_last"),
+    ({"staging_bytes": "lots"}, "staging_bytes"),
+])
+def test_invalid_values_fail_at_construction_naming_the_field(kw, field):
+    with pytest.raises((layerckpt.ConfigError, MisconfigurationException), match=field):
+        LayerCheckpoint(**kw)
+
+
+def test_config_yaml_and_overrides(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("layerckpt:\n  threshold: 0.2\n  max_staleness: 7\n")
+    cb = LayerCheckpoint(config=str(y), max_staleness=9)
+    assert cb.layer_config.threshold == 0.2 and cb.layer_config.max_staleness == 9
+    with pytest.raises(layerckpt.ConfigError, match="enabled"):
+        LayerCheckpoint(enabled="no")
+
+
+def test_flush_error_stops_training(tmp_path):
+    """A flush that fails raises in the training process (at the next batch or the end of fit)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs-lit", str(mnt)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        torch.manual_seed(7)
+        t = trainer(12, [LayerCheckpoint(dirpath=str(mnt / "ck"), every_n_train_steps=4)], str(tmp_path))
+        with pytest.raises(layerckpt.CheckpointWriteError, match="No space left"):
+            t.fit(Tiny())
+        assert t.global_step < 12  # raised during training, not after it
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_sharded_strategies_are_refused():
+    """FSDP needs a GPU in Lightning, so its strategy object is checked directly: setup() runs this check."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    from lightning_layerckpt import _refuse_sharded
+
+    for strategy in (FSDPStrategy(), ModelParallelStrategy()):
+        with pytest.raises(layerckpt.CheckpointError, match=f"does not support {type(strategy).__name__}"):
+            _refuse_sharded(strategy)
+    _refuse_sharded(L.strategies.DDPStrategy())  # DDP is fine
+
+
+def test_checkpoint_io_on_its_own(tmp_path):
+    """Trainer(plugins=[LayerCheckpointIO()]) with Lightning's ModelCheckpoint: each checkpoint a full store."""
+    d = str(tmp_path / "mc")
+
+    def make(steps, extra=()):
+        return trainer(steps, [ModelCheckpoint(dirpath=d, every_n_train_steps=4, save_last=True), *extra],
+                       str(tmp_path), plugins=[LayerCheckpointIO()])
+
+    torch.manual_seed(7)
+    m = Tiny(dropout=0.0)
+    t = make(12, [CrashAt(10)])
+    with pytest.raises(Crash):
+        t.fit(m)
+    assert sorted(os.listdir(d)) == ["epoch=0-step=8.ckpt", "last.ckpt"]  # top-1 rotation removed step 4
+    assert all(store.is_checkpoint(os.path.join(d, n)) for n in os.listdir(d))
+    torch.manual_seed(7)
+    ref = Tiny(dropout=0.0)
+    trainer(12, [], str(tmp_path), enable_checkpointing=False).fit(ref)
+    m2 = Tiny(seed=5, dropout=0.0)
+    t2 = make(12)
+    t2.fit(m2, ckpt_path="last")
+    for (k, a), b in zip(ref.state_dict().items(), m2.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_lightning_cli_yaml(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    for enabled in (True, False):
+        y = tmp_path / f"cfg{enabled}.yaml"
+        d = tmp_path / f"ck{enabled}"
+        y.write_text(f"""
+trainer:
+  max_steps: 8
+  accelerator: cpu
+  logger: false
+  enable_progress_bar: false
+  default_root_dir: {tmp_path}
+  callbacks:
+    - class_path: lightning_layerckpt.LayerCheckpoint
+      init_args:
+        dirpath: {d}
+        every_n_train_steps: 4
+        threshold: 0.1
+        enabled: {str(enabled).lower()}
+model:
+  n_layer: 2
+  n_embd: 32
+""")
+        cli = LightningCLI(FineTuneModule, args=["fit", "--config", str(y)], save_config_callback=None)
+        cb = cli.trainer.checkpoint_callback
+        assert isinstance(cb, LayerCheckpoint) and cb.enabled is enabled
+        if enabled:
+            assert cb.layer_config.threshold == 0.1
+            assert [s for s, _ in __import__("layerckpt.format").format.list_manifests(str(d))] == [4, 8]
+        else:
+            assert sorted(os.listdir(d)) == ["epoch=0-step=8.ckpt", "last.ckpt"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_two_ranks_share_the_writes_and_resume(tmp_path):
+    """Trainer(strategy="ddp", devices=2) on gloo: disjoint shares, one commit, every rank resumes bit-exact."""
+    script = os.path.join(HERE, "lit_helpers.py")
+    env = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for mode in ("ref", "crash", "resume"):
+        env["MASTER_PORT"] = str(_free_port())
+        r = subprocess.run([sys.executable, script, str(tmp_path), mode, "0.0"], capture_output=True, text=True,
+                           timeout=240, env=env)
+        assert r.returncode == 0, f"{mode}: {r.stderr[-3000:]}"
+    for rank in (0, 1):
+        a = json.load(open(tmp_path / f"ref.rank{rank}.json"))
+        b = json.load(open(tmp_path / f"resume.rank{rank}.json"))
+        assert a == b, rank  # weights, optimizer state, loops and the RNG after the run
+    m = json.load(open(layerckpt.read_checkpoint(str(tmp_path / "run")).manifest))
+    assert m["world_size"] == 2
+    by_rank = {}
+    for name, e in m["layers"].items():
+        by_rank.setdefault(e["rank"], set()).add(name)
+    assert set(by_rank) == {0, 1} and not (by_rank[0] & by_rank[1])
+    files = {e["file"] for e in m["tensors"].values()}
+    assert {f for f in files if ".rank0." in f} and {f for f in files if ".rank1." in f}
