@@ -17,8 +17,9 @@ import json
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from layerckpt import format as fmt
 from layerckpt import store
@@ -72,11 +73,22 @@ class Pointer:
         return os.path.join(self.store, model_dir(i))
 
 
-def write_pointer(folder: str, store_root: str, step: int, token: str, optimizers: List[bool]) -> None:
+def write_pointer(folder: str, store_root: str, step: int, token: str, optimizers: List[bool]) -> str:
+    """Write ``folder/layerckpt.json`` atomically (tmp + rename).
+
+    Like the files accelerate writes beside it (RNG, schedulers) it is not fsynced:
+    it would block training for a file that is only as useful as its folder.  The
+    composite it names is durable once committed, and a folder whose composite
+    never committed is refused by name (and skipped by ``load_state()``).
+    """
     body = {"format": POINTER_FORMAT, "version": POINTER_VERSION,
             "store": os.path.relpath(store_root, folder), "step": step, "token": token,
             "models": [{"dir": model_dir(i), "optimizer": has} for i, has in enumerate(optimizers)]}
-    fmt.write_atomic(os.path.join(folder, POINTER), (json.dumps(body, indent=1) + "\n").encode())
+    path = os.path.join(folder, POINTER)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(json.dumps(body, indent=1) + "\n")
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def read_pointer(folder: str) -> Optional[Pointer]:
@@ -162,9 +174,10 @@ def pointers_in(folders_dir: str) -> Iterable[Pointer]:
             yield p
 
 
-def referenced_steps(store_root: str, folders_dir: str) -> Set[int]:
+def referenced(store_root: str, folders_dir: str) -> Dict[str, int]:
+    """Pointer file -> step, for the folders in ``folders_dir`` that point into ``store_root``."""
     root = os.path.normpath(store_root)
-    return {p.step for p in pointers_in(folders_dir) if os.path.normpath(p.store) == root}
+    return {p.path: p.step for p in pointers_in(folders_dir) if os.path.normpath(p.store) == root}
 
 
 def newest_step(model_roots: Iterable[str]) -> int:
@@ -206,18 +219,20 @@ def newest_loadable(folders_dir: str) -> Optional[str]:
 
 # ------------------------------------------------------------------ retention
 
-def prune(model_roots: Iterable[str], keep_steps: Set[int]) -> List[str]:
-    """Delete the composites no folder points at (the newest is always kept), then the data only they used.
+def prune(model_roots: Iterable[str], keep_steps: Set[int], below: int) -> List[str]:
+    """Delete the composites of steps below ``below`` that no folder points at (the newest committed is
+    always kept), then the data files only they used.
 
     Manifests go first and data files only when no kept manifest references
-    them, so a kill at any moment leaves every kept composite whole.
+    them, so a kill at any moment leaves every kept composite whole.  Steps at
+    or above ``below`` (saves newer than the caller knows of) are never touched.
     """
     removed: List[str] = []
     for root in model_roots:
         steps = [s for s, _ in fmt.list_manifests(root)]
         if not steps:
             continue
-        drop_steps = set(steps) - set(keep_steps) - {max(steps)}
+        drop_steps = {s for s in steps if s < below} - set(keep_steps) - {max(steps)}
         if not drop_steps:
             continue  # the common case: no manifest is parsed
         good, bad = store.read_all(root)
@@ -233,6 +248,48 @@ def prune(model_roots: Iterable[str], keep_steps: Set[int]) -> List[str]:
         for f in sorted(store.referenced_files(drop) - store.referenced_files(keep)):
             _unlink(os.path.join(root, fmt.DATA_DIR, f), removed)
     return removed
+
+
+class Pruner:
+    """Runs :func:`prune` on a thread of its own, so retention never blocks training; a newer request
+    replaces one not yet started.  A failure is logged, and the next request tries again."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._request: Optional[Tuple[List[str], Set[int], int]] = None
+        self._busy = False
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, model_roots: List[str], keep_steps: Set[int], below: int) -> None:
+        with self._cond:
+            self._request = (list(model_roots), set(keep_steps), below)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="layerckpt-prune", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every request so far is done."""
+        with self._cond:
+            while self._request is not None or self._busy:
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._request is None:
+                    self._cond.wait()
+                req, self._request, self._busy = self._request, None, True
+            try:
+                removed = prune(*req)
+                if removed:
+                    log.debug("layerckpt: dropped %d file(s) no checkpoint folder needs any more", len(removed))
+            except Exception as e:  # housekeeping: one failure must not stop training
+                log.warning("layerckpt: pruning the store failed (retried at the next save): %s", e)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
 
 
 def _unlink(path: str, removed: List[str]) -> None:

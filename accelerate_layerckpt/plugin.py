@@ -48,14 +48,15 @@ def _routed(orig, route):
 class _Store:
     """One layerckpt store and its Checkpointers (one per prepared model)."""
 
-    def __init__(self, root: str, folders_dir: str, checkpointers: List[Checkpointer], optimizers: List[bool],
-                 next_step: int, run_id: str):
+    def __init__(self, root: str, checkpointers: List[Checkpointer], optimizers: List[bool], next_step: int,
+                 run_id: str, live: Dict[str, int]):
         self.root = root
-        self.folders_dir = folders_dir
         self.checkpointers = checkpointers
         self.optimizers = optimizers
         self.next_step = next_step
         self.run_id = run_id
+        self.live = live  # pointer file -> step of every folder known to point into this store (rank 0)
+        self.pruner = folders.Pruner()
 
     @property
     def model_roots(self) -> List[str]:
@@ -91,6 +92,7 @@ class LayerCheckpointPlugin:
         self._active = False  # inside a save_state/load_state this plugin routes
         self._optimizers: List[Any] = []  # the accelerator's optimizers, set aside during that call
         self._pointer: Optional[folders.Pointer] = None
+        self._paired: Optional[tuple] = None  # (identity of models and optimizers, their pairing)
 
     @classmethod
     def from_yaml(cls, path: Union[str, os.PathLike], **kwargs: Any) -> "LayerCheckpointPlugin":
@@ -142,6 +144,7 @@ class LayerCheckpointPlugin:
         for st in self._stores.values():
             for ck in st.checkpointers:
                 ck.wait()
+            st.pruner.drain()
 
     def close(self) -> None:
         """Wait for in-flight flushes, free the buffers and give the accelerator its own methods back."""
@@ -208,25 +211,25 @@ class LayerCheckpointPlugin:
         extra = {"accelerate": {"token": token, "folder": os.path.basename(folder), "accelerator_step": acc.step}}
         self.last_saves = [ck.save(step, extra=extra) for ck in st.checkpointers]
         if acc.is_main_process:
-            folders.write_pointer(folder, root, step, token, st.optimizers)
-            removed = folders.prune(st.model_roots, folders.referenced_steps(root, folders_dir))
-            if removed:
-                log.info("layerckpt: dropped %d file(s) no checkpoint folder needs any more", len(removed))
+            st.live[folders.write_pointer(folder, root, step, token, st.optimizers)] = step
+            # rotation (or the user) may have deleted folders since: their composites can go
+            st.live = {path: s for path, s in st.live.items() if os.path.exists(path)}
+            st.pruner.submit(st.model_roots, set(st.live.values()), below=step)
 
     def _open(self, root: str, folders_dir: str, pairs) -> _Store:
         """The store's Checkpointers; collective under torch.distributed, as save_state is called on every rank."""
         cfg = self.config.replace(keep_last=0)  # retention follows the folders: see folders.prune
         cks = [Checkpointer(os.path.join(root, folders.model_dir(i)), model, opt, config=cfg, layers=self.layers)
                for i, (model, opt) in enumerate(pairs)]
+        live = folders.referenced(root, folders_dir)  # folders of earlier runs: kept while they exist
         # Steps name manifests: never reuse one a committed composite or any folder's pointer holds
-        first = max(folders.newest_step(ck.dirpath for ck in cks),
-                    max(folders.referenced_steps(root, folders_dir), default=-1)) + 1
+        first = max(folders.newest_step(ck.dirpath for ck in cks), max(live.values(), default=-1)) + 1
         start = [first, uuid.uuid4().hex[:12]]
         if self.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(start, from_process=0)  # every rank saves the same steps
-        st = _Store(root, folders_dir, cks, [opt is not None for _, opt in pairs], start[0], start[1])
+        st = _Store(root, cks, [opt is not None for _, opt in pairs], start[0], start[1], live)
         self._stores[root] = st
         return st
 
@@ -246,6 +249,10 @@ class LayerCheckpointPlugin:
         if ptr is None:  # written by plain accelerate (or before the plugin was registered)
             out = self._orig["load_state"](folder, load_kwargs, **kwargs)
         else:
+            for plugin in [self, *_registered.values()]:  # saved by this process: a flush may be in flight
+                st = plugin._stores.get(os.path.normpath(ptr.store))
+                for ck in st.checkpointers if st is not None else ():
+                    ck.wait()
             folders.check_committed(ptr)  # before anything is loaded
             self._pointer = ptr
             self._optimizers, acc._optimizers = acc._optimizers, []
@@ -296,6 +303,16 @@ class LayerCheckpointPlugin:
         if not models:
             raise CheckpointError("save_state/load_state with LayerCheckpointPlugin need a model passed through "
                                   "accelerator.prepare; none is prepared")
+        key = (tuple(map(id, models)),
+               tuple((id(o), tuple(len(g["params"]) for g in o.param_groups)) for o in self._optimizers))
+        if self._paired is not None and self._paired[0] == key:
+            return self._paired[1]
+        pairs = self._pair(models)
+        self._paired = (key, pairs)
+        return pairs
+
+    def _pair(self, models: List[torch.nn.Module]) -> List[Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]]:
+        acc = self.accelerator
         plain = [acc.unwrap_model(m, keep_torch_compile=False) for m in models]
         owner: Dict[int, int] = {}
         for i, m in enumerate(plain):

@@ -23,7 +23,8 @@ from accelerate.utils import ProjectConfiguration
 
 import layerckpt
 from accelerate_layerckpt import LayerCheckpointPlugin
-from layerckpt.workload import batch, make_model
+from layerckpt.workload import batch, make_model, make_optimizer, start_finetune
+from layerckpt.workload import run as run_steps
 
 
 class Progress:
@@ -47,12 +48,15 @@ class Run:
     """An Accelerator with one tiny GPT, AdamW, a StepLR scheduler and a Progress object."""
 
     def __init__(self, project_dir, *, automatic: bool = True, total_limit: Optional[int] = None,
-                 config: Optional[layerckpt.Config] = None, plugin: bool = True, seed: int = 0):
+                 config: Optional[layerckpt.Config] = None, plugin: bool = True, seed: int = 0, pretrain: int = 0):
         self.acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
             project_dir=str(project_dir), automatic_checkpoint_naming=automatic, total_limit=total_limit))
         model = tiny(seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        opt = make_optimizer(model)
+        if pretrain:  # the post-training story: pre-train on one task, fine-tune (checkpointed) on another
+            run_steps(model, opt, "count", 0, pretrain)
+        start_finetune(opt)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)
         self.model, self.opt, self.sched = self.acc.prepare(model, opt, sched)
         self.progress = Progress()
         self.acc.register_for_checkpointing(self.progress)
@@ -68,7 +72,7 @@ class Run:
         acc, losses = self.acc, {}
         for _ in range(n):
             s = self.progress.step
-            x, y = batch("count", s * acc.num_processes + acc.process_index)
+            x, y = batch("affine", s * acc.num_processes + acc.process_index)
             with acc.accumulate(self.model):
                 loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
                 loss = loss * (1 + 0.01 * torch.rand(()))
@@ -105,10 +109,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--resume", default=None, help="a folder to load_state from, or 'auto' for load_state()")
     ap.add_argument("--total-limit", type=int, default=None)
     ap.add_argument("--no-plugin", action="store_true")
+    ap.add_argument("--pretrain", type=int, default=0, help="pre-training steps before the checkpointed run")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = layerckpt.Config.from_dict(json.loads(args.config)) if args.config else None
-    run = Run(args.dir, total_limit=args.total_limit, config=cfg, plugin=not args.no_plugin)
+    run = Run(args.dir, total_limit=args.total_limit, config=cfg, plugin=not args.no_plugin,
+              pretrain=0 if args.resume else args.pretrain)
     acc = run.acc
     out: Dict[str, Any] = {"world": acc.num_processes, "losses": {}, "draws": {}, "saved": []}
     if args.resume:

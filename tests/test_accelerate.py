@@ -1,0 +1,397 @@
+"""The Accelerate adapter on real Accelerators (cpu=True): save_state/load_state persist models and
+optimizers through layerckpt, everything else stays accelerate's."""
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+
+import layerckpt
+from accelerate_helpers import Run, tiny
+from accelerate_layerckpt import LayerCheckpointPlugin, folders
+from layerckpt import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HELPER = os.path.join(HERE, "accelerate_helpers.py")
+EXAMPLE = os.path.join(HERE, os.pardir, "examples", "accelerate_finetune.py")
+FULL = layerckpt.Config(threshold=0.0)
+ACCELERATE_SMALL_FILES = {"custom_checkpoint_0.pkl", "random_states_0.pkl", "scheduler.bin"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate(monkeypatch):
+    monkeypatch.delenv("LAYERCKPT_ENABLED", raising=False)
+    monkeypatch.delenv("LAYERCKPT_CONFIG", raising=False)
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def runs():
+    made = []
+
+    def make(*args, **kwargs) -> Run:
+        made.append(Run(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for r in made:
+        if r.plugin is not None and r.plugin.accelerator is not None:
+            r.plugin.close()
+
+
+def same_state(a: dict, b: dict) -> None:
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    sa, sb = a["optim"], b["optim"]
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for i in sa["state"]:
+        for k, v in sa["state"][i].items():
+            assert torch.equal(v, sb["state"][i][k]), (i, k)
+
+
+def listing(folder) -> set:
+    return set(os.listdir(folder))
+
+
+# ------------------------------------------------------------------ new processes
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _helper(root, name: str, *args: str, world: int = 1) -> list:
+    cmd = [sys.executable, HELPER, "--dir", str(root), "--out", str(root / name), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if world > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *cmd[1:]]
+        env["ACCELERATE_USE_CPU"] = "1"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    outs = []
+    for rank in range(world):
+        with open(root / f"{name}.rank{rank}.json") as f:
+            outs.append(json.load(f))
+        outs[-1]["state"] = torch.load(root / f"{name}.rank{rank}.pt", weights_only=True)
+    return outs
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["1-process", "2-processes"])
+def test_resume_in_a_new_process_equals_the_uninterrupted_run(tmp_path, world):
+    """threshold=0: train, save_state every 4 steps, then load_state(checkpoint_1) in new processes and go on:
+    bit-exact, with scheduler, RNG, register_for_checkpointing object and accelerator.step back."""
+    cfg = ["--config", '{"threshold": 0.0}', "--steps", "12", "--every", "4"]
+    first = _helper(tmp_path, "a", *cfg, world=world)
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    for d in os.listdir(ckpts):  # no model.safetensors, no optimizer.bin: those live in the store
+        assert listing(ckpts / d) == ACCELERATE_SMALL_FILES | {f"random_states_{r}.pkl" for r in range(world)} | {
+            "layerckpt.json"}
+    # the last save was staged right before the processes exited: a normal exit made it durable
+    folders.check_committed(folders.read_pointer(ckpts / "checkpoint_2"))
+    m = json.loads((tmp_path / "layerckpt" / "model_0" / "manifests" / "step-00000001.json").read_text())
+    assert m["world_size"] == world and len(m["files"]) == world  # each rank wrote its share, one commit
+
+    second = _helper(tmp_path, "b", *cfg, "--resume", str(ckpts / "checkpoint_1"), world=world)
+    for a, b in zip(first, second):
+        saved = a["saved"][1]
+        assert b["loaded"]["progress"] == saved["progress"] == 8
+        assert b["loaded"]["accelerator_step"] == saved["accelerator_step"] == 8
+        assert b["loaded"]["sched"] == saved["sched"]
+        assert b["loaded"]["draw"] == a["draws"]["checkpoint_1"]  # the RNG state accelerate saved
+        assert b["loaded"]["iteration"] == 3 and b["saved"][0]["folder"] == "checkpoint_3"  # no collision
+        assert b["loaded"]["report"]["step"] == 1 and b["loaded"]["report"]["max_staleness"] == 0
+        assert b["losses"] == {k: v for k, v in a["losses"].items() if int(k) >= 8}
+        same_state(a["state"], b["state"])
+
+
+def test_example_defaults_write_5x_less_and_stay_within_half_a_percent(tmp_path):
+    """The example, small: default Config, SIGKILL while flushing, load_state() in fresh processes."""
+    out = tmp_path / "figures.json"
+    r = subprocess.run([sys.executable, EXAMPLE, "--dir", str(tmp_path), "--json", str(out), "--finetune", "160",
+                        "--crash-at", "130"], capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads(out.read_text())
+    print("\n" + r.stdout)
+    assert s["resumed_at"] in (124, 128)  # the newest folder whose composite committed before the kill
+    assert s["bytes"]["ratio"] >= 5.0
+    assert s["loss"]["mean_rel"] <= 0.005
+    assert len(s["restored"]["layer_steps"]) > 1  # the restore really was a composite
+
+
+# ------------------------------------------------------------------ one process, in-process Accelerators
+
+def test_folders_hold_accelerate_state_and_a_pointer(tmp_path, runs):
+    run = runs(tmp_path, config=FULL)
+    run.train(2)
+    folder = run.acc.save_state()
+    assert listing(folder) == ACCELERATE_SMALL_FILES | {"layerckpt.json"}
+    ptr = folders.read_pointer(folder)
+    assert ptr.store == str(tmp_path / "layerckpt") and ptr.optimizers == [True]
+    assert json.loads((tmp_path / "checkpoints" / "checkpoint_0" / "layerckpt.json").read_text())["store"] == \
+        os.path.join(os.pardir, os.pardir, "layerckpt")
+    run.plugin.wait()
+    assert layerckpt.restore(ptr.model_root(0), tiny(5), step=ptr.step).step == ptr.step
+
+
+def test_total_limit_rotation_keeps_every_remaining_folder_loadable(tmp_path, runs):
+    """Full saves: each remaining folder restores exactly its own state; rotated composites leave the store."""
+    run = runs(tmp_path, total_limit=2, config=FULL)
+    snaps = {}
+    for _ in range(5):
+        run.train(2)
+        folder = run.acc.save_state()
+        snaps[os.path.basename(folder)] = (run.snapshot(), run.progress.step, run.sched.state_dict())
+    run.plugin.wait()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_3", "checkpoint_4"]
+    store = tmp_path / "layerckpt" / "model_0"
+    assert sorted(os.listdir(store / "manifests")) == ["step-00000003.json", "step-00000004.json"]
+    assert sorted(os.listdir(store / "data")) == ["step-00000003.rank0.safetensors", "step-00000004.rank0.safetensors"]
+    for name in ("checkpoint_3", "checkpoint_4"):
+        run.train(1)
+        run.acc.load_state(str(tmp_path / "checkpoints" / name))
+        snap, progress, sched = snaps[name]
+        same_state(run.snapshot(), snap)
+        assert run.progress.step == progress and run.sched.state_dict() == sched
+
+
+def test_rotation_never_breaks_a_composite(tmp_path, runs):
+    """Default Config: later composites carry layers written at steps whose folders were rotated away."""
+    run = runs(tmp_path, total_limit=2)
+    run.train(2)
+    run.acc.save_state()
+    full = run.plugin.last_saves[0].nbytes
+    snap = run.snapshot()
+    for _ in range(3):  # no training in between: nothing drifted, every layer is carried
+        run.acc.save_state()
+        assert run.plugin.last_saves[0].nbytes < full / 10
+    run.plugin.wait()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_2", "checkpoint_3"]
+    store = tmp_path / "layerckpt" / "model_0"
+    assert sorted(os.listdir(store / "manifests")) == ["step-00000002.json", "step-00000003.json"]
+    assert "step-00000000.rank0.safetensors" in os.listdir(store / "data")  # still referenced
+    run.train(3)
+    run.acc.load_state(str(tmp_path / "checkpoints" / "checkpoint_2"))
+    same_state(run.snapshot(), snap)
+    assert set(run.plugin.last_restore[0].layers.values()) == {0}
+
+
+def test_numbering_after_load_state_never_collides(tmp_path, runs, caplog):
+    first = runs(tmp_path, config=FULL)
+    for _ in range(3):
+        first.train(1)
+        first.acc.save_state()
+    first.plugin.close()
+    again = runs(tmp_path, config=FULL, seed=3)  # a new process would start at iteration 0
+    again.acc.load_state()  # the newest folder
+    assert again.progress.step == 3 and again.acc.project_configuration.iteration == 3
+    assert os.path.basename(again.acc.save_state()) == "checkpoint_3"
+    again.acc.load_state(str(tmp_path / "checkpoints" / "checkpoint_0"))
+    assert again.progress.step == 1
+    assert os.path.basename(again.acc.save_state()) == "checkpoint_4"
+    # a folder whose composite never committed (the run died while flushing) is skipped by load_state()
+    ptr = tmp_path / "checkpoints" / "checkpoint_4" / "layerckpt.json"
+    ptr.write_text(ptr.read_text().replace('"step": 4', '"step": 99'))
+    with pytest.raises(CheckpointNotFoundError, match="never committed"):
+        again.acc.load_state(str(tmp_path / "checkpoints" / "checkpoint_4"))
+    with caplog.at_level(logging.WARNING, logger="layerckpt.accelerate"):
+        again.acc.load_state()
+    assert "checkpoint_4" in caplog.text and again.progress.step == 3  # checkpoint_3, saved at step 3
+    assert again.acc.project_configuration.iteration == 5
+
+
+def test_explicit_folders_share_a_store_beside_them(tmp_path, runs):
+    run = runs(tmp_path, automatic=False)
+    run.train(2)
+    run.acc.save_state(str(tmp_path / "ckpts" / "a"))
+    full = run.plugin.last_saves[0].nbytes
+    snap = run.snapshot()
+    run.acc.save_state(str(tmp_path / "ckpts" / "b"))  # nothing moved: b's composite is a's data
+    assert run.plugin.last_saves[0].nbytes < full / 10
+    assert folders.read_pointer(tmp_path / "ckpts" / "b").store == str(tmp_path / "ckpts" / ".layerckpt")
+    shutil.rmtree(tmp_path / "ckpts" / "a")  # the user deletes a folder: its composite goes, its data stays
+    run.train(1)
+    run.acc.save_state(str(tmp_path / "ckpts" / "c"))
+    run.plugin.wait()
+    store = tmp_path / "ckpts" / ".layerckpt" / "model_0"
+    assert sorted(os.listdir(store / "manifests")) == ["step-00000001.json", "step-00000002.json"]
+    run.acc.load_state(str(tmp_path / "ckpts" / "b"))
+    same_state(run.snapshot(), snap)
+    with pytest.raises(CheckpointError, match="inside one another"):
+        run.acc.save_state(str(tmp_path / "ckpts" / ".layerckpt"))
+
+
+def test_several_models_each_with_its_optimizer(tmp_path):
+    acc = Accelerator(cpu=True)
+    a, b, c = tiny(0), tiny(1), tiny(2)  # c: a frozen teacher, no optimizer
+    oa, ob = torch.optim.AdamW(a.parameters()), torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    a, b, c, oa, ob = acc.prepare(a, b, c, oa, ob)
+    plugin = LayerCheckpointPlugin(FULL).register(acc)
+    x = torch.randint(0, 96, (2, 8))
+    for m, o in ((a, oa), (b, ob)):
+        acc.backward(m(x).square().mean())
+        o.step()
+    acc.save_state(str(tmp_path / "ck"))
+    ptr = folders.read_pointer(tmp_path / "ck")
+    assert ptr.optimizers == [True, True, False]
+    want = [{k: v.clone() for k, v in m.state_dict().items()} for m in (a, b, c)]
+    want_opt = [o.optimizer.state_dict() for o in (oa, ob)]
+    with torch.no_grad():
+        for m in (a, b, c):
+            for p in m.parameters():
+                p.add_(1.0)
+    acc.load_state(str(tmp_path / "ck"))
+    for m, w in zip((a, b, c), want):
+        assert all(torch.equal(m.state_dict()[k], w[k]) for k in w)
+    assert torch.equal(ob.optimizer.state_dict()["state"][0]["momentum_buffer"], want_opt[1]["state"][0]["momentum_buffer"])
+    plugin.close()
+
+
+def test_optimizers_that_do_not_pair_with_one_model_are_refused(tmp_path):
+    acc = Accelerator(cpu=True)
+    a, b = tiny(0), tiny(1)
+    o1 = torch.optim.AdamW(list(a.parameters()) + list(b.parameters()))
+    a, b, o1 = acc.prepare(a, b, o1)
+    plugin = LayerCheckpointPlugin().register(acc)
+    with pytest.raises(CheckpointError, match="optimizer 0 .* several prepared models"):
+        acc.save_state(str(tmp_path / "x"))
+    plugin.close()
+    AcceleratorState._reset_state(True)
+    acc = Accelerator(cpu=True)
+    m = tiny(0)
+    params = list(m.parameters())
+    o1, o2 = torch.optim.AdamW(params[:3]), torch.optim.AdamW(params[3:])
+    m, o1, o2 = acc.prepare(m, o1, o2)
+    plugin = LayerCheckpointPlugin().register(acc)
+    with pytest.raises(CheckpointError, match="model 0 .* two optimizers"):
+        acc.save_state(str(tmp_path / "y"))
+    plugin.close()
+
+
+# ------------------------------------------------------------------ bad input
+
+def test_a_plain_accelerate_folder_still_loads(tmp_path, runs):
+    plain = runs(tmp_path / "p", automatic=False, plugin=False)
+    plain.train(2)
+    plain.acc.save_state(str(tmp_path / "plain"))
+    assert {"model.safetensors", "optimizer.bin"} <= listing(tmp_path / "plain")
+    snap = plain.snapshot()
+    run = runs(tmp_path / "q", automatic=False, seed=4)
+    run.acc.load_state(str(tmp_path / "plain"))
+    same_state(run.snapshot(), snap)
+    assert run.progress.step == 2 and run.plugin.last_restore == []
+
+
+def test_mismatched_models_are_named(tmp_path, runs):
+    run = runs(tmp_path, automatic=False, config=FULL)
+    run.train(1)
+    run.acc.save_state(str(tmp_path / "ck"))
+    acc = Accelerator(cpu=True)
+    m = torch.nn.Linear(3, 3)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    m, o = acc.prepare(m, o)
+    acc.register_for_checkpointing(run.progress)
+    plugin = LayerCheckpointPlugin().register(acc)
+    with pytest.raises(CheckpointMismatchError, match="missing from the checkpoint: bias, weight"):
+        acc.load_state(str(tmp_path / "ck"))
+    plugin.close()
+
+
+def test_corrupt_data_names_the_file(tmp_path, runs):
+    run = runs(tmp_path, config=FULL)
+    run.train(1)
+    folder = run.acc.save_state()
+    run.plugin.wait()
+    data = tmp_path / "layerckpt" / "model_0" / "data" / "step-00000000.rank0.safetensors"
+    raw = bytearray(data.read_bytes())
+    for i in range(len(raw) // 2, len(raw) // 2 + 64):
+        raw[i] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorruptError) as e:
+        run.acc.load_state(folder)
+    assert str(data) in str(e.value)
+
+
+def test_damaged_pointer_or_missing_store_is_a_clear_error(tmp_path, runs):
+    run = runs(tmp_path, config=FULL)
+    run.train(1)
+    folder = run.acc.save_state()
+    run.plugin.wait()
+    pointer = os.path.join(folder, "layerckpt.json")
+    good = open(pointer).read()
+    with open(pointer, "w") as f:
+        f.write(good[: len(good) // 2])
+    with pytest.raises(CheckpointCorruptError, match="not a valid layerckpt pointer") as e:
+        run.acc.load_state(folder)
+    assert pointer in str(e.value)
+    with open(pointer, "w") as f:
+        f.write(good)
+    shutil.move(tmp_path / "layerckpt", tmp_path / "moved")
+    with pytest.raises(CheckpointNotFoundError, match="which does not exist") as e:
+        run.acc.load_state(folder)
+    assert str(tmp_path / "layerckpt") in str(e.value)
+
+
+def test_register_misuse(tmp_path, runs):
+    run = runs(tmp_path)
+    with pytest.raises(CheckpointError, match="already registered on this Accelerator"):
+        run.plugin.register(run.acc)
+    with pytest.raises(CheckpointError, match="already has a LayerCheckpointPlugin"):
+        LayerCheckpointPlugin().register(run.acc)
+    other = Accelerator(cpu=True)
+    with pytest.raises(CheckpointError, match="registered on another Accelerator"):
+        run.plugin.register(other)
+    with pytest.raises(CheckpointError, match="needs an accelerate.Accelerator"):
+        LayerCheckpointPlugin().register(object())
+    with pytest.raises(layerckpt.ConfigError, match="layerckpt.Config"):
+        LayerCheckpointPlugin({"threshold": 0.0})
+    run.plugin.close()  # gives the accelerator its own methods back
+    assert "save_state" not in vars(run.acc) and not run.acc._save_model_state_pre_hook
+
+
+# ------------------------------------------------------------------ configuration
+
+def test_disabled_by_environment_is_plain_accelerate(tmp_path, runs, monkeypatch, caplog):
+    plain = runs(tmp_path / "plain", plugin=False)
+    plain.train(1)
+    want = listing(plain.acc.save_state())
+    monkeypatch.setenv("LAYERCKPT_ENABLED", "0")
+    off = runs(tmp_path / "off")
+    assert off.plugin.enabled is False and off.plugin.accelerator is None
+    assert "save_state" not in vars(off.acc) and not off.acc._save_model_state_pre_hook
+    off.train(1)
+    assert listing(off.acc.save_state()) == want
+    assert {"model.safetensors", "optimizer.bin"} <= want and not (tmp_path / "off" / "layerckpt").exists()
+    monkeypatch.setenv("LAYERCKPT_ENABLED", "maybe")
+    with pytest.raises(layerckpt.ConfigError, match="LAYERCKPT_ENABLED='maybe'"):
+        LayerCheckpointPlugin().register(Accelerator(cpu=True))
+
+
+def test_yaml_config_from_code_and_from_the_environment(tmp_path, runs, monkeypatch):
+    path = tmp_path / "layerckpt.yaml"
+    path.write_text("layerckpt:\n  threshold: 0.0\n  max_staleness: 7\n")
+    assert LayerCheckpointPlugin.from_yaml(path).config.max_staleness == 7
+    monkeypatch.setenv("LAYERCKPT_CONFIG", str(path))
+    assert LayerCheckpointPlugin().config.threshold == 0.0
+    assert LayerCheckpointPlugin(layerckpt.Config(threshold=0.2)).config.threshold == 0.2  # code wins
+    run = runs(tmp_path / "run")  # Run builds LayerCheckpointPlugin(None): the environment's YAML
+    run.acc.save_state()
+    first = run.plugin.last_saves[0].nbytes
+    run.acc.save_state()
+    assert run.plugin.last_saves[0].nbytes == first  # threshold 0: every layer at every save
+    path.write_text("threshold: 0.0\nkeep_lastt: 3\n")
+    with pytest.raises(layerckpt.ConfigError, match="keep_lastt"):
+        LayerCheckpointPlugin()
