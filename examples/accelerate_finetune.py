@@ -113,6 +113,7 @@ def child(role: str, args: argparse.Namespace) -> None:
             out["saves"].append({"blocked_s": blocked, "folder_bytes": _folder_bytes(folder),
                                  "layerckpt_bytes": sum(p.nbytes for p in plugin.last_saves) if plugin else 0})
     if role == "reference":  # accelerate's own resume, from the newest folder
+        acc.wait_for_everyone()  # save_state ends without a barrier: rank 0 may still be writing
         t = time.perf_counter()
         acc.load_state()
         out["resume_s"] = time.perf_counter() - t
