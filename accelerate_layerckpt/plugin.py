@@ -116,8 +116,8 @@ class LayerCheckpointPlugin:
             self.enabled = False
             if not _disabled_logged:
                 _disabled_logged = True
-                log.warning("layerckpt: %s=0, the accelerate plugin is off: save_state/load_state are "
-                            "accelerate's own", ENV_ENABLED)
+                log.warning("layerckpt: %s=%s, the accelerate plugin is off: save_state/load_state are "
+                            "accelerate's own", ENV_ENABLED, os.environ.get(ENV_ENABLED))
             return self
         if accelerator in _registered:
             raise CheckpointError("this Accelerator already has a LayerCheckpointPlugin registered; register one only")
@@ -195,7 +195,8 @@ class LayerCheckpointPlugin:
         acc = self.accelerator
         pairs = self._pairs(models)
         folder = os.path.abspath(output_dir)
-        root, folders_dir = folders.layout(folder, acc.project_dir, acc.project_configuration.automatic_checkpoint_naming)
+        automatic = acc.project_configuration.automatic_checkpoint_naming
+        root, folders_dir = folders.layout(folder, acc.project_dir, automatic)
         if folders.is_inside(root, folder) or folders.is_inside(folder, root):
             raise CheckpointError(f"save_state({output_dir!r}) would put the checkpoint folder and its layerckpt "
                                   f"store {root} inside one another; choose another folder name")
@@ -299,7 +300,6 @@ class LayerCheckpointPlugin:
 
     def _pairs(self, models: List[torch.nn.Module]) -> List[Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]]:
         """Each prepared model (unwrapped) with the optimizer that owns its parameters, or None."""
-        acc = self.accelerator
         if not models:
             raise CheckpointError("save_state/load_state with LayerCheckpointPlugin need a model passed through "
                                   "accelerator.prepare; none is prepared")

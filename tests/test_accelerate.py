@@ -256,7 +256,8 @@ def test_several_models_each_with_its_optimizer(tmp_path):
     acc.load_state(str(tmp_path / "ck"))
     for m, w in zip((a, b, c), want):
         assert all(torch.equal(m.state_dict()[k], w[k]) for k in w)
-    assert torch.equal(ob.optimizer.state_dict()["state"][0]["momentum_buffer"], want_opt[1]["state"][0]["momentum_buffer"])
+    momentum = ob.optimizer.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(momentum, want_opt[1]["state"][0]["momentum_buffer"])
     plugin.close()
 
 
@@ -331,7 +332,8 @@ def test_damaged_pointer_or_missing_store_is_a_clear_error(tmp_path, runs):
     folder = run.acc.save_state()
     run.plugin.wait()
     pointer = os.path.join(folder, "layerckpt.json")
-    good = open(pointer).read()
+    with open(pointer) as f:
+        good = f.read()
     with open(pointer, "w") as f:
         f.write(good[: len(good) // 2])
     with pytest.raises(CheckpointCorruptError, match="not a valid layerckpt pointer") as e:
