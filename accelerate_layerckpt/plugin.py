@@ -93,6 +93,7 @@ class LayerCheckpointPlugin:
         self._optimizers: List[Any] = []  # the accelerator's optimizers, set aside during that call
         self._pointer: Optional[folders.Pointer] = None
         self._paired: Optional[tuple] = None  # (identity of models and optimizers, their pairing)
+        self._target: Optional[Tuple[str, _Store]] = None  # (folder, store) of the save_state in progress
 
     @classmethod
     def from_yaml(cls, path: Union[str, os.PathLike], **kwargs: Any) -> "LayerCheckpointPlugin":
@@ -180,15 +181,22 @@ class LayerCheckpointPlugin:
     def _save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any):
         acc = self.accelerator
         self._optimizers, acc._optimizers = acc._optimizers, []
-        self._active = True
+        self._active, self._target = True, None
         try:
-            return self._orig["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
+            out = self._orig["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
         finally:
             acc._optimizers, self._optimizers = self._optimizers, []
             self._active = False
+        target, self._target = self._target, None
+        if target is not None:
+            # Staged last, once accelerate's own files are written: the flush that starts here then
+            # overlaps training, not the rest of save_state (both want the interpreter).
+            self._persist(*target)
+        return out
 
     def _save_hook(self, models: List[torch.nn.Module], weights: List[dict], output_dir: str) -> None:
-        """Runs inside save_state once the folder exists (and rotation is done), before accelerate writes."""
+        """Runs inside save_state once the folder exists (and rotation is done), before accelerate writes:
+        checks what will be saved where, so that a refusal comes before any file."""
         if not self._active:
             return
         weights.clear()  # no model.safetensors: the models go to layerckpt
@@ -206,13 +214,18 @@ class LayerCheckpointPlugin:
             raise CheckpointError(
                 f"the prepared models/optimizers changed since the first save_state into {root} "
                 f"(models with an optimizer then {st.optimizers}, now {shape}); use a new folder for the new setup")
+        self._target = (folder, st)
+
+    def _persist(self, folder: str, st: "_Store") -> None:
+        """Stage every model (and optimizer) into the store, point the folder at the composite, prune."""
+        acc = self.accelerator
         step = st.next_step
         st.next_step += 1
         token = f"{st.run_id}-{step}"
         extra = {"accelerate": {"token": token, "folder": os.path.basename(folder), "accelerator_step": acc.step}}
         self.last_saves = [ck.save(step, extra=extra) for ck in st.checkpointers]
         if acc.is_main_process:
-            st.live[folders.write_pointer(folder, root, step, token, st.optimizers)] = step
+            st.live[folders.write_pointer(folder, st.root, step, token, st.optimizers)] = step
             # rotation (or the user) may have deleted folders since: their composites can go
             st.live = {path: s for path, s in st.live.items() if os.path.exists(path)}
             st.pruner.submit(st.model_roots, set(st.live.values()), below=step)

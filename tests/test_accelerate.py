@@ -122,7 +122,7 @@ def test_example_defaults_write_5x_less_and_stay_within_half_a_percent(tmp_path)
     """The example, small: default Config, SIGKILL while flushing, load_state() in fresh processes."""
     out = tmp_path / "figures.json"
     r = subprocess.run([sys.executable, EXAMPLE, "--dir", str(tmp_path), "--json", str(out), "--finetune", "160",
-                        "--crash-at", "130"], capture_output=True, text=True, timeout=400)
+                        "--crash-at", "130", "--overlap"], capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     s = json.loads(out.read_text())
     print("\n" + r.stdout)
