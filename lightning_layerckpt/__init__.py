@@ -317,6 +317,7 @@ class LayerCheckpoint(ModelCheckpoint):
         if not self.enabled:
             return super().setup(trainer, pl_module, stage)
         _refuse_sharded(trainer.strategy)
+        self.restored, self._pending_rng = None, None  # set again if this fit resumes
         self.dirpath = trainer.strategy.broadcast(self._resolve_dir(trainer))
         self._install_io(trainer)
 
@@ -370,9 +371,25 @@ class LayerCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_start(trainer, pl_module)
+        if self.enabled and self._ckpt is None:
+            self._checkpointer(trainer)
+            if self.restored is not None and os.path.dirname(os.path.dirname(self.restored["manifest"])) == \
+                    self._ckpt.dirpath:
+                self._ckpt.adopt(self.restored["manifest"])  # resumed from this store: stay selective
         loaded, self._pending_rng = self._pending_rng, None
         if loaded is not None:  # Lightning keeps no RNG state; put back each rank's own, as at the save
             loaded.restore_rng()
+
+    def _checkpointer(self, trainer: Any) -> "layerckpt.Checkpointer":
+        """This fit's Checkpointer (created on every rank at once: construction is collective)."""
+        optimizers = trainer.optimizers
+        if self._ckpt is None:
+            self._ckpt = layerckpt.Checkpointer(self.dirpath, trainer.lightning_module,
+                                                optimizers[0] if optimizers else None, self.layer_config)
+        elif optimizers and self._ckpt.optimizer is not optimizers[0]:
+            raise CheckpointError("the Trainer's optimizer changed since the first checkpoint of this fit; "
+                                  "LayerCheckpoint follows one optimizer object per fit")
+        return self._ckpt
 
     def state_dict(self) -> Dict[str, Any]:
         if not self.enabled:
@@ -410,14 +427,7 @@ class LayerCheckpoint(ModelCheckpoint):
         t0 = time.perf_counter()
         step = int(trainer.global_step)
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        optimizers = trainer.optimizers
-        if self._ckpt is None:
-            self._ckpt = layerckpt.Checkpointer(self.dirpath, trainer.lightning_module,
-                                                optimizers[0] if optimizers else None, self.layer_config)
-        elif optimizers and self._ckpt.optimizer is not optimizers[0]:
-            raise CheckpointError("the Trainer's optimizer changed since the first checkpoint of this fit; "
-                                  "LayerCheckpoint follows one optimizer object per fit")
-        pending = self._ckpt.save(step, extra=_split(checkpoint, has_optimizer=bool(optimizers)))
+        pending = self._checkpointer(trainer).save(step, extra=_split(checkpoint, has_optimizer=bool(trainer.optimizers)))
         pending.stall_s = time.perf_counter() - t0  # what training waited for, the state dump included
         self._last_global_step_saved = step
         self._last_checkpoint_saved = self.last_model_path = self.best_model_path = pending.manifest_path or \

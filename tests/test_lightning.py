@@ -86,6 +86,8 @@ def test_resume_with_defaults_stays_close(tmp_path):
     assert t2.global_step == 240 and t2.fit_loop.state_dict() == t.fit_loop.state_dict()
     want, got = m.losses[168:], m2.losses
     assert len(got) == len(want) == 72
+    first = cb.saves[0]  # the resumed run continues the composite it restored: its first save is selective too
+    assert first.step == 172 and first.layers_persisted < first.layers_total
     assert abs(sum(got) - sum(want)) / sum(want) < 0.005
 
 

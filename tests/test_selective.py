@@ -266,3 +266,39 @@ def test_threshold_zero_resume_is_bit_exact(tmp_path):
                           finetune=120)
     assert r["identical"], "with every layer in every checkpoint the continued run must equal the original"
     assert r["full_bytes"] == r["bytes"]
+
+
+def test_adopting_a_restored_composite_keeps_the_next_save_selective(tmp_path):
+    """A new Checkpointer (a resumed process) continues the composite it restored instead of starting full."""
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()
+    cfg = layerckpt.Config(threshold=0.05, keep_last=0)
+    with layerckpt.Checkpointer(tmp_path, model, opt, config=cfg) as ck:
+        full = ck.save(1).wait().nbytes
+        _nudge(model.h[1], 0.2)
+        ck.save(2).wait()
+
+    model2 = small_model(seed=3)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    report = layerckpt.restore(tmp_path, model2, opt2)
+    with layerckpt.Checkpointer(tmp_path, model2, opt2, config=cfg) as ck:
+        ck.adopt(report)
+        _nudge(model2.h[2], 0.2)
+        p = ck.save(3).wait()
+        with pytest.raises(layerckpt.CheckpointError, match="before the first save"):
+            ck.adopt(report)
+    m = _manifest(tmp_path, 3)
+    assert p.nbytes < full / 2
+    assert m["layers"]["h.2"]["step"] == 3 and m["layers"]["h.1"]["step"] == 2 and m["layers"]["h.0"]["step"] == 1
+    assert m["layers"]["h.0"]["age"] == 2 and m["chain"] == 2
+    model3 = small_model(seed=4)
+    opt3 = torch.optim.SGD(model3.parameters(), lr=0.1, momentum=0.9)
+    layerckpt.restore(tmp_path, model3, opt3)
+    for (k, a), b in zip(model2.state_dict().items(), model3.state_dict().values()):
+        assert torch.equal(a, b), k
+    other = tmp_path / "other"
+    with layerckpt.Checkpointer(other, model2, opt2, config=cfg) as ck:
+        with pytest.raises(layerckpt.CheckpointError, match="not to this Checkpointer"):
+            ck.adopt(report)

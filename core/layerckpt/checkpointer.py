@@ -112,6 +112,24 @@ class Checkpointer:
             self._raise_unreported()  # the flush just waited for may have failed
             return self._save(step, extra)
 
+    def adopt(self, restored: Any) -> None:
+        """Continue from a checkpoint of this directory that was just restored into the model (a
+        :class:`RestoreReport`, a :class:`LoadedCheckpoint` or its manifest path): the next save is
+        then selective against it instead of full.  Call it before the weights change again."""
+        path = restored if isinstance(restored, (str, os.PathLike)) else getattr(restored, "manifest", None)
+        if path is None:
+            raise CheckpointError(f"adopt() takes a RestoreReport, a LoadedCheckpoint or a manifest path, "
+                                  f"got {type(restored).__name__}")
+        root, step = store.locate(path)
+        if os.path.abspath(root) != self.dirpath:
+            raise CheckpointError(f"adopt(): {path} belongs to {root}, not to this Checkpointer's {self.dirpath}")
+        m = fmt.load_manifest(store.resolve(root, step))
+        with self._lock:
+            if self._pending or self.selector.composite is not None:
+                raise CheckpointError("adopt() must come before the first save() of this Checkpointer")
+            entries, _ = gather(self.model, None, None, self.rank)
+            self.selector.adopt(m, entries)
+
     def check(self) -> None:
         """Raise the first background failure not yet reported, without waiting for flushes in flight."""
         self._raise_unreported()

@@ -144,6 +144,18 @@ class Selector:
         commit = {layer: samples[layer] for layer in persist if layer in samples}
         return write, layers, carried, files, commit, chain
 
+    def adopt(self, manifest: Dict[str, Any], entries: List[Tuple[str, torch.Tensor]]) -> None:
+        """Take a committed composite as the base of the next save, as if this Selector had written it.
+        ``entries`` are the model's tensors *now*, which must be the composite's (just restored): they
+        become each layer's drift reference."""
+        owner = self.owners(tuple(k[len("model/"):] for k, _ in entries if k.startswith("model/")))
+        weights: Dict[str, Dict[str, torch.Tensor]] = {}
+        for k, t in entries:
+            if k.startswith("model/") and k[len("model/"):] in owner:
+                weights.setdefault(owner[k[len("model/"):]], {})[k[len("model/"):]] = t
+        samples = {} if self.full else {layer: self.tracker.sample(w) for layer, w in weights.items()}
+        self.committed(manifest, samples)
+
     def committed(self, manifest: Dict[str, Any], samples: Dict[str, torch.Tensor]) -> None:
         """Called by the flusher once a save committed: it becomes the base of the next composite."""
         from .format import CODES
