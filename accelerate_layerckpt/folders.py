@@ -101,7 +101,8 @@ def read_pointer(folder: str) -> Optional[Pointer]:
         return None
     try:
         d = json.loads(raw.decode("utf-8"))
-        ok = (isinstance(d, dict) and d.get("format") == POINTER_FORMAT and isinstance(d.get("store"), str)
+        ok = (isinstance(d, dict) and d.get("format") == POINTER_FORMAT and isinstance(d.get("version"), int)
+              and isinstance(d.get("store"), str)
               and isinstance(d.get("step"), int) and d["step"] >= 0 and isinstance(d.get("token"), str)
               and isinstance(d.get("models"), list) and d["models"]
               and all(isinstance(m, dict) and isinstance(m.get("optimizer"), bool) for m in d["models"]))
@@ -111,7 +112,7 @@ def read_pointer(folder: str) -> Optional[Pointer]:
         raise CheckpointCorruptError(
             f"{path} is not a valid layerckpt pointer (truncated or edited?); it names the layerckpt composite "
             f"holding this checkpoint's models and optimizers, so the folder cannot be loaded", path=path)
-    if d.get("version", 0) > POINTER_VERSION:
+    if d["version"] > POINTER_VERSION:
         raise CheckpointCorruptError(
             f"{path} has pointer version {d['version']}, newer than this accelerate_layerckpt reads "
             f"({POINTER_VERSION}); upgrade layerckpt", path=path)
@@ -130,6 +131,10 @@ def check_committed(ptr: Pointer) -> List[str]:
     paths = []
     for i in range(len(ptr.optimizers)):
         root = ptr.model_root(i)
+        if not os.path.isdir(root):
+            raise CheckpointNotFoundError(
+                f"{ptr.path} points to {root}, which does not exist: the layerckpt store {ptr.store} lacks the "
+                f"data of model {i}; keep the store whole beside the checkpoint folders")
         try:
             mpath = store.resolve(root, ptr.step)
         except CheckpointNotFoundError:

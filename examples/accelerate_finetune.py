@@ -53,7 +53,13 @@ class Progress:
 
 
 def _folder_bytes(folder: str) -> int:
-    return sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
+    total = 0
+    for n in os.listdir(folder):
+        try:
+            total += os.path.getsize(os.path.join(folder, n))
+        except FileNotFoundError:  # another rank's temporary file, renamed meanwhile
+            pass
+    return total
 
 
 def child(role: str, args: argparse.Namespace) -> None:
@@ -110,7 +116,8 @@ def child(role: str, args: argparse.Namespace) -> None:
             t = time.perf_counter()
             folder = acc.save_state()
             blocked = time.perf_counter() - t
-            out["saves"].append({"blocked_s": blocked, "folder_bytes": _folder_bytes(folder),
+            out["saves"].append({"blocked_s": blocked,
+                                 "folder_bytes": _folder_bytes(folder) if acc.is_main_process else 0,
                                  "layerckpt_bytes": sum(p.nbytes for p in plugin.last_saves) if plugin else 0})
     if role == "reference":  # accelerate's own resume, from the newest folder
         acc.wait_for_everyone()  # save_state ends without a barrier: rank 0 may still be writing
