@@ -315,3 +315,18 @@ def test_ddp_two_ranks_share_the_writes_and_resume(tmp_path):
     assert set(by_rank) == {0, 1} and not (by_rank[0] & by_rank[1])
     files = {e["file"] for e in m["tensors"].values()}
     assert {f for f in files if ".rank0." in f} and {f for f in files if ".rank1." in f}
+
+
+@pytest.mark.parametrize("trigger, kw, steps", [
+    ("every_n_epochs", {"every_n_epochs": 1}, [4, 8]),
+    ("train_time_interval", {"train_time_interval": __import__("datetime").timedelta(0)}, [1, 2, 3, 4, 5, 6, 7, 8]),
+])
+def test_triggers_are_modelcheckpoints(tmp_path, trigger, kw, steps):
+    torch.manual_seed(7)
+    d = str(tmp_path / "run")
+    t = trainer(-1, [LayerCheckpoint(dirpath=d, keep_last=0, **kw)], str(tmp_path), max_epochs=2,
+                limit_train_batches=4)
+    t.fit(Tiny())
+    from layerckpt.format import list_manifests
+
+    assert [s for s, _ in list_manifests(d)] == steps
