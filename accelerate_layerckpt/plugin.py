@@ -252,6 +252,7 @@ class LayerCheckpointPlugin:
     def _load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs: Any):
         acc = self.accelerator
         pc = acc.project_configuration
+        self.last_restore = []
         folder = None
         if input_dir is not None:
             folder = os.path.expanduser(os.fspath(input_dir))

@@ -126,7 +126,11 @@ def child(role: str, args: argparse.Namespace) -> None:
         out["resume_s"] = time.perf_counter() - t
     with open(path, "w") as f:
         json.dump(out, f)
-    acc.wait_for_everyone()  # ranks leave together
+    if acc.num_processes > 1:  # leave together: a rank tearing gloo down while its peer still talks aborts it
+        if plugin is not None:
+            plugin.wait()
+        acc.wait_for_everyone()
+        acc.end_training()  # destroys the process groups (layerckpt's included) on every rank at once
 
 
 # ---------------------------------------------------------------------- the story (launcher processes)

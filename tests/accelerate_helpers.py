@@ -5,8 +5,8 @@
                                        [--resume FOLDER|auto] [--total-limit K] [--no-plugin]
 
 Each rank writes OUT.rank<r>.json (losses, RNG draws after each save/load, scheduler, counters)
-and OUT.rank<r>.pt (final model and optimizer state).  Nothing waits for the last flush: a
-normal exit must complete it.
+and OUT.rank<r>.pt (final model and optimizer state).  A single process never waits for its
+last flush: a normal exit must complete it.  Several processes wait, then leave together.
 """
 from __future__ import annotations
 
@@ -135,8 +135,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.save(run.snapshot(), f"{args.out}.rank{r}.pt")
     with open(f"{args.out}.rank{r}.json", "w") as f:
         json.dump(out, f)
-    if acc.num_processes > 1:
-        acc.wait_for_everyone()  # leave together: a rank tearing gloo down while its peer still talks aborts it
+    if acc.num_processes > 1:  # leave together: a rank tearing gloo down while its peer still talks aborts it
+        if run.plugin is not None:
+            run.plugin.wait()
+        acc.wait_for_everyone()
+        acc.end_training()  # destroys the process groups, layerckpt's included, on every rank at once
     return 0
 
 

@@ -4,7 +4,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -66,18 +65,12 @@ def listing(folder) -> set:
 
 # ------------------------------------------------------------------ new processes
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _helper(root, name: str, *args: str, world: int = 1) -> list:
     cmd = [sys.executable, HELPER, "--dir", str(root), "--out", str(root / name), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if world > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *cmd[1:]]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+               *cmd[1:]]  # --standalone: torchrun binds a free port itself (no race for a picked one)
         env["ACCELERATE_USE_CPU"] = "1"
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
