@@ -296,6 +296,22 @@ class LayerCheckpointPlugin:
         cfg = self.config.replace(restore_rng=False)  # accelerate restores RNG from its random_states_*.pkl
         self.last_restore = [restore(ptr.model_root(i), model, opt, step=ptr.step, config=cfg)
                              for i, (model, opt) in enumerate(pairs)]
+        self._adopt(ptr, pairs)
+
+    def _adopt(self, ptr: folders.Pointer, pairs) -> None:
+        """With automatic naming the next saves go to the store just restored from: open it now (load_state
+        runs on every rank, like save_state) and continue its composite, so the next save is selective
+        rather than full.  Explicit folders may go anywhere: their first save is full."""
+        acc = self.accelerator
+        pc = acc.project_configuration
+        if not pc.automatic_checkpoint_naming or acc.project_dir is None:
+            return
+        root = os.path.join(os.path.abspath(acc.project_dir), folders.AUTO_STORE)
+        if os.path.normpath(ptr.store) != os.path.normpath(root) or root in self._stores:
+            return
+        st = self._open(root, folders.auto_dir(acc.project_dir), pairs)
+        for ck, report in zip(st.checkpointers, self.last_restore):
+            ck.adopt(report)
 
     def _next_iteration(self, folder: str) -> None:
         """Accelerate never moves project_configuration.iteration on load: the next automatic save would

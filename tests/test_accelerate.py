@@ -206,6 +206,25 @@ def test_numbering_after_load_state_never_collides(tmp_path, runs, caplog):
     assert again.acc.project_configuration.iteration == 5
 
 
+def test_a_resumed_run_continues_the_composite(tmp_path, runs):
+    """After load_state() the next automatic save is selective against the restored composite, not full."""
+    first = runs(tmp_path)
+    first.train(2)
+    first.acc.save_state()
+    full = first.plugin.last_saves[0].nbytes
+    first.plugin.close()
+    again = runs(tmp_path, seed=3)
+    again.acc.load_state()
+    again.acc.save_state()  # nothing trained since the restore: every layer is carried
+    assert again.plugin.last_saves[0].nbytes < full / 10
+    again.plugin.wait()
+    m = json.loads((tmp_path / "layerckpt" / "model_0" / "manifests" / "step-00000001.json").read_text())
+    assert {e["step"] for e in m["layers"].values()} == {0}
+    again.train(1)
+    again.acc.load_state()
+    assert again.progress.step == 2
+
+
 def test_explicit_folders_share_a_store_beside_them(tmp_path, runs):
     run = runs(tmp_path, automatic=False)
     run.train(2)
