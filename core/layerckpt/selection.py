@@ -59,6 +59,7 @@ class Selector:
         self.composite: Optional[Dict[str, Any]] = None  # the last committed manifest of this Checkpointer
         self._lock = threading.Lock()
         self._owner: Optional[Tuple[tuple, Dict[str, str]]] = None
+        self._keys: Optional[Tuple[tuple, Dict[str, str], Dict[str, List[str]]]] = None
         self._prev_shapes: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = {}
 
     @property
@@ -72,26 +73,37 @@ class Selector:
             self._owner = (names, owner)
         return self._owner[1]
 
+    def _key_layers(self, keys: Tuple[str, ...]) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
+        """Each entry key's layer, and each layer's keys (cached while the keys stay the same)."""
+        if self._keys is None or self._keys[0] != keys:
+            owner = self.owners(tuple(k[len("model/"):] for k in keys if k.startswith("model/")))
+            key_layer: Dict[str, str] = {}
+            layer_keys: Dict[str, List[str]] = {}
+            for k in keys:
+                p = _param_of(k)
+                layer = owner.get(p) if p is not None else None
+                if layer is not None:
+                    key_layer[k] = layer
+                    layer_keys.setdefault(layer, []).append(k)
+            self._keys = (keys, key_layer, layer_keys)
+        return self._keys[1], self._keys[2]
+
     def plan(self, step: int, fname: str, entries: List[Tuple[str, torch.Tensor]], rank: int = 0, world: int = 1):
         """Returns (entries this rank writes, layer map, carried tensor entries, carried file entries,
         samples to commit, chain index).  With several ranks each persisted layer is written by one
         rank (balanced by bytes); its "file" is filled in when the ranks' results are merged."""
         cfg = self.config
-        owner = self.owners(tuple(k[len("model/"):] for k, _ in entries if k.startswith("model/")))
-        key_layer: Dict[str, str] = {}
-        layer_keys: Dict[str, List[str]] = {}
+        key_layer, layer_keys = self._key_layers(tuple(k for k, _ in entries))
         weights: Dict[str, Dict[str, torch.Tensor]] = {}
         nbytes: Dict[str, int] = {}
         for k, t in entries:
-            p = _param_of(k)
-            layer = owner.get(p) if p is not None else None
+            layer = key_layer.get(k)
             if layer is None:
                 continue
-            key_layer[k] = layer
-            layer_keys.setdefault(layer, []).append(k)
             nbytes[layer] = nbytes.get(layer, 0) + t.numel() * t.element_size()
             if k.startswith("model/"):
-                weights.setdefault(layer, {})[p] = t
+                weights.setdefault(layer, {})[k[6:]] = t
+        owner = self._owner[1]
         trainable: Dict[str, bool] = {}
         for n, prm in self.model.named_parameters():
             if n in owner:
@@ -101,8 +113,8 @@ class Selector:
         with self._lock:
             prev = self.composite
             # full checkpoints decide nothing by drift: keep their stall to the copy alone
-            samples = {} if self.full else {layer: self.tracker.sample(w) for layer, w in weights.items()}
-            drift = {layer: self.tracker.drift(layer, s) for layer, s in samples.items()}
+            views = {} if self.full else {layer: self.tracker.views(w) for layer, w in weights.items()}
+            drift = self.tracker.drifts(views)
         chain = 0 if prev is None else prev.get("chain", 0) + 1
         states, forced = {}, set()
         for layer, keys in layer_keys.items():
@@ -141,7 +153,8 @@ class Selector:
                 carried.update({k: prev["tensors"][k] for k in before["tensors"]})
         files = {e["file"]: prev["files"][e["file"]] for e in carried.values()} if carried else {}
         write = [(k, t) for k, t in entries if _mine(k, key_layer.get(k), persist, owner_rank, rank)]
-        commit = {layer: samples[layer] for layer in persist if layer in samples}
+        # the persisted layers' samples become their references once this save commits: copy them now
+        commit = {layer: self.tracker.snapshot(views[layer]) for layer in persist if layer in views}
         return write, layers, carried, files, commit, chain
 
     def adopt(self, manifest: Dict[str, Any], entries: List[Tuple[str, torch.Tensor]]) -> None:
@@ -153,7 +166,8 @@ class Selector:
         for k, t in entries:
             if k.startswith("model/") and k[len("model/"):] in owner:
                 weights.setdefault(owner[k[len("model/"):]], {})[k[len("model/"):]] = t
-        samples = {} if self.full else {layer: self.tracker.sample(w) for layer, w in weights.items()}
+        samples = {} if self.full else {layer: self.tracker.snapshot(self.tracker.views(w))
+                                        for layer, w in weights.items()}
         self.committed(manifest, samples)
 
     def committed(self, manifest: Dict[str, Any], samples: Dict[str, torch.Tensor]) -> None:

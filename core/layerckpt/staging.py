@@ -24,6 +24,17 @@ def anon_buffer(nbytes: int) -> mmap.mmap:
     return mem
 
 
+def prefault(mem: mmap.mmap, tensor: torch.Tensor) -> None:
+    """Back every page of ``mem`` now: one MADV_POPULATE_WRITE (an order of magnitude faster than
+    touching each page here) where the native module has it, else by writing zeros."""
+    try:
+        from . import _uring
+
+        _uring.populate(memoryview(mem))
+    except (ImportError, AttributeError, OSError):
+        tensor.zero_()
+
+
 class Chunk:
     """One anonymous-mmap buffer (4 KiB aligned) and a uint8 tensor viewing it."""
 
@@ -34,7 +45,7 @@ class Chunk:
         self.mem = anon_buffer(nbytes)
         self.view = memoryview(self.mem)
         self.tensor = torch.frombuffer(self.mem, dtype=torch.uint8)
-        self.tensor.zero_()  # fault the pages in now, not during the first save's copy
+        prefault(self.mem, self.tensor)  # fault the pages in now, not during the first save's copy
         self.pinned = False
 
     def pin(self) -> None:
