@@ -34,7 +34,6 @@ import layerckpt
 from layerckpt import store
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
-from layerckpt.state import encode
 
 log = logging.getLogger("layerckpt")
 
@@ -178,7 +177,7 @@ class LayerCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: Union[str, os.PathLike], map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        if not _is_store_path(path):
+        if not store.is_checkpoint(path):
             if os.path.isdir(path):
                 store.locate(path)  # raises the clear error: a directory, but not a checkpoint
             return self.fallback.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -213,10 +212,6 @@ class LayerCheckpointIO(CheckpointIO):
         ck, self._saving = self._saving, None
         if ck is not None:
             ck.close()
-
-
-def _is_store_path(path: Union[str, os.PathLike]) -> bool:
-    return store.is_checkpoint(path)
 
 
 def _as_config(config: Optional[Union[Config, str, os.PathLike, Dict[str, Any]]]) -> Config:
