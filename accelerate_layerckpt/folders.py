@@ -242,16 +242,8 @@ def prune(model_roots: Iterable[str], keep_steps: Set[int], below: int) -> List[
             continue  # the common case: no manifest is parsed
         good, bad = store.read_all(root)
         newest = store.newest(good)
-        drop = {n: m for n, m in good.items() if m["step"] in drop_steps and n != newest}
-        keep = {n: m for n, m in good.items() if n not in drop}
-        for n in sorted(drop):
-            _unlink(os.path.join(root, fmt.MANIFEST_DIR, n), removed)
-        if drop:
-            fmt.fsync_dir(os.path.join(root, fmt.MANIFEST_DIR))
-        if bad:  # what a damaged manifest references is unknown: keep every data file
-            continue
-        for f in sorted(store.referenced_files(drop) - store.referenced_files(keep)):
-            _unlink(os.path.join(root, fmt.DATA_DIR, f), removed)
+        removed += store.drop(root, good, bad, sorted(n for n, m in good.items()
+                                                      if m["step"] in drop_steps and n != newest))
     return removed
 
 
@@ -295,16 +287,6 @@ class Pruner:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
-
-
-def _unlink(path: str, removed: List[str]) -> None:
-    try:
-        os.unlink(path)
-        removed.append(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # one failed delete must not stop the rest
-        log.warning("layerckpt: could not delete %s: %s", path, e)
 
 
 def is_inside(path: str, folder: str) -> bool:

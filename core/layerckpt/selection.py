@@ -161,11 +161,11 @@ class Selector:
         """Take a committed composite as the base of the next save, as if this Selector had written it.
         ``entries`` are the model's tensors *now*, which must be the composite's (just restored): they
         become each layer's drift reference."""
-        owner = self.owners(tuple(k[len("model/"):] for k, _ in entries if k.startswith("model/")))
+        key_layer, _ = self._key_layers(tuple(k for k, _ in entries))
         weights: Dict[str, Dict[str, torch.Tensor]] = {}
         for k, t in entries:
-            if k.startswith("model/") and k[len("model/"):] in owner:
-                weights.setdefault(owner[k[len("model/"):]], {})[k[len("model/"):]] = t
+            if k.startswith("model/") and k in key_layer:
+                weights.setdefault(key_layer[k], {})[k[6:]] = t
         samples = {} if self.full else {layer: self.tracker.snapshot(self.tracker.views(w))
                                         for layer, w in weights.items()}
         self.committed(manifest, samples)

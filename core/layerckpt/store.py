@@ -143,19 +143,26 @@ def retain(root: str, keep_last: int) -> List[str]:
         return []
     good, bad = read_all(root)
     order = sorted(good, key=_recency(good), reverse=True)
-    drop = order[keep_last:]
+    return drop(root, good, bad, order[keep_last:])
+
+
+def drop(root: str, good: Dict[str, Dict[str, Any]], bad: List[str], names: List[str]) -> List[str]:
+    """Delete the committed manifests ``names`` (``good``/``bad``: what :func:`read_all` returned), then
+    the data files only they referenced.  Manifests go first and are made durable before any data file
+    goes, so a kill at any moment leaves every kept composite whole.  With a damaged manifest present
+    no data file is deleted (what it references is unknown)."""
     removed: List[str] = []
-    for n in drop:
+    for n in names:
         _unlink(os.path.join(root, fmt.MANIFEST_DIR, n), removed)
-    if drop:
+    if names:
         fmt.fsync_dir(os.path.join(root, fmt.MANIFEST_DIR))
         if os.environ.get("LAYERCKPT_FAULT") == "kill-in-retain":  # fault injection for the tests
             os.kill(os.getpid(), signal.SIGKILL)
     if bad:
         return removed
-    keep = referenced_files({n: good[n] for n in order[:keep_last]})
-    dropped = referenced_files({n: good[n] for n in drop}) - keep
-    for f in sorted(dropped):
+    gone = set(names)
+    keep = referenced_files({n: m for n, m in good.items() if n not in gone})
+    for f in sorted(referenced_files({n: good[n] for n in names}) - keep):
         _unlink(os.path.join(root, fmt.DATA_DIR, f), removed)
     return removed
 
