@@ -40,16 +40,20 @@ def trained(seed: int = 0, opt_cls=torch.optim.AdamW, steps: int = 2, **opt_kw):
     return model, opt
 
 
-def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
+def assert_same_tensors(sa: dict, sb: dict) -> None:
+    """Two name -> tensor dicts, equal bit for bit (dtype and shape included)."""
     assert sa.keys() == sb.keys()
     for k in sa:
         assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
         assert torch.equal(sa[k], sb[k]), k
 
 
-def assert_same_optimizer(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
+def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    assert_same_tensors(a.state_dict(), b.state_dict())
+
+
+def assert_same_optimizer_state(sa: dict, sb: dict) -> None:
+    """Two Optimizer.state_dict() results, equal bit for bit."""
     assert sa["param_groups"] == sb["param_groups"]
     assert sa["state"].keys() == sb["state"].keys()
     for i in sa["state"]:
@@ -60,6 +64,10 @@ def assert_same_optimizer(a: torch.optim.Optimizer, b: torch.optim.Optimizer) ->
                 assert v.dtype == w.dtype and v.shape == w.shape and torch.equal(v, w), (i, k)
             else:
                 assert v == w, (i, k)
+
+
+def assert_same_optimizer(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    assert_same_optimizer_state(a.state_dict(), b.state_dict())
 
 
 def run_py(code: str, *args: str, timeout: float = 120, env=None, preexec_fn=None) -> subprocess.CompletedProcess:

@@ -14,6 +14,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 import layerckpt
 from accelerate_helpers import Run, tiny
+from conftest import assert_same_optimizer_state, assert_same_tensors
 from accelerate_layerckpt import LayerCheckpointPlugin, folders
 from layerckpt import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 
@@ -48,15 +49,8 @@ def runs():
 
 
 def same_state(a: dict, b: dict) -> None:
-    assert a["model"].keys() == b["model"].keys()
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    sa, sb = a["optim"], b["optim"]
-    assert sa["param_groups"] == sb["param_groups"]
-    assert sa["state"].keys() == sb["state"].keys()
-    for i in sa["state"]:
-        for k, v in sa["state"][i].items():
-            assert torch.equal(v, sb["state"][i][k]), (i, k)
+    assert_same_tensors(a["model"], b["model"])
+    assert_same_optimizer_state(a["optim"], b["optim"])
 
 
 def listing(folder) -> set:

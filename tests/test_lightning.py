@@ -20,21 +20,15 @@ import layerckpt  # noqa: E402
 from layerckpt import store  # noqa: E402
 from lightning_layerckpt import LayerCheckpoint, LayerCheckpointIO  # noqa: E402
 from lightning_layerckpt.workload import FineTuneModule  # noqa: E402
+from conftest import assert_same_optimizer_state, assert_same_tensors  # noqa: E402
 from lit_helpers import Crash, CrashAt, Tiny, pretrained, state_of, trainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def assert_same(a: dict, b: dict) -> None:
-    assert a["model"].keys() == b["model"].keys()
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    oa, ob = a["optimizer"], b["optimizer"]
-    assert oa["param_groups"] == ob["param_groups"]
-    assert oa["state"].keys() == ob["state"].keys()
-    for i in oa["state"]:
-        for k, v in oa["state"][i].items():
-            assert torch.equal(v, ob["state"][i][k]), (i, k)
+    assert_same_tensors(a["model"], b["model"])
+    assert_same_optimizer_state(a["optimizer"], b["optimizer"])
     assert a["scheduler"] == b["scheduler"]
     assert a["global_step"] == b["global_step"] and a["epoch"] == b["epoch"]
     assert a["loops"] == b["loops"]
