@@ -1,6 +1,7 @@
 """LayerCheckpointPlugin: accelerator.save_state / load_state persist models and optimizers through layerckpt."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -178,15 +179,23 @@ class LayerCheckpointPlugin:
 
     # ------------------------------------------------------------ save
 
-    def _save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any):
+    @contextlib.contextmanager
+    def _routing(self):
+        """For one save_state/load_state call: the hooks act, and the accelerator's optimizers are set
+        aside (accelerate would write/read optimizer.bin for each), to be put back whatever happens."""
         acc = self.accelerator
         self._optimizers, acc._optimizers = acc._optimizers, []
-        self._active, self._target = True, None
+        self._active = True
         try:
-            out = self._orig["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
+            yield
         finally:
             acc._optimizers, self._optimizers = self._optimizers, []
             self._active = False
+
+    def _save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any):
+        self._target = None
+        with self._routing():
+            out = self._orig["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
         target, self._target = self._target, None
         if target is not None:
             # Staged last, once accelerate's own files are written: the flush that starts here then
@@ -270,13 +279,10 @@ class LayerCheckpointPlugin:
                     ck.wait()
             folders.check_committed(ptr)  # before anything is loaded
             self._pointer = ptr
-            self._optimizers, acc._optimizers = acc._optimizers, []
-            self._active = True
             try:
-                out = self._orig["load_state"](folder, load_kwargs, **kwargs)
+                with self._routing():
+                    out = self._orig["load_state"](folder, load_kwargs, **kwargs)
             finally:
-                acc._optimizers, self._optimizers = self._optimizers, []
-                self._active = False
                 self._pointer = None
         self._next_iteration(folder)
         return out
