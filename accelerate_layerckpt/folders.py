@@ -21,8 +21,8 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-from layerckpt import format as fmt
-from layerckpt import store
+from layerckpt import _retain, _store
+from layerckpt._manifest import load_manifest
 from layerckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 log = logging.getLogger("layerckpt.accelerate")
@@ -136,14 +136,14 @@ def check_committed(ptr: Pointer) -> List[str]:
                 f"{ptr.path} points to {root}, which does not exist: the layerckpt store {ptr.store} lacks the "
                 f"data of model {i}; keep the store whole beside the checkpoint folders")
         try:
-            mpath = store.resolve(root, ptr.step)
+            mpath = _store.resolve(root, ptr.step)
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(
                 f"the layerckpt composite of {os.path.dirname(ptr.path)} (step {ptr.step} in {root}) was never "
                 f"committed: the run stopped before that checkpoint was durable; load an older checkpoint folder"
             ) from None
-        m = fmt.load_manifest(mpath)
-        token = ((m.get("extra") or {}).get("accelerate") or {}).get("token")
+        m = load_manifest(mpath)
+        token = ((m.extra or {}).get("accelerate") or {}).get("token")
         if token != ptr.token:
             raise CheckpointNotFoundError(
                 f"{mpath} belongs to another checkpoint than {os.path.dirname(ptr.path)} (token {token!r}, the "
@@ -187,7 +187,7 @@ def referenced(store_root: str, folders_dir: str) -> Dict[str, int]:
 
 def newest_step(model_roots: Iterable[str]) -> int:
     """The highest committed step among the stores; -1 when there is none."""
-    return max((s for r in model_roots for s, _ in fmt.list_manifests(r)), default=-1)
+    return max((s for r in model_roots for s, _ in _store.list_manifests(r)), default=-1)
 
 
 # ------------------------------------------------------------------ automatic naming
@@ -234,16 +234,16 @@ def prune(model_roots: Iterable[str], keep_steps: Set[int], below: int) -> List[
     """
     removed: List[str] = []
     for root in model_roots:
-        steps = [s for s, _ in fmt.list_manifests(root)]
+        steps = [s for s, _ in _store.list_manifests(root)]
         if not steps:
             continue
         drop_steps = {s for s in steps if s < below} - set(keep_steps) - {max(steps)}
         if not drop_steps:
             continue  # the common case: no manifest is parsed
-        good, bad = store.read_all(root)
-        newest = store.newest(good)
-        removed += store.drop(root, good, bad, sorted(n for n, m in good.items()
-                                                      if m["step"] in drop_steps and n != newest))
+        good, bad = _store.read_all(root)
+        newest = _store.newest(good)
+        removed += _retain.drop(root, good, bad, sorted(n for n, m in good.items()
+                                                        if m.step in drop_steps and n != newest))
     return removed
 
 

@@ -67,7 +67,7 @@ def child(role: str, args: argparse.Namespace) -> None:
     from accelerate.utils import ProjectConfiguration
 
     from accelerate_layerckpt import LayerCheckpointPlugin
-    from layerckpt.workload import batch, make_model, make_optimizer, start_finetune
+    from layerckpt.bench.workload import batch, make_model, make_optimizer, start_finetune
 
     project = os.path.join(args.dir, "accelerate" if role == "reference" else "layerckpt")
     acc = Accelerator(cpu=True, project_config=ProjectConfiguration(

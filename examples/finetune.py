@@ -24,7 +24,7 @@ import time
 import torch
 
 import layerckpt
-from layerckpt.workload import make_model, make_optimizer, run, start_finetune
+from layerckpt.bench.workload import make_model, make_optimizer, run, start_finetune
 
 PRETRAIN, FINETUNE = 60, 240
 

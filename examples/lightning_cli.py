@@ -4,7 +4,7 @@
 """
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_layerckpt.workload import FineTuneModule
+from layerckpt.bench.lightning_workload import FineTuneModule
 
 if __name__ == "__main__":
     LightningCLI(FineTuneModule)

@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_layerckpt import LayerCheckpoint
-from lightning_layerckpt.workload import FineTuneModule
+from layerckpt.bench.lightning_workload import FineTuneModule
 
 FINETUNE = 240
 

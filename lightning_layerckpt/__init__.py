@@ -31,7 +31,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import layerckpt
-from layerckpt import store
+from layerckpt import _store as store
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
 

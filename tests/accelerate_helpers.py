@@ -23,8 +23,8 @@ from accelerate.utils import ProjectConfiguration
 
 import layerckpt
 from accelerate_layerckpt import LayerCheckpointPlugin
-from layerckpt.workload import batch, make_model, make_optimizer, start_finetune
-from layerckpt.workload import run as run_steps
+from layerckpt.bench.workload import batch, make_model, make_optimizer, start_finetune
+from layerckpt.bench.workload import run as run_steps
 
 
 class Progress:

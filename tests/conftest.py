@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from layerckpt.backend import uring_available
+from layerckpt._backend import uring_available
 
 BACKENDS = ["uring", "threads"]
 
@@ -20,7 +20,7 @@ def backend(request, monkeypatch):
 
 
 def small_model(seed: int = 0) -> torch.nn.Module:
-    from layerckpt.models import GPT, GPTConfig
+    from layerckpt.bench.models import GPT, GPTConfig
 
     torch.manual_seed(seed)
     return GPT(GPTConfig.tiny())

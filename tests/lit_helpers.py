@@ -5,7 +5,7 @@ import sys
 import lightning.pytorch as L
 import torch
 
-from lightning_layerckpt.workload import FineTuneModule
+from layerckpt.bench.lightning_workload import FineTuneModule
 
 
 TINY = dict(n_layer=2, n_embd=32, lr=1e-3, task="count", dropout=0.1, batch_size=8, scheduler_step=5)

@@ -123,7 +123,7 @@ def test_latest_pointing_outside_is_ignored(saved):
 
 def test_model_mismatch_lists_everything_sorted(saved):
     root, _, _ = saved
-    from layerckpt.models import GPT, GPTConfig
+    from layerckpt.bench.models import GPT, GPTConfig
 
     other = GPT(GPTConfig(vocab_size=64, n_positions=32, n_embd=64, n_layer=5, n_head=4))
     other.h[0].ln_1 = torch.nn.LayerNorm(64, dtype=torch.float64)

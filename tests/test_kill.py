@@ -43,7 +43,7 @@ def expected(step: int) -> torch.nn.Module:
 
 @pytest.mark.parametrize("backend_name", ["uring", "threads"])
 def test_sigkill_during_flushes(tmp_path, backend_name):
-    from layerckpt.backend import uring_available
+    from layerckpt._backend import uring_available
 
     if backend_name == "uring" and uring_available():
         pytest.skip(uring_available())

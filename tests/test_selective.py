@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 import layerckpt
 from conftest import run_py, small_model
-from layerckpt.workload import make_model, make_optimizer, post_training_run, run
+from layerckpt.bench.workload import make_model, make_optimizer, post_training_run, run
 
 
 def _manifest(root, step):
@@ -223,9 +223,11 @@ def test_retention_keeps_what_retained_composites_reference(tmp_path):
 
 
 KILL_IN_RETAIN = r"""
-import sys, torch, layerckpt
+import os, signal, sys, torch, layerckpt
+from layerckpt import _faults
 sys.path.insert(0, sys.argv[2])
 from conftest import small_model
+_faults.install("retain.manifests-dropped", lambda: os.kill(os.getpid(), signal.SIGKILL))
 model = small_model()
 ck = layerckpt.Checkpointer(sys.argv[1], model, config=layerckpt.Config(threshold=0.0, keep_last=2))
 for step in range(1, 4):
@@ -237,7 +239,7 @@ for step in range(1, 4):
 
 def test_sigkill_during_retention(tmp_path):
     root = tmp_path / "ck"
-    r = run_py(KILL_IN_RETAIN, str(root), os.path.dirname(__file__), env={"LAYERCKPT_FAULT": "kill-in-retain"})
+    r = run_py(KILL_IN_RETAIN, str(root), os.path.dirname(__file__))
     assert r.returncode == -signal.SIGKILL, r.stderr
     # killed after dropping step 1's manifest, before deleting its data: both retained composites restore
     assert sorted(os.listdir(root / "manifests")) == ["step-00000002.json", "step-00000003.json"]

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from layerckpt import backend as B
+from layerckpt import _backend as B
 
 pytestmark = pytest.mark.usefixtures("backend")
 

@@ -1,10 +1,16 @@
-"""Checkpointer: stage on the caller's thread, flush and commit in the background."""
+"""Checkpointer: the save path, top to bottom.
+
+On the caller's thread: gather (``_gather``) -> track drift and plan what to
+persist (``_plan``, deciding with ``_policy`` on ``_track``'s drift) -> lay out
+the file (``_layout``) -> stage into pooled buffers (``_stage``).  Then, on the
+flusher thread: write + checksum + fdatasync (``_flush``) -> agree across ranks
+and commit the manifest (``_commit``) -> retention (``_retain``).
+"""
 from __future__ import annotations
 
 import atexit
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
@@ -12,17 +18,17 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from . import dist
-from . import format as fmt
-from . import store
-from .backend import make_backend
+from . import _dist, _retain, _store
+from ._backend import make_backend
+from ._flush import FlushJob, Flusher, PendingSave
+from ._gather import gather
+from ._layers import LayerSpec
+from ._layout import LayoutCache
+from ._manifest import Manifest, load_manifest
+from ._plan import Selector
+from ._stage import ABORT, BufferPool, stage
 from .config import Config
-from .errors import CheckpointError, CheckpointWriteError
-from .flusher import FlushJob, Flusher, PendingSave
-from .layers import LayerSpec
-from .selection import Selector
-from .staging import BufferPool
-from .state import gather
+from .errors import CheckpointError
 
 log = logging.getLogger("layerckpt")
 
@@ -66,16 +72,16 @@ class Checkpointer:
         self.optimizer = optimizer
         self.config = config
         # every rank builds its Checkpointer together: the group and the cleanup are collective
-        self.group = dist.Group(enabled=distributed)
+        self.group = _dist.Group(enabled=distributed)
         self.rank = self.group.rank
         if self.rank == 0:
-            store.ensure_layout(self.dirpath)
-            removed = store.cleanup(self.dirpath)
+            _store.ensure_layout(self.dirpath)
+            removed = _retain.cleanup(self.dirpath)
             if removed:
                 log.info("layerckpt: removed %d leftover file(s) of interrupted saves", len(removed))
         self.group.barrier()  # no rank writes before the leftovers are gone
-        good, _ = store.read_all(self.dirpath)
-        self._seq = max((m.get("seq", 0) for m in good.values()), default=0)
+        good, _ = _store.read_all(self.dirpath)
+        self._seq = max((m.seq for m in good.values()), default=0)
         self.backend = make_backend(config.backend, config.queue_depth)
         self.pool = BufferPool(config.chunk_bytes, config.staging_bytes)
         self._flusher = Flusher(self.backend, self.pool, config, self.dirpath, self.group)
@@ -88,7 +94,7 @@ class Checkpointer:
         getattr(threading, "_register_atexit", atexit.register)(
             lambda: ref() is not None and ref()._finish_at_exit())
         self._lock = threading.Lock()  # one save() at a time
-        self._layout_cache = fmt.LayoutCache()
+        self._layout_cache = LayoutCache()
         self.selector = Selector(model, config, layers)
 
     # ------------------------------------------------------------ public
@@ -120,10 +126,10 @@ class Checkpointer:
         if path is None:
             raise CheckpointError(f"adopt() takes a RestoreReport, a LoadedCheckpoint or a manifest path, "
                                   f"got {type(restored).__name__}")
-        root, step = store.locate(path)
+        root, step = _store.locate(path)
         if os.path.abspath(root) != self.dirpath:
             raise CheckpointError(f"adopt(): {path} belongs to {root}, not to this Checkpointer's {self.dirpath}")
-        m = fmt.load_manifest(store.resolve(root, step))
+        m = load_manifest(_store.resolve(root, step))
         with self._lock:
             if self._pending or self.selector.composite is not None:
                 raise CheckpointError("adopt() must come before the first save() of this Checkpointer")
@@ -191,102 +197,38 @@ class Checkpointer:
         t0 = time.perf_counter()
         entries, meta = gather(self.model, self.optimizer, extra, self.rank)
         fname = self._fresh_name(step)
-        write, layers, carried, files, samples, chain = self.selector.plan(step, fname, entries, self.rank,
-                                                                          self.group.world)
-        layout = self._layout_cache.plan(write)
+        plan = self.selector.plan(step, fname, entries, self.rank, self.group.world)
+        layout = self._layout_cache.plan(plan.write)
         self._seq += 1
-        manifest = {
-            "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "step": step, "seq": self._seq,
-            "chain": chain, "world_size": self.group.world, "created": time.time(), "config": self.config.to_dict(),
-            "files": dict(files), "tensors": dict(carried), "layers": layers, **meta,
-        }
-        pending = PendingSave(step, os.path.join(self.dirpath, fmt.DATA_DIR, fname))
+        manifest = Manifest(
+            step=step, seq=self._seq, chain=plan.chain, world_size=self.group.world, created=time.time(),
+            config=self.config.to_dict(), files=dict(plan.files), tensors=dict(plan.carried), layers=plan.layers,
+            model=meta["model"], optimizer=meta["optimizer"], rng=meta["rng"], extra=meta["extra"])
+        pending = PendingSave(step, os.path.join(self.dirpath, _store.DATA_DIR, fname))
         job = FlushJob(pending=pending, layout=layout, fname=fname, manifest=manifest, t0=t0,
-                       on_commit=lambda m: self.selector.committed(m, samples))
+                       on_commit=lambda m: self.selector.committed(m, plan.samples))
         self.pool.reserve(layout.size)
         self._flusher.submit(job)
         self._pending.append(pending)
         try:
-            _stage(layout, self.pool, job.chunks, job.staged)
+            stage(layout, self.pool, job.chunks, job.staged)
         except BaseException:
-            job.chunks.put(FlushJob.ABORT)
+            job.chunks.put(ABORT)
             raise
         pending.stall_s = time.perf_counter() - t0
         pending.nbytes = layout.size
-        pending.layers_total = len(layers)
-        pending.layers_persisted = sum(1 for e in layers.values() if e["step"] == step and e.get("age", 0) == 0)
-        pending.max_staleness = max((int(e.get("age", 0)) for e in layers.values()), default=0)
+        pending.layers_total = len(plan.layers)
+        pending.layers_persisted = len(plan.persisted)
+        pending.max_staleness = max((e.age for e in plan.layers.values()), default=0)
         return pending
 
     def _fresh_name(self, step: int) -> str:
         """A data file name no committed manifest uses, so a re-save never overwrites committed data."""
-        d = os.path.join(self.dirpath, fmt.DATA_DIR)
+        d = os.path.join(self.dirpath, _store.DATA_DIR)
         v = 0
-        while os.path.exists(os.path.join(d, fmt.data_name(step, self.rank, v))):
+        while os.path.exists(os.path.join(d, _store.data_name(step, self.rank, v))):
             v += 1
-        return fmt.data_name(step, self.rank, v)
+        return _store.data_name(step, self.rank, v)
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _stage(layout: fmt.Layout, pool: BufferPool, out: "queue.Queue", staged: threading.Event) -> None:
-    """Copy the file image into pool chunks, handing each full chunk to the flusher at once."""
-    C = pool.chunk_bytes
-    header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
-    sources = [(-1, header, len(layout.header))] + [(i, it.tensor, it.nbytes) for i, it in enumerate(layout.items)]
-    stream = None
-
-    def starved() -> None:
-        out.put(FlushJob.STARVED)
-
-    chunk = pool.acquire(on_wait=starved)
-    base, fill, segs = 0, 0, []
-    for idx, t, nbytes in sources:
-        if nbytes == 0:
-            continue
-        src = _flat_bytes(t)
-        if src.is_cuda:
-            stream = stream or _side_stream(src.device)
-            chunk.pin()
-        pos = 0
-        while pos < nbytes:
-            if fill == C:
-                _emit(out, chunk, base, fill, segs, stream)
-                chunk = pool.acquire(on_wait=starved)
-                base, fill, segs = base + C, 0, []
-                if stream is not None:
-                    chunk.pin()
-            n = min(C - fill, nbytes - pos)
-            if src.is_cuda:
-                with torch.cuda.stream(stream):
-                    chunk.tensor[fill:fill + n].copy_(src[pos:pos + n], non_blocking=True)
-            else:
-                chunk.tensor[fill:fill + n].copy_(src[pos:pos + n])
-            if idx >= 0:
-                segs.append((idx, fill, fill + n))
-            fill += n
-            pos += n
-    staged.set()
-    _emit(out, chunk, base, fill, segs, stream)
-    out.put(None)
-
-
-def _emit(out, chunk, base, fill, segs, stream) -> None:
-    if stream is not None:
-        stream.synchronize()  # the flusher reads this chunk next
-    out.put((chunk, base, fill, segs))
-
-
-def _side_stream(device: torch.device):
-    """Device-to-host copies on their own stream, after the work already queued on the current one."""
-    s = torch.cuda.Stream(device=device)
-    s.wait_stream(torch.cuda.current_stream(device))
-    return s
-
-
-__all__ = ["Checkpointer", "PendingSave", "CheckpointWriteError"]
+__all__ = ["Checkpointer", "PendingSave"]

@@ -8,49 +8,49 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import format as fmt
-from . import store
-from .backend import checksum_function, make_backend
+from . import _store
+from ._backend import checksum_function, make_backend
+from ._manifest import Manifest, load_manifest, model_name
 from .config import Config
 from .errors import CheckpointError
 from .restore import read_tensors
 
 
-def _read_tensors(root: str, m: Dict, keys: List[str], mpath: str = "manifest") -> Dict[str, torch.Tensor]:
+def _read_tensors(root: str, m: Manifest, keys: List[str], mpath: str = "manifest") -> Dict[str, torch.Tensor]:
     """Read the named tensors of manifest ``m`` (checksums verified)."""
     cfg = Config()
     backend = make_backend(cfg.backend, cfg.queue_depth)
     try:
-        return read_tensors(root, m, mpath, keys, backend, checksum_function(m.get("checksum", "crc32c")), cfg)[0]
+        return read_tensors(root, m, mpath, keys, backend, checksum_function(m.checksum), cfg)[0]
     finally:
         backend.close()
 
 
 def cmd_inspect(args) -> int:
     root = os.path.abspath(args.dir)
-    path = store.resolve(root, args.step)
-    m = fmt.load_manifest(path)
-    nbytes = {k: e["nbytes"] for k, e in m["tensors"].items()}
-    print(f"{path}: step {m['step']}, world size {m['world_size']}, {len(m['files'])} file(s), "
-          f"{sum(nbytes.values()) / 1e6:.1f} MB in {len(m['tensors'])} tensors")
+    path = _store.resolve(root, args.step)
+    m = load_manifest(path)
+    nbytes = {k: e.nbytes for k, e in m.tensors.items()}
+    print(f"{path}: step {m.step}, world size {m.world_size}, {len(m.files)} file(s), "
+          f"{sum(nbytes.values()) / 1e6:.1f} MB in {len(m.tensors)} tensors")
     print(f"{'layer':<32}{'step':>10}{'staleness':>11}{'MB':>10}  reason")
-    for name, e in sorted(m["layers"].items()):
-        mb = sum(nbytes.get(k, 0) for k in e.get("tensors", [])) / 1e6
-        drift = f"  drift {e['drift']:.4g}" if isinstance(e.get("drift"), (int, float)) else ""
-        print(f"{name:<32}{e['step']:>10}{e.get('age', 0):>11}{mb:>10.2f}  {e.get('reason', '')}{drift}")
-    committed = [s for s, _ in fmt.list_manifests(root)]
+    for name, e in sorted(m.layers.items()):
+        mb = sum(nbytes.get(k, 0) for k in e.tensors) / 1e6
+        drift = f"  drift {e.drift:.4g}" if e.drift is not None else ""
+        print(f"{name:<32}{e.step:>10}{e.age:>11}{mb:>10.2f}  {e.reason}{drift}")
+    committed = [s for s, _ in _store.list_manifests(root)]
     print(f"committed steps: {committed}")
     return 0
 
 
 def cmd_verify(args) -> int:
     root = os.path.abspath(args.dir)
-    good, bad = store.read_all(root)
+    good, bad = _store.read_all(root)
     failures = [f"{n}: damaged manifest" for n in bad]
     checked = 0
     for name, m in sorted(good.items()):
         try:
-            _read_tensors(root, m, list(m["tensors"]), name)
+            _read_tensors(root, m, list(m.tensors), name)
             checked += 1
         except CheckpointError as e:
             failures.append(f"{name}: {e}")
@@ -64,14 +64,14 @@ def cmd_export(args) -> int:
     from safetensors.torch import save_file
 
     root = os.path.abspath(args.dir)
-    m = fmt.load_manifest(store.resolve(root, args.step))
-    keys = [k for k in m["tensors"] if k.startswith("model/")]
+    m = load_manifest(_store.resolve(root, args.step))
+    keys = [k for k in m.tensors if model_name(k) is not None]
     ts = _read_tensors(root, m, keys)
-    out = {k[len("model/"):]: t for k, t in ts.items()}
-    for alias, canon in m["model"].get("aliases", {}).items():
+    out = {model_name(k): t for k, t in ts.items()}
+    for alias, canon in m.aliases.items():
         out[alias] = out[canon].clone()
-    save_file(out, args.output, metadata={"format": "pt", "step": str(m["step"])})
-    print(f"wrote {len(out)} tensors of step {m['step']} to {args.output}")
+    save_file(out, args.output, metadata={"format": "pt", "step": str(m.step)})
+    print(f"wrote {len(out)} tensors of step {m.step} to {args.output}")
     return 0
 
 
@@ -99,7 +99,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.add_argument("--chunk-bytes", type=int)
     a.add_argument("--queue-depth", type=int)
     a.add_argument("--only", nargs="+", choices=["layerckpt", "selective", "torch.save", "safetensors", "dcp"])
-    a.set_defaults(fn=lambda args: __import__("layerckpt.bench", fromlist=["main"]).main(args))
+    a.set_defaults(fn=lambda args: __import__("layerckpt.bench.run", fromlist=["main"]).main(args))
     args = p.parse_args(argv)
     try:
         return args.fn(args)

@@ -9,14 +9,16 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import format as fmt
-from . import store
-from .backend import checksum_function, make_backend
+from . import _dist, _store
+from ._backend import checksum_function, make_backend
+from ._codec import decode, tensor_refs
+from ._gather import model_state, optimizer_params, param_names, set_rng_state
+from ._layout import DTYPES
+from ._manifest import Manifest, is_rng, load_manifest, model_key, model_name
+from ._read import Want, read_into, read_views
+from ._stage import BufferPool
 from .config import Config
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, StalenessError
-from .reader import Want, read_into, read_views
-from .staging import BufferPool
-from .state import decode, model_state, optimizer_params, param_names, set_rng_state, tensor_refs
 
 log = logging.getLogger("layerckpt")
 
@@ -56,18 +58,18 @@ def restore(
     t0 = time.perf_counter()
     cfg = config or Config()
     root = os.path.abspath(os.fspath(dirpath))
-    mpath = store.resolve(root, step)
-    m = fmt.load_manifest(mpath)
+    mpath = _store.resolve(root, step)
+    m = load_manifest(mpath)
 
     # -- what goes where: model tensors, optimizer state, rng, extra
     plan = _ModelPlan(model, m, strict)
     opt_keys = _optimizer_keys(optimizer, model, m, strict) if optimizer is not None else []
     rng = _rng_for_this_rank(m)
     meta_keys = set(tensor_refs(rng or {})) if cfg.restore_rng else set()
-    meta_keys |= set(tensor_refs(m.get("extra") or {}))
-    other = m["model"].get("other") or {}  # non-tensor state_dict entries, e.g. a module's _extra_state
+    meta_keys |= set(tensor_refs(m.extra or {}))
+    other = m.model_other  # non-tensor state_dict entries, e.g. a module's _extra_state
     meta_keys |= set(tensor_refs(other))
-    meta_keys |= set(tensor_refs((m.get("optimizer") or {}).get("param_groups", []))) if optimizer is not None else set()
+    meta_keys |= set(tensor_refs((m.optimizer or {}).get("param_groups", []))) if optimizer is not None else set()
     needed = set(plan.keys) | set(opt_keys) | meta_keys
     _check_staleness(m, config.max_staleness if config is not None else None, strict)
 
@@ -75,7 +77,7 @@ def restore(
     # and stay there as views (no second copy); they are read and verified first,
     # so damage there leaves the model untouched.  Model tensors already have
     # memory: they are read through a few reused bounce buffers straight into it.
-    check = checksum_function(m.get("checksum", "crc32c")) if cfg.verify_checksums else None
+    check = checksum_function(m.checksum) if cfg.verify_checksums else None
     backend = make_backend(cfg.backend, cfg.queue_depth)
     pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * min(4, cfg.queue_depth))  # bounce buffers
     try:
@@ -94,13 +96,12 @@ def restore(
         optimizer.load_state_dict(_optimizer_state_dict(optimizer, model, m, tensors))
     if cfg.restore_rng and rng:
         set_rng_state(rng, tensors)
-    layers = {name: e["step"] for name, e in m["layers"].items()}
-    ages = {name: int(e.get("age", 0)) for name, e in m["layers"].items()}
-    layer_bytes = {name: sum(m["tensors"][k]["nbytes"] for k in e.get("tensors", []) if k in needed)
-                   for name, e in m["layers"].items()}
+    layers = {name: e.step for name, e in m.layers.items()}
+    ages = {name: e.age for name, e in m.layers.items()}
+    layer_bytes = {name: sum(m.tensors[k].nbytes for k in e.tensors if k in needed) for name, e in m.layers.items()}
     return RestoreReport(
-        step=m["step"], layers=layers, staleness=ages, max_staleness=max(ages.values(), default=0),
-        bytes_read=total, extra=decode(m.get("extra") or {}, tensors), manifest=mpath,
+        step=m.step, layers=layers, staleness=ages, max_staleness=max(ages.values(), default=0),
+        bytes_read=total, extra=decode(m.extra or {}, tensors), manifest=mpath,
         seconds=time.perf_counter() - t0, missing=plan.missing, unexpected=plan.unexpected,
         mismatched=plan.mismatched, layer_bytes=layer_bytes,
     )
@@ -139,17 +140,17 @@ def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *
     """
     t0 = time.perf_counter()
     cfg = config or Config()
-    root, located = store.locate(path)
+    root, located = _store.locate(path)
     if step is not None and located is not None and step != located:
         raise CheckpointError(f"{path} is the checkpoint of step {located}, but step={step} was asked for")
-    mpath = store.resolve(root, located if step is None else step)
-    m = fmt.load_manifest(mpath)
+    mpath = _store.resolve(root, located if step is None else step)
+    m = load_manifest(mpath)
     _check_staleness(m, config.max_staleness if config is not None else None, strict)
     rng = _rng_for_this_rank(m)
-    saved_opt = m.get("optimizer")
-    keys = set(m["tensors"]) - {k for k in m["tensors"] if k.startswith("rng")}
+    saved_opt = m.optimizer
+    keys = {k for k in m.tensors if not is_rng(k)}
     keys |= set(tensor_refs(rng or {}))
-    check = checksum_function(m.get("checksum", "crc32c")) if cfg.verify_checksums else None
+    check = checksum_function(m.checksum) if cfg.verify_checksums else None
     backend = make_backend(cfg.backend, cfg.queue_depth)
     try:
         tensors, total = read_tensors(root, m, mpath, sorted(keys), backend, check, cfg)
@@ -157,8 +158,8 @@ def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *
         raise _with_layer(e, m) from None
     finally:
         backend.close()
-    model = {k[len("model/"):]: t for k, t in tensors.items() if k.startswith("model/")}
-    for alias, canon in m["model"].get("aliases", {}).items():
+    model = {model_name(k): t for k, t in tensors.items() if model_name(k) is not None}
+    for alias, canon in m.aliases.items():
         model[alias] = model[canon]
     optimizer = None
     if saved_opt is not None:
@@ -173,31 +174,31 @@ def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *
             groups.append(d)
         optimizer = {"state": {index[n]: decode(st, tensors) for n, st in saved_opt["state"].items()},
                      "param_groups": groups}
-    ages = {name: int(e.get("age", 0)) for name, e in m["layers"].items()}
+    ages = {name: e.age for name, e in m.layers.items()}
     return LoadedCheckpoint(
-        step=m["step"], model=model, model_other=decode(m["model"].get("other") or {}, tensors),
-        optimizer=optimizer, extra=decode(m.get("extra") or {}, tensors), rng=rng if cfg.restore_rng else None,
-        manifest=mpath, layers={name: e["step"] for name, e in m["layers"].items()}, staleness=ages,
+        step=m.step, model=model, model_other=decode(m.model_other, tensors),
+        optimizer=optimizer, extra=decode(m.extra or {}, tensors), rng=rng if cfg.restore_rng else None,
+        manifest=mpath, layers={name: e.step for name, e in m.layers.items()}, staleness=ages,
         max_staleness=max(ages.values(), default=0), bytes_read=total, seconds=time.perf_counter() - t0,
         _rng_tensors=tensors,
     )
 
 
-def read_tensors(root: str, m: Dict[str, Any], mpath: str, keys: List[str], backend, check, cfg: Config
+def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, check, cfg: Config
                  ) -> Tuple[Dict[str, torch.Tensor], int]:
     """Read the named tensors of manifest ``m`` (file by file, checksums verified)."""
     by_file: Dict[str, List[Want]] = {}
     for k in keys:
-        e = m["tensors"].get(k)
+        e = m.tensors.get(k)
         if e is None:
             raise CheckpointCorruptError(f"manifest {mpath} refers to tensor {k!r} but has no entry for it",
                                          path=mpath, tensor=k)
-        by_file.setdefault(e["file"], []).append(Want.from_entry(k, e, mpath))
+        by_file.setdefault(e.file, []).append(Want.from_entry(k, e))
     out: Dict[str, torch.Tensor] = {}
     total = 0
     for fname, wants in sorted(by_file.items()):
-        path = fmt.safe_join(root, fmt.DATA_DIR, fname, f"manifest {mpath}")
-        views, n = read_views(backend, path, m["files"][fname].get("size", 0), wants, check, cfg.chunk_bytes,
+        path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
+        views, n = read_views(backend, path, m.files[fname].size, wants, check, cfg.chunk_bytes,
                               direct=cfg.direct_io)
         out.update(views)
         total += n
@@ -208,14 +209,14 @@ def _read_model(root, m, mpath, plan: "_ModelPlan", backend, pool, check, cfg: C
     by_file: Dict[str, List[Want]] = {}
     sinks: Dict[str, torch.Tensor] = {}
     for name, key in plan.pairs:
-        e = m["tensors"][key]
-        by_file.setdefault(e["file"], []).append(Want.from_entry(key, e, mpath))
+        e = m.tensors[key]
+        by_file.setdefault(e.file, []).append(Want.from_entry(key, e))
         sinks[key] = _flat_target(plan.targets[name])
     total = 0
     with torch.no_grad():
         for fname, wants in sorted(by_file.items()):
-            path = fmt.safe_join(root, fmt.DATA_DIR, fname, f"manifest {mpath}")
-            total += read_into(backend, pool, path, m["files"][fname].get("size", 0), wants, sinks, check,
+            path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
+            total += read_into(backend, pool, path, m.files[fname].size, wants, sinks, check,
                                direct=cfg.direct_io)
         for name, key in plan.pairs:  # targets that could not be written in place
             t = plan.targets[name]
@@ -234,14 +235,14 @@ def _flat_target(t: torch.Tensor) -> torch.Tensor:
 class _ModelPlan:
     """Pairs each model tensor with its checkpoint key; collects every difference."""
 
-    def __init__(self, model: torch.nn.Module, m: Dict[str, Any], strict: bool):
+    def __init__(self, model: torch.nn.Module, m: Manifest, strict: bool):
         tensors, aliases, _ = model_state(model)
         current = {**{n: t for n, t in tensors.items()}, **{a: tensors[c] for a, c in aliases.items()}}
-        saved_alias = m["model"].get("aliases", {})
-        saved = {k[len("model/"):] for k in m["tensors"] if k.startswith("model/")} | set(saved_alias)
+        saved_alias = m.aliases
+        saved = {n for n in map(model_name, m.tensors) if n is not None} | set(saved_alias)
 
         def key_of(name: str) -> str:
-            return "model/" + saved_alias.get(name, name)
+            return model_key(saved_alias.get(name, name))
 
         self.missing = sorted(set(current) - saved)
         self.unexpected = sorted(saved - set(current))
@@ -250,15 +251,15 @@ class _ModelPlan:
         self.targets = current
         done_storage = set()
         for name in sorted(set(current) & saved):
-            e = m["tensors"].get(key_of(name))
+            e = m.tensors.get(key_of(name))
             if e is None:
                 self.unexpected.append(name)
                 continue
             t = current[name]
-            if list(t.shape) != e["shape"] or fmt.DTYPES.get(t.dtype) != e["dtype"]:
+            if list(t.shape) != e.shape or DTYPES.get(t.dtype) != e.dtype:
                 self.mismatched.append(
-                    f"{name}: checkpoint {tuple(e['shape'])} {e['dtype']}, model {tuple(t.shape)} "
-                    f"{fmt.DTYPES.get(t.dtype, t.dtype)}")
+                    f"{name}: checkpoint {tuple(e.shape)} {e.dtype}, model {tuple(t.shape)} "
+                    f"{DTYPES.get(t.dtype, t.dtype)}")
                 continue
             if name in aliases or (id(t) in done_storage):
                 continue  # tied: loaded through its canonical name
@@ -270,7 +271,7 @@ class _ModelPlan:
 
 
 def _optimizer_keys(optimizer, model, m, strict) -> List[str]:
-    saved = m.get("optimizer")
+    saved = m.optimizer
     if saved is None:
         if strict:
             raise CheckpointMismatchError("optimizer", missing=["<optimizer state: this checkpoint has none>"])
@@ -290,7 +291,7 @@ def _optimizer_keys(optimizer, model, m, strict) -> List[str]:
 
 
 def _optimizer_state_dict(optimizer, model, m, tensors) -> Dict[str, Any]:
-    saved = m["optimizer"]
+    saved = m.optimizer
     names = param_names(model)
     index = {names[id(p)]: i for i, p in enumerate(optimizer_params(optimizer))}
     state = {index[n]: decode(st, tensors) for n, st in saved["state"].items() if n in index}
@@ -303,21 +304,17 @@ def _optimizer_state_dict(optimizer, model, m, tensors) -> Dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _rng_for_this_rank(m: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """Each rank gets back its own RNG states when the checkpoint has them, else rank 0's."""
-    from . import dist
-
-    r = dist.rank()
-    return (m.get("rng_ranks") or {}).get(str(r)) if r > 0 and str(r) in (m.get("rng_ranks") or {}) else m.get("rng")
+def _rng_for_this_rank(m: Manifest) -> Optional[Dict[str, Any]]:
+    return m.rng_for(_dist.rank())
 
 
-def _with_layer(e: CheckpointCorruptError, m: Dict[str, Any]) -> CheckpointCorruptError:
+def _with_layer(e: CheckpointCorruptError, m: Manifest) -> CheckpointCorruptError:
     """Say which layer, and the step it was persisted at, a damaged tensor or file belongs to."""
     where = []
-    for name, info in sorted(m["layers"].items()):
-        if (e.tensor is not None and e.tensor in info.get("tensors", ())) or (
-                e.tensor is None and e.path is not None and os.path.basename(e.path) == info.get("file")):
-            where.append(f"layer {name!r} persisted at step {info['step']}")
+    for name, info in sorted(m.layers.items()):
+        if (e.tensor is not None and e.tensor in info.tensors) or (
+                e.tensor is None and e.path is not None and os.path.basename(e.path) == info.file):
+            where.append(f"layer {name!r} persisted at step {info.step}")
     if not where:
         return e
     shown = ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
@@ -326,12 +323,11 @@ def _with_layer(e: CheckpointCorruptError, m: Dict[str, Any]) -> CheckpointCorru
     return out
 
 
-def _check_staleness(m: Dict[str, Any], bound: Optional[int], strict: bool) -> None:
+def _check_staleness(m: Manifest, bound: Optional[int], strict: bool) -> None:
     """Frozen layers are exempt: their old version is their current one."""
     if bound is None:
-        bound = (m.get("config") or {}).get("max_staleness", Config.max_staleness)
-    old = sorted((n, e.get("age", 0)) for n, e in m["layers"].items()
-                 if e.get("age", 0) > bound and not e.get("frozen"))
+        bound = m.config.get("max_staleness", Config.max_staleness)
+    old = sorted((n, e.age) for n, e in m.layers.items() if e.age > bound and not e.frozen)
     if not old:
         return
     msg = (f"{len(old)} layer(s) older than max_staleness={bound} checkpoints: "

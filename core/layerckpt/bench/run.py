@@ -15,11 +15,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .backend import CHECKSUM, uring_available
-from .bench_cases import (DiskLimits, bench_dcp, bench_layerckpt, bench_overhead, bench_safetensors, bench_selective,
+from .._backend import CHECKSUM, uring_available
+from .cases import (DiskLimits, bench_dcp, bench_layerckpt, bench_overhead, bench_safetensors, bench_selective,
                           bench_torch_save, build_state, checksum_rate, compression_rate, flat_tensors, memcpy_time,
                           state_bytes)
-from .config import Config
+from ..config import Config
 
 
 def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3,

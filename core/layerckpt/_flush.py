@@ -1,4 +1,5 @@
-"""The background flusher: checksums, aligned writes, fdatasync, then the commit."""
+"""Flush: on one background thread, checksum and write each staged chunk, fdatasync, then hand the
+result to the commit stage.  ``PendingSave`` is the caller's handle on one save."""
 from __future__ import annotations
 
 import errno
@@ -10,12 +11,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
-from . import format as fmt
-from . import store
-from .backend import CHECKSUM, checksum, open_file
-from .config import Config
+from . import _commit, _faults, _retain
+from ._backend import CHECKSUM, Backend, checksum, open_file
+from ._dist import Group
+from ._layout import Layout, align_up
+from ._manifest import Manifest
+from ._stage import ABORT, STARVED, BufferPool
+from ._store import fsync_dir
+from .config import ALIGN, Config
 from .errors import CheckpointError, CheckpointWriteError
-from .staging import BufferPool
 
 log = logging.getLogger("layerckpt")
 
@@ -62,25 +66,20 @@ class PendingSave:
 
 @dataclass
 class FlushJob:
-    ABORT = object()  # staging failed: discard what was sent
-    STARVED = object()  # the stager waits for a free buffer
-
     pending: PendingSave
-    layout: fmt.Layout
+    layout: Layout
     fname: str
-    manifest: Dict[str, Any]
+    manifest: Manifest
     t0: float
-    chunks: "queue.Queue" = field(default_factory=queue.Queue)
+    chunks: "queue.Queue" = field(default_factory=queue.Queue)  # from the stager (see _stage)
     staged: threading.Event = field(default_factory=threading.Event)  # the caller's copy is over
-    on_commit: Optional[Callable[[Dict[str, Any]], None]] = None
+    on_commit: Optional[Callable[[Manifest], None]] = None
 
 
 class Flusher:
     """One daemon thread that runs flush jobs in order."""
 
-    def __init__(self, backend, pool: BufferPool, config: Config, root: str, group=None):
-        from .dist import Group
-
+    def __init__(self, backend: Backend, pool: BufferPool, config: Config, root: str, group: Optional[Group] = None):
         self.group = group if group is not None else Group()
         self.backend = backend
         self.pool = pool
@@ -119,49 +118,25 @@ class Flusher:
         """Write this rank's file, then agree with every rank; rank 0 commits only if all succeeded."""
         try:
             crcs = self._write_local(job)
-            fmt.fsync_dir(os.path.dirname(job.pending.path))
+            fsync_dir(os.path.dirname(job.pending.path))
             failed: Optional[BaseException] = None
         except BaseException as e:  # noqa: BLE001 - every rank must still take part in the exchange
             failed, crcs = _as_checkpoint_error(e, job.pending.path), []
+        _faults.point("flush.written")
         m = job.manifest
-        mine = {
-            "rank": self.group.rank, "fname": job.fname, "size": job.layout.size, "rng": m.get("rng"),
-            "error": None if failed is None else [getattr(failed, "errno", None) or errno.EIO,
-                                                  getattr(failed, "path", None) or job.pending.path, str(failed)],
-            "tensors": {} if failed is not None else {
-                it.key: {"file": job.fname, "dtype": fmt.DTYPES[it.tensor.dtype], "shape": list(it.tensor.shape),
-                         "offset": it.offset, "nbytes": it.nbytes, "crc": crcs[i]}
-                for i, it in enumerate(job.layout.items)},
-        }
-        ranks = self.group.exchange(mine)  # every rank's data is durable (or failed) past this point
-        bad = [r for r in ranks if r["error"] is not None]
-        if bad:
-            _unlink_quietly(job.pending.path)
-            if failed is not None:
-                raise failed
-            err, path, text = bad[0]["error"]
-            raise CheckpointWriteError(err, path, detail=f"rank {bad[0]['rank']} failed ({text}); nothing was committed")
-        _merge(m, ranks)
-        status = None
-        if self.group.rank == 0:
-            try:
-                job.pending.manifest_path = store.commit(self.root, m)
-            except OSError as e:
-                status = [e.errno or errno.EIO, getattr(e, "filename", None) or self.root]
-        if self.group.world > 1:
-            status = self.group.exchange(status)[0]  # rank 0's word: committed or not
-            job.pending.manifest_path = os.path.join(self.root, fmt.MANIFEST_DIR, fmt.manifest_name(m["step"]))
-        if status is not None:
-            raise CheckpointWriteError(status[0], status[1], detail="the manifest could not be committed")
+        mine = _commit.rank_result(self.group.rank, job.fname, job.layout, crcs, m.rng, failed, job.pending.path)
+        ranks = _commit.agree(self.group, mine, failed, job.pending.path)
+        _commit.merge(m, ranks, CHECKSUM)
+        job.pending.manifest_path = _commit.publish(self.group, self.root, m)
         if job.on_commit is not None:
             job.on_commit(m)
         job.pending.bytes_written = job.layout.size
         job.pending.bytes_all_ranks = sum(r["size"] for r in ranks)
         if self.group.rank == 0:
             try:
-                store.retain(self.root, self.config.keep_last)
+                _retain.retain(self.root, self.config.keep_last)
             except OSError as e:  # retention failing must not fail a committed save
-                log.warning("layerckpt: retention after step %d failed: %s", m["step"], e)
+                log.warning("layerckpt: retention after step %d failed: %s", m.step, e)
 
     def _write_local(self, job: FlushJob) -> list:
         """This rank's data file, durable; returns the per-tensor checksums."""
@@ -179,22 +154,22 @@ class Flusher:
         try:
             while True:
                 msg = job.chunks.get()
-                if msg is None or msg is FlushJob.ABORT:
+                if msg is None or msg is ABORT:
                     break
                 if failed is not None:  # keep consuming so the stager never blocks
-                    if msg is not FlushJob.STARVED:
+                    if msg is not STARVED:
                         self.pool.release(msg[0])
                     continue
                 try:
-                    if msg is FlushJob.STARVED:
+                    if msg is STARVED:
                         # the stager waits for a buffer: finish checksums, free one
                         w.checksum_all()
                         w.reap(1)
                         continue
                     chunk, base, fill, segs = msg
                     n = fill
-                    if direct and n % fmt.ALIGN:
-                        n = fmt.align_up(n)
+                    if direct and n % ALIGN:
+                        n = align_up(n)
                         chunk.view[fill:n] = bytes(n - fill)  # zeroed tail, truncated away below
                     w.submit(fd, chunk, base, n, segs, path)
                     if job.staged.is_set():  # the stall is over: checksum while the writes run
@@ -202,7 +177,7 @@ class Flusher:
                 except OSError as e:
                     failed = e
                     w.abandon()
-            if msg is FlushJob.ABORT and failed is None:
+            if msg is ABORT and failed is None:
                 failed = CheckpointError("staging was interrupted; nothing was committed")
             if failed is None:
                 try:
@@ -220,16 +195,16 @@ class Flusher:
         if failed is not None:
             if direct and isinstance(failed, OSError) and failed.errno == errno.EINVAL:
                 failed = _diagnose_einval(path, layout.size, failed)
-            _unlink_quietly(path)
+            _commit._unlink_quietly(path)
             raise failed
         return w.crcs
 
     def _discard(self, job: FlushJob) -> None:
         while True:
             msg = job.chunks.get()
-            if msg is None or msg is FlushJob.ABORT:
+            if msg is None or msg is ABORT:
                 return
-            if msg is not FlushJob.STARVED:
+            if msg is not STARVED:
                 self.pool.release(msg[0])
 
 
@@ -292,22 +267,6 @@ class _Writes:
         self._written.clear()
 
 
-def _merge(m: Dict[str, Any], ranks: list) -> None:
-    """Fold every rank's file and tensors into the manifest (the same result on every rank)."""
-    m["checksum"] = CHECKSUM
-    fname = {}
-    for r in ranks:
-        fname[r["rank"]] = r["fname"]
-        m["files"][r["fname"]] = {"step": m["step"], "rank": r["rank"], "size": r["size"]}
-        m["tensors"].update(r["tensors"])
-    for info in m["layers"].values():
-        if info.get("file") is None:
-            info["file"] = fname[info.get("rank", 0)]
-    m["rng"] = ranks[0]["rng"]
-    if len(ranks) > 1:
-        m["rng_ranks"] = {str(r["rank"]): r["rng"] for r in ranks[1:]}
-
-
 def _as_checkpoint_error(e: BaseException, path: str) -> BaseException:
     if isinstance(e, CheckpointError):
         return e
@@ -329,10 +288,3 @@ def _diagnose_einval(path: str, size: int, err: OSError) -> OSError:
     except OSError as e:
         return OSError(e.errno, os.strerror(e.errno or errno.EIO), path)
     return OSError(errno.EINVAL, "O_DIRECT write refused; set Config(direct_io=False) for this file system", path)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

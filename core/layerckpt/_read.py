@@ -16,10 +16,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import format as fmt
-from .backend import _uring, open_file
+from . import _backend
+from ._backend import Backend, open_file
+from ._layout import CODES, align_up
+from ._manifest import TensorEntry
+from .config import ALIGN
+from ._stage import anon_buffer
 from .errors import CheckpointCorruptError
-from .staging import anon_buffer
 
 GAP = 1 << 20  # read through holes smaller than this rather than issue another request
 PREFAULT_THREADS = 2
@@ -35,16 +38,8 @@ class Want:
     shape: Tuple[int, ...]
 
     @classmethod
-    def from_entry(cls, key: str, e: Dict, where: str) -> "Want":
-        dtype = fmt.CODES[e["dtype"]]
-        n = 1
-        for s in e["shape"]:
-            n *= s
-        if n * torch.empty((), dtype=dtype).element_size() != e["nbytes"]:
-            raise CheckpointCorruptError(
-                f"{where}: tensor {key!r} has shape {e['shape']} and dtype {e['dtype']} but {e['nbytes']} bytes",
-                tensor=key)
-        return cls(key, e["offset"], e["nbytes"], e["crc"], dtype, tuple(e["shape"]))
+    def from_entry(cls, key: str, e: TensorEntry) -> "Want":
+        return cls(key, e.offset, e.nbytes, e.crc, CODES[e.dtype], tuple(e.shape))
 
 
 def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Optional[Callable],
@@ -169,7 +164,7 @@ def _extents(wants: Sequence[Want]) -> List[List[int]]:
     for w in wants:
         if w.nbytes == 0:
             continue
-        s, e = w.offset // fmt.ALIGN * fmt.ALIGN, fmt.align_up(w.offset + w.nbytes)
+        s, e = w.offset // ALIGN * ALIGN, align_up(w.offset + w.nbytes)
         if out and s <= out[-1][1] + GAP:
             out[-1][1] = max(out[-1][1], e)
         else:
@@ -239,7 +234,7 @@ class _Prefault:
 
     def __init__(self, view: memoryview, pieces: List[Tuple[int, int, int]]):
         self._events = [threading.Event() for _ in pieces]
-        if _uring is None or len(pieces) < 2 or PREFAULT_THREADS < 1:
+        if not _backend.HAS_POPULATE or len(pieces) < 2 or PREFAULT_THREADS < 1:
             for e in self._events:
                 e.set()
             self._threads: List[threading.Thread] = []
@@ -263,7 +258,7 @@ class _Prefault:
                 return
             _, bo, n = self._pieces[i]
             try:
-                _uring.populate(self._view[bo:bo + n])
+                _backend.populate(self._view[bo:bo + n])
             finally:
                 self._events[i].set()
 

@@ -12,7 +12,7 @@ import lightning.pytorch as L
 import torch
 from torch.nn import functional as F
 
-from layerckpt.workload import FINETUNE_LR, batch, make_model, make_optimizer, run
+from .workload import FINETUNE_LR, batch, make_model, make_optimizer, run
 
 _PRETRAINED: Dict[Tuple[int, int, int], Dict[str, torch.Tensor]] = {}
 

@@ -1,4 +1,4 @@
-"""Per save: measure each layer's drift, decide what to persist, and compose the manifest.
+"""Plan one save: measure each layer's drift, ask the policy what to persist, compose the layer map.
 
 A manifest is a *composite*: for every layer it names the step and file of the
 layer's newest persisted version, carrying forward the entries of layers that
@@ -7,27 +7,44 @@ together, so they always come from the same step.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from . import policy
+from . import _policy as policy
+from ._codec import Entries
+from ._layers import LayerSpec, group_layers
+from ._layout import CODES
+from ._manifest import FileEntry, LayerEntry, Manifest, TensorEntry, is_rng, model_name, param_of
+from ._track import DriftTracker, Views
 from .config import Config
-from .layers import LayerSpec, group_layers
-from .tracker import DriftTracker
 
 NEW = "new"  # the layer's tensors changed since the last composite (added, reshaped, new optimizer state)
 
 
-def _param_of(key: str) -> Optional[str]:
-    parts = key.split("/", 2)
-    if parts[0] == "model":
-        return key[len("model/"):]
-    if parts[0] == "optim" and len(parts) == 3:
-        return parts[1]
-    return None
+@dataclass
+class SavePlan:
+    """What one save persists and why: the hand-off from planning to staging and commit."""
+    write: Entries  # (key, tensor) this rank writes
+    layers: Dict[str, LayerEntry]  # the composite's layer map after this save
+    carried: Dict[str, TensorEntry]  # tensors of skipped layers, still in older files
+    files: Dict[str, FileEntry]  # the older files they are in
+    persisted: Set[str]  # layers this save writes (on some rank)
+    chain: int  # saves since the chain's first
+    samples: Dict[str, Views] = field(default_factory=dict)  # drift references once committed
+
+    @property
+    def reasons(self) -> Dict[str, str]:
+        return {name: e.reason for name, e in self.layers.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the layers this save persists, over every rank."""
+        return sum(self.layers[n].nbytes for n in self.persisted)
 
 
 def assign(layers, nbytes: Dict[str, int], world: int) -> Dict[str, int]:
@@ -45,7 +62,7 @@ def assign(layers, nbytes: Dict[str, int], world: int) -> Dict[str, int]:
 def _mine(key: str, layer: Optional[str], persist, owner_rank: Dict[str, int], rank: int) -> bool:
     if layer is not None:
         return layer in persist and owner_rank[layer] == rank
-    if key.startswith("rng"):
+    if is_rng(key):
         return True  # every rank's own RNG keys (distinct names)
     return rank == 0  # extra, param_groups, non-tensor model state: once
 
@@ -56,7 +73,7 @@ class Selector:
         self.config = config
         self.spec = layers if layers is not None else config.layers
         self.tracker = DriftTracker(config.drift_sample)
-        self.composite: Optional[Dict[str, Any]] = None  # the last committed manifest of this Checkpointer
+        self.composite: Optional[Manifest] = None  # the last committed manifest of this Checkpointer
         self._lock = threading.Lock()
         self._owner: Optional[Tuple[tuple, Dict[str, str]]] = None
         self._keys: Optional[Tuple[tuple, Dict[str, str], Dict[str, List[str]]]] = None
@@ -76,11 +93,11 @@ class Selector:
     def _key_layers(self, keys: Tuple[str, ...]) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
         """Each entry key's layer, and each layer's keys (cached while the keys stay the same)."""
         if self._keys is None or self._keys[0] != keys:
-            owner = self.owners(tuple(k[len("model/"):] for k in keys if k.startswith("model/")))
+            owner = self.owners(tuple(n for n in map(model_name, keys) if n is not None))
             key_layer: Dict[str, str] = {}
             layer_keys: Dict[str, List[str]] = {}
             for k in keys:
-                p = _param_of(k)
+                p = param_of(k)
                 layer = owner.get(p) if p is not None else None
                 if layer is not None:
                     key_layer[k] = layer
@@ -88,10 +105,9 @@ class Selector:
             self._keys = (keys, key_layer, layer_keys)
         return self._keys[1], self._keys[2]
 
-    def plan(self, step: int, fname: str, entries: List[Tuple[str, torch.Tensor]], rank: int = 0, world: int = 1):
-        """Returns (entries this rank writes, layer map, carried tensor entries, carried file entries,
-        samples to commit, chain index).  With several ranks each persisted layer is written by one
-        rank (balanced by bytes); its "file" is filled in when the ranks' results are merged."""
+    def plan(self, step: int, fname: str, entries: Entries, rank: int = 0, world: int = 1) -> SavePlan:
+        """With several ranks each persisted layer is written by one rank (balanced by bytes); its
+        ``file`` is filled in when the ranks' results are merged."""
         cfg = self.config
         key_layer, layer_keys = self._key_layers(tuple(k for k, _ in entries))
         weights: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -101,8 +117,9 @@ class Selector:
             if layer is None:
                 continue
             nbytes[layer] = nbytes.get(layer, 0) + t.numel() * t.element_size()
-            if k.startswith("model/"):
-                weights.setdefault(layer, {})[k[6:]] = t
+            name = model_name(k)
+            if name is not None:
+                weights.setdefault(layer, {})[name] = t
         owner = self._owner[1]
         trainable: Dict[str, bool] = {}
         for n, prm in self.model.named_parameters():
@@ -115,15 +132,15 @@ class Selector:
             # full checkpoints decide nothing by drift: keep their stall to the copy alone
             views = {} if self.full else {layer: self.tracker.views(w) for layer, w in weights.items()}
             drift = self.tracker.drifts(views)
-        chain = 0 if prev is None else prev.get("chain", 0) + 1
+        chain = 0 if prev is None else prev.chain + 1
         states, forced = {}, set()
         for layer, keys in layer_keys.items():
-            before = prev["layers"].get(layer) if prev is not None else None
-            if before is None or sorted(before["tensors"]) != sorted(keys) or any(
+            before = prev.layers.get(layer) if prev is not None else None
+            if before is None or sorted(before.tensors) != sorted(keys) or any(
                     self._prev_shapes.get(k) != shapes[k] for k in keys):
                 forced.add(layer)
             states[layer] = policy.LayerState(
-                drift=drift.get(layer, math.inf), age=before["age"] if before else 0, nbytes=nbytes[layer],
+                drift=drift.get(layer, math.inf), age=before.age if before else 0, nbytes=nbytes[layer],
                 frozen=layer in trainable and not trainable[layer])
         if self.full:
             reasons = {layer: "full" for layer in states}
@@ -138,43 +155,42 @@ class Selector:
         persist = {layer for layer, why in reasons.items() if why in policy.WRITE or why in (NEW, "full")}
 
         owner_rank = assign(persist, nbytes, world)
-        layers: Dict[str, Any] = {}
-        carried: Dict[str, Any] = {}
+        layers: Dict[str, LayerEntry] = {}
+        carried: Dict[str, TensorEntry] = {}
         for layer, keys in layer_keys.items():
             d = drift.get(layer, math.inf)
-            info = {"reason": reasons[layer], "drift": d if math.isfinite(d) else None,
-                    "frozen": states[layer].frozen}
+            info = dict(reason=reasons[layer], drift=d if math.isfinite(d) else None, frozen=states[layer].frozen)
             if layer in persist:
-                layers[layer] = {"step": step, "file": fname if world == 1 else None, "rank": owner_rank[layer],
-                                 "age": 0, "tensors": keys, "nbytes": nbytes[layer], **info}
+                layers[layer] = LayerEntry(step=step, file=fname if world == 1 else None, rank=owner_rank[layer],
+                                           age=0, tensors=keys, nbytes=nbytes[layer], **info)
             else:
-                before = prev["layers"][layer]
-                layers[layer] = {**before, "age": before["age"] + 1, **info}
-                carried.update({k: prev["tensors"][k] for k in before["tensors"]})
-        files = {e["file"]: prev["files"][e["file"]] for e in carried.values()} if carried else {}
+                before = prev.layers[layer]
+                layers[layer] = dataclasses.replace(before, age=before.age + 1, **info)
+                carried.update({k: prev.tensors[k] for k in before.tensors})
+        files = {e.file: prev.files[e.file] for e in carried.values()} if carried else {}
         write = [(k, t) for k, t in entries if _mine(k, key_layer.get(k), persist, owner_rank, rank)]
         # the persisted layers' samples become their references once this save commits: copy them now
-        commit = {layer: self.tracker.snapshot(views[layer]) for layer in persist if layer in views}
-        return write, layers, carried, files, commit, chain
+        samples = {layer: self.tracker.snapshot(views[layer]) for layer in persist if layer in views}
+        return SavePlan(write=write, layers=layers, carried=carried, files=files, persisted=persist, chain=chain,
+                        samples=samples)
 
-    def adopt(self, manifest: Dict[str, Any], entries: List[Tuple[str, torch.Tensor]]) -> None:
+    def adopt(self, manifest: Manifest, entries: Entries) -> None:
         """Take a committed composite as the base of the next save, as if this Selector had written it.
         ``entries`` are the model's tensors *now*, which must be the composite's (just restored): they
         become each layer's drift reference."""
         key_layer, _ = self._key_layers(tuple(k for k, _ in entries))
         weights: Dict[str, Dict[str, torch.Tensor]] = {}
         for k, t in entries:
-            if k.startswith("model/") and k in key_layer:
-                weights.setdefault(key_layer[k], {})[k[6:]] = t
+            name = model_name(k)
+            if name is not None and k in key_layer:
+                weights.setdefault(key_layer[k], {})[name] = t
         samples = {} if self.full else {layer: self.tracker.snapshot(self.tracker.views(w))
                                         for layer, w in weights.items()}
         self.committed(manifest, samples)
 
-    def committed(self, manifest: Dict[str, Any], samples: Dict[str, torch.Tensor]) -> None:
+    def committed(self, manifest: Manifest, samples: Dict[str, Views]) -> None:
         """Called by the flusher once a save committed: it becomes the base of the next composite."""
-        from .format import CODES
-
-        shapes = {k: (CODES[e["dtype"]], tuple(e["shape"])) for k, e in manifest["tensors"].items()}
+        shapes = {k: (CODES[e.dtype], tuple(e.shape)) for k, e in manifest.tensors.items()}
         with self._lock:
             self.composite = manifest
             self._prev_shapes = shapes

@@ -1,16 +1,26 @@
-"""Pooled, page-aligned host buffers, allocated once and reused across checkpoints.
+"""Stage: copy a save's file image into pooled, page-aligned host buffers, on the caller's thread.
 
 The pool grows lazily up to ``limit`` bytes in ``chunk`` sized buffers; an
 ``acquire()`` past the limit blocks until the flusher returns a buffer
-(back-pressure), so staging never allocates without bound.
+(back-pressure), so staging never allocates without bound.  Each full chunk
+goes to the flusher at once, as ``(chunk, file offset, fill, segments)`` on a
+queue, then ``None`` when the image is complete; ``STARVED`` says the stager
+waits for a buffer, ``ABORT`` that staging failed.
 """
 from __future__ import annotations
 
 import mmap
+import queue
 import threading
 from typing import Callable, List, Optional
 
 import torch
+
+from ._backend import populate
+from ._layout import Layout
+
+STARVED = object()  # the stager waits for a free buffer
+ABORT = object()  # staging failed: discard what was sent
 
 
 def anon_buffer(nbytes: int) -> mmap.mmap:
@@ -27,11 +37,7 @@ def anon_buffer(nbytes: int) -> mmap.mmap:
 def prefault(mem: mmap.mmap, tensor: torch.Tensor) -> None:
     """Back every page of ``mem`` now: one MADV_POPULATE_WRITE (an order of magnitude faster than
     touching each page here) where the native module has it, else by writing zeros."""
-    try:
-        from . import _uring
-
-        _uring.populate(memoryview(mem))
-    except (ImportError, AttributeError, OSError):
+    if not populate(memoryview(mem)):
         tensor.zero_()
 
 
@@ -115,3 +121,65 @@ class BufferPool:
                 c.free()
             self.chunks.clear()
             self._free.clear()
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def stage(layout: Layout, pool: BufferPool, out: "queue.Queue", staged: threading.Event) -> None:
+    """Copy the file image into pool chunks, handing each full chunk to the flusher at once."""
+    C = pool.chunk_bytes
+    header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+    sources = [(-1, header, len(layout.header))] + [(i, it.tensor, it.nbytes) for i, it in enumerate(layout.items)]
+    stream = None
+
+    def starved() -> None:
+        out.put(STARVED)
+
+    chunk = pool.acquire(on_wait=starved)
+    base, fill, segs = 0, 0, []
+    for idx, t, nbytes in sources:
+        if nbytes == 0:
+            continue
+        src = _flat_bytes(t)
+        if src.is_cuda:
+            stream = stream or _side_stream(src.device)
+            chunk.pin()
+        pos = 0
+        while pos < nbytes:
+            if fill == C:
+                _emit(out, chunk, base, fill, segs, stream)
+                chunk = pool.acquire(on_wait=starved)
+                base, fill, segs = base + C, 0, []
+                if stream is not None:
+                    chunk.pin()
+            n = min(C - fill, nbytes - pos)
+            if src.is_cuda:
+                with torch.cuda.stream(stream):
+                    chunk.tensor[fill:fill + n].copy_(src[pos:pos + n], non_blocking=True)
+            else:
+                chunk.tensor[fill:fill + n].copy_(src[pos:pos + n])
+            if idx >= 0:
+                segs.append((idx, fill, fill + n))
+            fill += n
+            pos += n
+    staged.set()
+    _emit(out, chunk, base, fill, segs, stream)
+    out.put(None)
+
+
+def _emit(out, chunk, base, fill, segs, stream) -> None:
+    if stream is not None:
+        stream.synchronize()  # the flusher reads this chunk next
+    out.put((chunk, base, fill, segs))
+
+
+def _side_stream(device: torch.device):
+    """Device-to-host copies on their own stream, after the work already queued on the current one."""
+    s = torch.cuda.Stream(device=device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    return s

@@ -15,7 +15,7 @@ import errno
 import logging
 import os
 import threading
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Protocol
 
 log = logging.getLogger("layerckpt")
 
@@ -26,6 +26,46 @@ except ImportError:  # pragma: no cover - exercised on machines without a compil
 
 ENV_BACKEND = "LAYERCKPT_BACKEND"
 _logged = set()
+
+
+class Backend(Protocol):
+    """What the reader, the stager and the flusher need from an I/O backend."""
+
+    name: str
+
+    def write(self, fd: int, buf: Any, offset: int, token: Any, path: Optional[str] = None) -> None:
+        """Queue a write of all of ``buf`` at ``offset``; waits for a free slot if ``depth`` are in flight."""
+
+    def read(self, fd: int, buf: Any, offset: int, token: Any, path: Optional[str] = None) -> None:
+        """Queue a read filling ``buf`` from ``offset`` (short only at end of file)."""
+
+    def wait(self, min_complete: int = 0) -> List[Any]:
+        """Tokens of requests completed so far, waiting for at least ``min_complete``."""
+
+    def drain(self) -> List[Any]:
+        """Wait for every request in flight; their tokens."""
+
+    @property
+    def inflight(self) -> int: ...
+
+    def register_buffers(self, buffers: List[Any]) -> None:
+        """Hint that these buffers are reused for I/O (io_uring registers them; a no-op elsewhere)."""
+
+    def close(self) -> None: ...
+
+
+HAS_POPULATE = _uring is not None and hasattr(_uring, "populate")
+
+
+def populate(view: memoryview) -> bool:
+    """Back every page of ``view`` now with one MADV_POPULATE_WRITE; False where that is not to be had."""
+    if _uring is None:
+        return False
+    try:
+        _uring.populate(view)
+        return True
+    except (AttributeError, OSError):
+        return False
 
 
 def _log_once(key: str, msg: str, *args: Any) -> None:
@@ -207,7 +247,7 @@ def resolve_backend_name(requested: str = "auto") -> str:
     return name
 
 
-def make_backend(requested: str = "auto", depth: int = 8):
+def make_backend(requested: str = "auto", depth: int = 8) -> Backend:
     name = resolve_backend_name(requested)
     return UringBackend(depth) if name == "uring" else ThreadsBackend(depth)
 

@@ -2,8 +2,8 @@
 
 Model tensors are keyed ``model/<name>``, optimizer state by parameter *name*
 (``optim/<name>/<state key>``), RNG states under ``rng/`` and the user's extra
-under ``extra/``.  Plain values go to the manifest through a small JSON codec
-that keeps tuples and non-string dict keys and never pickles.
+under ``extra/`` (prefixes named in ``_manifest``).  Plain values go to the manifest
+through ``_codec``, which never pickles.
 """
 from __future__ import annotations
 
@@ -13,83 +13,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ._codec import Entries, decode, encode
+from ._manifest import EXTRA, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, rng_prefix
 from .errors import CheckpointError
 
-Entries = List[Tuple[str, torch.Tensor]]
-_PLAIN = (int, float, str, bool, type(None))
-
-
-# ------------------------------------------------------------------ codec
-
-def encode(value: Any, key: str, out: Entries, where: str) -> Any:
-    """Plain values stay JSON; tensors are appended to ``out`` and replaced by a reference."""
-    if isinstance(value, torch.Tensor):
-        out.append((key, value.detach()))
-        return {"__tensor__": key}
-    if isinstance(value, np.ndarray):
-        out.append((key, torch.from_numpy(np.ascontiguousarray(value))))
-        return {"__ndarray__": key}
-    if isinstance(value, np.generic):
-        return value.item()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (tuple, list)):
-        if all(type(v) in _PLAIN for v in value):  # fast path: e.g. the 625 ints of python's RNG state
-            items = list(value)
-        else:
-            items = [encode(v, f"{key}/{i}", out, f"{where}[{i}]") for i, v in enumerate(value)]
-        return {"__tuple__": items} if isinstance(value, tuple) else items
-    if isinstance(value, dict):
-        if all(isinstance(k, str) and not (k.startswith("__") and k.endswith("__")) for k in value):
-            return {k: encode(v, f"{key}/{k}", out, f"{where}[{k!r}]") for k, v in value.items()}
-        pairs = []
-        for i, (k, v) in enumerate(value.items()):
-            if not (k is None or isinstance(k, (bool, int, float, str, tuple))):
-                raise CheckpointError(f"{where} has a dict key {k!r} of type {type(k).__name__}; use str/int keys")
-            pairs.append([encode(k, f"{key}/k{i}", out, where), encode(v, f"{key}/{i}", out, f"{where}[{k!r}]")])
-        return {"__dict__": pairs}
-    raise CheckpointError(
-        f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which layerckpt cannot store "
-        f"without pickling; convert it to tensors or plain values (int, float, str, bool, None, list, tuple, dict)"
-    )
-
-
-def decode(obj: Any, tensors: Dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, list):
-        return [decode(v, tensors) for v in obj]
-    if isinstance(obj, dict):
-        if len(obj) == 1:
-            (tag, v), = obj.items()
-            if tag == "__tensor__":
-                return tensors[v]
-            if tag == "__ndarray__":
-                return tensors[v].numpy()
-            if tag == "__tuple__":
-                return tuple(decode(x, tensors) for x in v)
-            if tag == "__dict__":
-                return {_hashable(decode(k, tensors)): decode(x, tensors) for k, x in v}
-        return {k: decode(v, tensors) for k, v in obj.items()}
-    return obj
-
-
-def _hashable(k: Any) -> Any:
-    return tuple(_hashable(x) for x in k) if isinstance(k, (list, tuple)) else k
-
-
-def tensor_refs(obj: Any) -> List[str]:
-    """Every tensor key an encoded value refers to."""
-    out: List[str] = []
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, list):
-            stack.extend(o)
-        elif isinstance(o, dict):
-            if len(o) == 1 and next(iter(o)) in ("__tensor__", "__ndarray__"):
-                out.append(next(iter(o.values())))
-            else:
-                stack.extend(o.values())
-    return out
 
 
 # ------------------------------------------------------------------ model
@@ -150,10 +77,10 @@ def optimizer_state(optimizer: torch.optim.Optimizer, names: Dict[int, str], out
     state = {}
     for idx, st in sd["state"].items():
         name = idx_name[idx]
-        state[name] = {k: encode(v, f"optim/{name}/{k}", out, f"optimizer.state[{name}][{k!r}]") for k, v in st.items()}
+        state[name] = {k: encode(v, f"{OPTIM}{name}/{k}", out, f"optimizer.state[{name}][{k!r}]") for k, v in st.items()}
     groups = []
     for gi, g in enumerate(sd["param_groups"]):
-        enc = {k: encode(v, f"optim_groups/{gi}/{k}", out, f"optimizer.param_groups[{gi}][{k!r}]")
+        enc = {k: encode(v, f"{OPTIM_GROUPS}/{gi}/{k}", out, f"optimizer.param_groups[{gi}][{k!r}]")
                for k, v in g.items() if k != "params"}
         enc["params"] = [idx_name[i] for i in g["params"]]
         groups.append(enc)
@@ -163,13 +90,8 @@ def optimizer_state(optimizer: torch.optim.Optimizer, names: Dict[int, str], out
 
 # ------------------------------------------------------------------ RNG
 
-def rng_key(rank: int) -> str:
-    """Key prefix of a rank's RNG states: each rank keeps its own."""
-    return "rng" if rank == 0 else f"rng.rank{rank}"
-
-
 def rng_state(out: Entries, rank: int = 0) -> Dict[str, Any]:
-    k = rng_key(rank)
+    k = rng_prefix(rank)
     st: Dict[str, Any] = {
         "python": encode(random.getstate(), f"{k}/python", out, "python RNG"),
         "numpy": encode(np.random.get_state(), f"{k}/numpy", out, "numpy RNG"),
@@ -199,12 +121,12 @@ def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], e
     """Everything one save holds: tensors to stage, and the manifest's JSON parts."""
     entries: Entries = []
     tensors, aliases, other = model_state(model)
-    entries.extend((f"model/{n}", t) for n, t in tensors.items())
+    entries.extend((MODEL + n, t) for n, t in tensors.items())
     meta: Dict[str, Any] = {
         "model": {"aliases": aliases,
-                  "other": encode(other, "model_other", entries, "model.state_dict() non-tensor entry")},
+                  "other": encode(other, MODEL_OTHER, entries, "model.state_dict() non-tensor entry")},
         "optimizer": optimizer_state(optimizer, param_names(model), entries) if optimizer is not None else None,
         "rng": rng_state(entries, rank),
-        "extra": encode(extra if extra is not None else {}, "extra", entries, "extra"),
+        "extra": encode(extra if extra is not None else {}, EXTRA, entries, "extra"),
     }
     return entries, meta

@@ -81,9 +81,9 @@ def post_training_run(root: str, config=None, every: int = 4, crash_at: int = 16
     restore against the run that never stopped."""
     import time
 
-    from .checkpointer import Checkpointer
-    from .config import Config
-    from .restore import restore
+    from ..checkpointer import Checkpointer
+    from ..config import Config
+    from ..restore import restore
 
     cfg = (config or Config()).replace(keep_last=0)  # keep every composite: any step may be restored
     model = make_model(seed)

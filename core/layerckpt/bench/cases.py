@@ -11,8 +11,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .backend import checksum, make_backend, open_file
-from .config import Config, MiB
+from .._backend import checksum, make_backend, open_file
+from ..config import Config, MiB
 from .models import GPT, GPTConfig
 
 
@@ -176,7 +176,7 @@ class DiskLimits:
         return t
 
     def read(self, fresh: bool) -> float:
-        from .reader import _Prefault
+        from .._read import _Prefault
 
         drop_cache(self.path)
         be = make_backend("auto", self.depth)
@@ -218,8 +218,8 @@ class DiskLimits:
 def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLimits,
                     preset: str = "gpt2-small") -> Dict[str, Any]:
     """Saves and restores, each rep right after a disk-limit measurement, so both see the same disk."""
-    from .checkpointer import Checkpointer
-    from .restore import restore
+    from ..checkpointer import Checkpointer
+    from ..restore import restore
 
     d = os.path.join(root, "layerckpt")
     cfg = cfg.replace(threshold=0.0)  # full checkpoints: every byte of the state, every time
@@ -254,7 +254,7 @@ def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLim
 
 def bench_selective(root: str, model, opt, cfg: Config) -> List[Dict[str, Any]]:
     """Selective saves of the same model with k blocks moved past the threshold: cost follows bytes."""
-    from .checkpointer import Checkpointer
+    from ..checkpointer import Checkpointer
 
     n = len(model.h)
     blocks = sorted({0, 1, n // 4, n // 2, n})
@@ -284,7 +284,7 @@ def bench_selective(root: str, model, opt, cfg: Config) -> List[Dict[str, Any]]:
 
 def bench_overhead(root: str, steps: int = 80, every: int = 4) -> Dict[str, Any]:
     """Step time of the fine-tuning workload with a default-Config checkpoint every few steps, against none."""
-    from .checkpointer import Checkpointer
+    from ..checkpointer import Checkpointer
     from .workload import make_model, make_optimizer, run, start_finetune
 
     def timed_run(with_ckpt: bool) -> Tuple[float, int, int]:

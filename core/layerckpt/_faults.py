@@ -1,0 +1,29 @@
+"""Named points in the save and retention paths where tests inject faults.
+
+Product code only calls :func:`point`; nothing happens unless a test has
+installed a hook for that name (in its own process) with :func:`install`.
+
+Points: ``"flush.checksum"`` (before each chunk is checksummed),
+``"flush.written"`` (this rank's data file is durable, before the ranks agree),
+``"commit.before"`` (before the manifest is written), ``"retain.manifests-dropped"``
+(old manifests deleted and made durable, their data files not yet).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+_hooks: Dict[str, Callable[[], None]] = {}
+
+
+def install(name: str, hook: Callable[[], None]) -> None:
+    _hooks[name] = hook
+
+
+def remove(name: str) -> None:
+    _hooks.pop(name, None)
+
+
+def point(name: str) -> None:
+    hook = _hooks.get(name)
+    if hook is not None:
+        hook()

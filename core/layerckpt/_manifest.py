@@ -1,0 +1,207 @@
+"""The commit record of one checkpoint: typed, built in one place, validated in one place.
+
+A manifest is a *composite*: for every layer it names the step and file of the
+layer's newest persisted version, and for every tensor where its bytes are.
+On disk it is JSON (``manifests/step-N.json``); the keys are those of
+format version 1, and readers of version 1 read it unchanged.
+
+Tensor keys in a checkpoint have fixed prefixes, named here and nowhere else:
+``model/<state_dict name>``, ``optim/<parameter name>/<state key>``,
+``optim_groups/<i>/...``, ``rng/...`` (``rng.rankN/...`` for other ranks),
+``extra/...`` and ``model_other/...``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from ._layout import CODES, ITEMSIZE
+from .errors import CheckpointCorruptError, CheckpointNotFoundError
+
+FORMAT_NAME = "layerckpt"
+FORMAT_VERSION = 1
+
+MODEL = "model/"
+OPTIM = "optim/"
+OPTIM_GROUPS = "optim_groups"
+RNG = "rng"
+EXTRA = "extra"
+MODEL_OTHER = "model_other"
+
+
+def model_key(name: str) -> str:
+    return MODEL + name
+
+
+def model_name(key: str) -> Optional[str]:
+    """The state_dict name of a model tensor key, else None."""
+    return key[len(MODEL):] if key.startswith(MODEL) else None
+
+
+def param_of(key: str) -> Optional[str]:
+    """The parameter a model or optimizer-state key belongs to, else None."""
+    if key.startswith(MODEL):
+        return key[len(MODEL):]
+    if key.startswith(OPTIM):
+        parts = key.split("/", 2)
+        if len(parts) == 3:
+            return parts[1]
+    return None
+
+
+def is_rng(key: str) -> bool:
+    return key.startswith(RNG)
+
+
+def rng_prefix(rank: int) -> str:
+    """Key prefix of a rank's RNG states: each rank keeps its own."""
+    return RNG if rank == 0 else f"{RNG}.rank{rank}"
+
+
+@dataclass
+class TensorEntry:
+    file: str
+    dtype: str  # safetensors dtype code
+    shape: List[int]
+    offset: int  # absolute offset in the file
+    nbytes: int
+    crc: int
+
+
+@dataclass
+class FileEntry:
+    step: int
+    rank: int
+    size: int
+
+
+@dataclass
+class LayerEntry:
+    """Where a layer's newest version lives, and why this save wrote or skipped it."""
+    step: int  # the step it was persisted at
+    file: Optional[str]  # None until the ranks' results are merged
+    tensors: List[str]
+    nbytes: int
+    rank: int = 0
+    age: int = 0  # checkpoints since it was persisted
+    reason: str = ""
+    drift: Optional[float] = None
+    frozen: bool = False
+
+
+@dataclass
+class Manifest:
+    step: int
+    world_size: int
+    files: Dict[str, FileEntry]
+    tensors: Dict[str, TensorEntry]
+    layers: Dict[str, LayerEntry]
+    model: Dict[str, Any]  # {"aliases": {name: canonical}, "other": encoded non-tensor entries}
+    seq: int = 0  # commit order within the directory
+    chain: int = 0  # saves since the first of this Checkpointer's chain
+    created: float = 0.0
+    config: Dict[str, Any] = field(default_factory=dict)
+    optimizer: Optional[Dict[str, Any]] = None
+    rng: Optional[Dict[str, Any]] = None
+    rng_ranks: Optional[Dict[str, Any]] = None
+    extra: Any = None
+    checksum: str = "crc32c"
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+
+    @property
+    def aliases(self) -> Dict[str, str]:
+        return self.model.get("aliases", {})
+
+    @property
+    def model_other(self) -> Dict[str, Any]:
+        return self.model.get("other") or {}
+
+    def rng_for(self, rank: int) -> Optional[Dict[str, Any]]:
+        """A rank's own RNG states when the checkpoint has them, else rank 0's."""
+        if rank > 0 and str(rank) in (self.rng_ranks or {}):
+            return self.rng_ranks[str(rank)]
+        return self.rng
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if d["rng_ranks"] is None:
+            del d["rng_ranks"]
+        return d
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=True).encode()
+
+    @classmethod
+    def from_dict(cls, m: Any, path: str) -> "Manifest":
+        """Validate a parsed manifest; any damage is a CheckpointCorruptError naming the file."""
+        if not isinstance(m, dict):
+            raise CheckpointCorruptError(f"manifest {path} is not a JSON object", path=path)
+        for k, kind in _REQUIRED.items():
+            if not isinstance(m.get(k), kind) or isinstance(m.get(k), bool):
+                raise CheckpointCorruptError(f"manifest {path} lacks a valid {k!r} field", path=path)
+        if m["format"] != FORMAT_NAME:
+            raise CheckpointCorruptError(f"{path} is not a layerckpt manifest (format={m['format']!r})", path=path)
+        if m["version"] > FORMAT_VERSION:
+            raise CheckpointCorruptError(
+                f"manifest {path} has format version {m['version']}, newer than this layerckpt reads "
+                f"({FORMAT_VERSION}); upgrade layerckpt", path=path)
+        files = {}
+        for name, e in m["files"].items():
+            if not (isinstance(e, dict) and all(isinstance(e.get(k, 0), int) for k in ("step", "rank", "size"))):
+                raise CheckpointCorruptError(f"manifest {path}: entry for file {name!r} is malformed", path=path)
+            files[name] = FileEntry(step=e.get("step", m["step"]), rank=e.get("rank", 0), size=e.get("size", 0))
+        tensors = {}
+        for key, e in m["tensors"].items():
+            if not (isinstance(e, dict) and isinstance(e.get("file"), str) and e.get("dtype") in CODES
+                    and isinstance(e.get("shape"), list) and all(isinstance(s, int) and s >= 0 for s in e["shape"])
+                    and isinstance(e.get("offset"), int) and e["offset"] >= 0
+                    and isinstance(e.get("nbytes"), int) and e["nbytes"] >= 0 and isinstance(e.get("crc"), int)):
+                raise CheckpointCorruptError(f"manifest {path}: entry for tensor {key!r} is malformed", path=path,
+                                             tensor=key)
+            if e["nbytes"] != math.prod(e["shape"]) * ITEMSIZE[e["dtype"]]:
+                raise CheckpointCorruptError(
+                    f"manifest {path}: tensor {key!r} has shape {e['shape']} and dtype {e['dtype']} but "
+                    f"{e['nbytes']} bytes", path=path, tensor=key)
+            if e["file"] not in files:
+                raise CheckpointCorruptError(
+                    f"manifest {path}: tensor {key!r} points to file {e['file']!r} that the manifest does not list",
+                    path=path, tensor=key)
+            tensors[key] = TensorEntry(**{k: e[k] for k in _TENSOR_FIELDS})
+        layers = {}
+        for name, e in m["layers"].items():
+            if not (isinstance(e, dict) and isinstance(e.get("step"), int) and isinstance(e.get("tensors", []), list)):
+                raise CheckpointCorruptError(f"manifest {path}: entry for layer {name!r} is malformed", path=path)
+            known = {k: e[k] for k in _LAYER_FIELDS if k in e}
+            known.setdefault("file", None)
+            known.setdefault("tensors", [])
+            known.setdefault("nbytes", 0)
+            layers[name] = LayerEntry(**known)
+        rest = {k: m[k] for k in _OTHER_FIELDS if k in m}
+        return cls(step=m["step"], world_size=m["world_size"], files=files, tensors=tensors, layers=layers,
+                   model=m["model"], **rest)
+
+
+_REQUIRED = {"format": str, "version": int, "step": int, "world_size": int, "files": dict,
+             "tensors": dict, "layers": dict, "model": dict}
+_TENSOR_FIELDS = [f.name for f in dataclasses.fields(TensorEntry)]
+_LAYER_FIELDS = [f.name for f in dataclasses.fields(LayerEntry)]
+_OTHER_FIELDS = [f.name for f in dataclasses.fields(Manifest)
+                 if f.name not in ("step", "world_size", "files", "tensors", "layers", "model")]
+
+
+def load_manifest(path: str) -> Manifest:
+    """Read, parse and validate the manifest at ``path``."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"manifest {path} does not exist") from None
+    try:
+        m = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointCorruptError(f"manifest {path} is truncated or malformed ({e})", path=path) from None
+    return Manifest.from_dict(m, path)

@@ -1,0 +1,172 @@
+"""The checkpoint directory: where manifests and data files live, and which manifest a path names.
+
+```
+<dirpath>/data/step-00000100.rank0.safetensors   one file per (step, rank): a valid safetensors file
+<dirpath>/manifests/step-00000100.json           the commit record (see _manifest)
+<dirpath>/latest                                  name of the newest committed manifest (a hint)
+```
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from ._manifest import Manifest, load_manifest
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+
+log = logging.getLogger("layerckpt")
+
+DATA_DIR = "data"
+MANIFEST_DIR = "manifests"
+LATEST = "latest"
+_MANIFEST_RE = re.compile(r"^step-(\d{8,})\.json$")
+_DATA_RE = re.compile(r"^step-(\d{8,})(?:\.v(\d+))?\.rank(\d+)\.safetensors$")
+
+
+def manifest_name(step: int) -> str:
+    return f"step-{step:08d}.json"
+
+
+def data_name(step: int, rank: int, version: int = 0) -> str:
+    v = f".v{version}" if version else ""
+    return f"step-{step:08d}{v}.rank{rank}.safetensors"
+
+
+def manifest_step(name: str) -> Optional[int]:
+    m = _MANIFEST_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_data_name(name: str) -> bool:
+    return _DATA_RE.match(name) is not None
+
+
+def safe_join(root: str, sub: str, name: Any, what: str) -> str:
+    """Join a file name from a manifest under root/sub, refusing anything that could escape it."""
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        raise CheckpointCorruptError(
+            f"{what} names {name!r}, which is not a plain file name inside {os.path.join(root, sub)}; refused",
+            path=os.path.join(root, sub),
+        )
+    return os.path.join(root, sub, name)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write tmp, fsync, rename over path, fsync the directory."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_manifests(root: str) -> List[Tuple[int, str]]:
+    """Committed manifests as (step, name), oldest step first."""
+    d = os.path.join(root, MANIFEST_DIR)
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return []
+    out = [(manifest_step(n), n) for n in names]
+    return sorted((s, n) for s, n in out if s is not None)
+
+
+def ensure_layout(root: str) -> None:
+    for sub in (DATA_DIR, MANIFEST_DIR):
+        os.makedirs(os.path.join(root, sub), exist_ok=True)
+
+
+def read_all(root: str) -> Tuple[Dict[str, Manifest], List[str]]:
+    """All committed manifests that parse, by name, and the names of those that do not."""
+    good, bad = {}, []
+    for _, name in list_manifests(root):
+        try:
+            good[name] = load_manifest(os.path.join(root, MANIFEST_DIR, name))
+        except CheckpointError:
+            bad.append(name)
+    return good, bad
+
+
+def recency(manifests: Dict[str, Manifest]):
+    """Commit order (seq), then step: the newest committed is not always the highest step."""
+    return lambda n: (manifests[n].seq, manifests[n].step)
+
+
+def newest(manifests: Dict[str, Manifest]) -> Optional[str]:
+    return max(manifests, key=recency(manifests), default=None)
+
+
+def resolve(root: str, step: Optional[int] = None) -> str:
+    """Path of the manifest to restore: the one for `step`, else the newest committed."""
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
+    if not os.path.isdir(os.path.join(root, MANIFEST_DIR)):
+        raise CheckpointNotFoundError(
+            f"{root} is not a layerckpt directory (no {MANIFEST_DIR}/); point at the dirpath given to Checkpointer"
+        )
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        path = os.path.join(root, MANIFEST_DIR, manifest_name(step))
+        if not os.path.exists(path):
+            have = [s for s, _ in list_manifests(root)]
+            raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {root}; committed steps: {have}")
+        return path
+    try:
+        with open(os.path.join(root, LATEST), "r", encoding="utf-8") as f:
+            name = f.read().strip()
+        path = safe_join(root, MANIFEST_DIR, name, f"{root}/latest")
+        if os.path.exists(path):
+            return path
+    except (FileNotFoundError, UnicodeDecodeError, CheckpointCorruptError):
+        pass
+    # `latest` missing or stale: the newest manifest that parses
+    good, bad = read_all(root)
+    name = newest(good)
+    if name is None:
+        hint = f" ({len(bad)} damaged manifest(s): {', '.join(bad)})" if bad else ""
+        raise CheckpointNotFoundError(f"no committed checkpoint in {root}{hint}")
+    return os.path.join(root, MANIFEST_DIR, name)
+
+
+def is_checkpoint(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path`` is a layerckpt checkpoint directory or one of its manifests."""
+    try:
+        locate(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def locate(path: Union[str, os.PathLike]) -> Tuple[str, Optional[int]]:
+    """(checkpoint directory, step or None for the newest) named by a directory or a manifest path."""
+    p = os.path.abspath(os.fspath(path))
+    if os.path.isfile(p):
+        parent = os.path.dirname(p)
+        step = manifest_step(os.path.basename(p))
+        if step is None or os.path.basename(parent) != MANIFEST_DIR:
+            raise CheckpointNotFoundError(f"{p} is a file but not a layerckpt manifest ({MANIFEST_DIR}/step-N.json)")
+        return os.path.dirname(parent), step
+    if os.path.isdir(p) and os.path.isdir(os.path.join(p, MANIFEST_DIR)):
+        return p, None
+    if os.path.isdir(p):
+        raise CheckpointNotFoundError(
+            f"{p} is a directory but not a layerckpt checkpoint (it has no {MANIFEST_DIR}/ folder); "
+            f"pass the dirpath layerckpt saved into, or one of its {MANIFEST_DIR}/step-N.json")
+    raise CheckpointNotFoundError(f"checkpoint {p} does not exist")
