@@ -37,7 +37,8 @@ if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
             "layerckpt._uring",
-            sources=["csrc/uring.c"],
+            sources=["csrc/module.c", "csrc/ring.c", "csrc/sys.c", "csrc/crc32c.c"],
+            depends=["csrc/ring.h", "csrc/sys.h", "csrc/crc32c.h"],
             extra_compile_args=["-O2", "-Wall", "-Werror", "-std=gnu11"],
         )
     )

@@ -1,0 +1,39 @@
+"""Native io_uring writer and CRC32C for layerckpt (built from csrc/)."""
+from typing import Any, List, Sequence
+
+from typing_extensions import Buffer
+
+HW_CRC32C: int
+"""1 if crc32c() uses the CPU's CRC32 instruction, else 0."""
+
+class Ring:
+    """An io_uring with a fixed queue depth (1 to 256)."""
+
+    def __init__(self, depth: int = 8) -> None: ...
+    def write(self, fd: int, buffer: Buffer, offset: int, token: Any, path: Any = None, /) -> None:
+        """Queue a write of the whole buffer at offset; blocks (GIL released) only when depth requests are in flight."""
+    def read(self, fd: int, buffer: Buffer, offset: int, token: Any, path: Any = None, /) -> None:
+        """Queue a read filling the writable buffer from offset (stops early at EOF)."""
+    def wait(self, min_complete: int = 0, /) -> List[Any]:
+        """Submit, wait for min_complete requests, return the tokens finished so far; OSError(errno, strerror, path) on failure."""
+    def drain(self) -> List[Any]:
+        """Wait for every queued request; returns their tokens."""
+    def register_buffers(self, buffers: Sequence[Buffer], /) -> None:
+        """Register writable buffers as fixed buffers, replacing any; an empty sequence unregisters."""
+    def close(self) -> None:
+        """Wait for I/O in flight and free the ring."""
+    @property
+    def inflight(self) -> int:
+        """Requests queued or in flight."""
+    @property
+    def registered(self) -> int:
+        """Number of registered buffers."""
+
+def crc32c(buffer: Buffer, crc: int = 0, /) -> int:
+    """CRC32C (Castagnoli) of a buffer, continuing from crc."""
+
+def populate(buffer: Buffer, /) -> None:
+    """Fault in (and zero) the pages of a fresh writable buffer, GIL released."""
+
+def probe() -> None:
+    """Raise OSError if this kernel refuses io_uring."""

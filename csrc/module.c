@@ -1,0 +1,560 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * layerckpt._uring: the Python face of the native I/O path (ring.c) and of
+ * the CRC32C (crc32c.c).  No torch headers: buffers come in through the
+ * buffer protocol, files as descriptors.  The ring knows request slots; the
+ * Python objects of each request (its buffer view, token and path) live
+ * here, in a side array indexed by slot, until the ring hands the slot back.
+ * Errors surface as OSError(errno, strerror, path) after every request
+ * still in flight has completed, so no buffer is released while the kernel
+ * uses it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "crc32c.h"
+#include "ring.h"
+
+/* The Python objects of one request slot. */
+struct slot {
+	Py_buffer view; /* keeps the caller's buffer alive and pinned */
+	PyObject *token;
+	PyObject *path;
+};
+
+typedef struct {
+	PyObject_HEAD
+	struct lc_ring ring;
+	struct slot *slots;	/* ring.depth entries */
+	Py_buffer *regs;	/* views of the registered buffers */
+	unsigned int nregs;
+	int busy;		/* a method is running (maybe GIL released) */
+	PyObject *done;		/* tokens finished since the last wait() */
+} Ring;
+
+/* OSError(e, strerror(e)[, path]); e > 0. */
+static void set_oserror(int e, PyObject *path)
+{
+	errno = e;
+	if (path && path != Py_None)
+		PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+	else
+		PyErr_SetFromErrno(PyExc_OSError);
+}
+
+static void slot_release(struct slot *s)
+{
+	PyBuffer_Release(&s->view);
+	Py_CLEAR(s->token);
+	Py_CLEAR(s->path);
+}
+
+static void release_regs(Ring *self)
+{
+	Py_buffer *regs = self->regs;
+	unsigned int i, n = self->nregs;
+
+	self->regs = NULL;
+	self->nregs = 0;
+	for (i = 0; i < n; i++)
+		PyBuffer_Release(&regs[i]);
+	PyMem_Free(regs);
+}
+
+/* Forget the tokens collected so far. */
+static void clear_done(Ring *self)
+{
+	PyObject *fresh = PyList_New(0);
+
+	if (fresh) {
+		Py_SETREF(self->done, fresh);
+		return;
+	}
+	PyErr_Clear();
+	if (PyList_SetSlice(self->done, 0, PY_SSIZE_T_MAX, NULL) < 0)
+		PyErr_Clear();
+}
+
+/*
+ * Move the finished requests out of the ring: tokens to self->done, views
+ * released.  If the ring recorded an error, raise it (dropping every token
+ * collected since the last wait()) once all are out.
+ */
+static int collect(Ring *self)
+{
+	struct lc_ring *r = &self->ring;
+	int err = r->err, failed = 0;
+	PyObject *path = NULL;
+	struct lc_done d;
+
+	if (err && r->err_slot >= 0) {
+		path = self->slots[r->err_slot].path;
+		Py_XINCREF(path);
+	}
+	while (lc_ring_pop(r, &d)) {
+		struct slot *s = &self->slots[d.slot];
+
+		if (!err && !failed && PyList_Append(self->done, s->token) < 0)
+			failed = 1;
+		slot_release(s);
+	}
+	if (err) {
+		lc_ring_clear_error(r);
+		if (failed)
+			PyErr_Clear();
+		clear_done(self);
+		set_oserror(-err, path);
+		Py_XDECREF(path);
+		return -1;
+	}
+	return failed ? -1 : 0;
+}
+
+/* Submit what is queued, wait (GIL released) for @want requests, collect. */
+static int pump(Ring *self, unsigned int want)
+{
+	Py_BEGIN_ALLOW_THREADS
+	lc_ring_wait(&self->ring, want);
+	Py_END_ALLOW_THREADS
+	return collect(self);
+}
+
+/* Start a method that uses the ring; pair with self->busy = 0. */
+static int ring_enter(Ring *self)
+{
+	if (self->ring.fd < 0) {
+		PyErr_SetString(PyExc_ValueError, "Ring is closed");
+		return -1;
+	}
+	if (self->busy) {
+		PyErr_SetString(PyExc_RuntimeError,
+				"Ring used from two threads at once");
+		return -1;
+	}
+	self->busy = 1;
+	return 0;
+}
+
+static PyObject *take_done(Ring *self)
+{
+	PyObject *out = self->done;
+	PyObject *fresh = PyList_New(0);
+
+	if (!fresh)
+		return NULL;
+	self->done = fresh;
+	return out;
+}
+
+static PyObject *Ring_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+	Ring *self = (Ring *)type->tp_alloc(type, 0);
+
+	if (self) {
+		self->ring.fd = -1;
+		self->ring.err_slot = -1;
+	}
+	return (PyObject *)self;
+}
+
+static int Ring_init(Ring *self, PyObject *args, PyObject *kw)
+{
+	static char *kwlist[] = {"depth", NULL};
+	unsigned int depth = 8;
+	int ret;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "|I", kwlist, &depth))
+		return -1;
+	if (depth < 1 || depth > LC_RING_MAX_DEPTH) {
+		PyErr_Format(PyExc_ValueError,
+			     "depth must be in [1, %d], got %u",
+			     LC_RING_MAX_DEPTH, depth);
+		return -1;
+	}
+	if (self->ring.fd >= 0) {
+		PyErr_SetString(PyExc_RuntimeError, "Ring already initialised");
+		return -1;
+	}
+	ret = lc_ring_init(&self->ring, depth);
+	if (ret < 0) {
+		set_oserror(-ret, NULL);
+		return -1;
+	}
+	self->slots = PyMem_Calloc(depth, sizeof(*self->slots));
+	if (!self->slots) {
+		PyErr_NoMemory();
+		goto err;
+	}
+	Py_XSETREF(self->done, PyList_New(0));
+	if (!self->done)
+		goto err;
+	return 0;
+err:
+	lc_ring_exit(&self->ring);
+	PyMem_Free(self->slots);
+	self->slots = NULL;
+	return -1;
+}
+
+static PyObject *submit_io(Ring *self, PyObject *args, int is_write)
+{
+	PyObject *bufobj, *token, *path = Py_None;
+	unsigned long long off;
+	struct lc_ring *r = &self->ring;
+	struct slot *s;
+	int fd, i, ret;
+
+	if (!PyArg_ParseTuple(args, "iOKO|O", &fd, &bufobj, &off, &token,
+			      &path))
+		return NULL;
+	if (ring_enter(self) < 0)
+		return NULL;
+	/* a full ring waits for one completion first */
+	if (r->inflight >= r->depth && pump(self, 1) < 0)
+		goto err;
+	i = lc_ring_free_slot(r);
+	if (i < 0) {
+		PyErr_SetString(PyExc_RuntimeError, "no free request slot");
+		goto err;
+	}
+	s = &self->slots[i];
+	if (PyObject_GetBuffer(bufobj, &s->view,
+			       is_write ? PyBUF_SIMPLE : PyBUF_WRITABLE) < 0)
+		goto err;
+	ret = lc_ring_queue(r, i, fd, is_write, s->view.buf,
+			    (size_t)s->view.len, off, 0);
+	if (ret < 0) {
+		PyBuffer_Release(&s->view);
+		set_oserror(-ret, path);
+		goto err;
+	}
+	Py_INCREF(token);
+	s->token = token;
+	Py_INCREF(path);
+	s->path = path;
+	/* a zero-length request has finished already */
+	if (collect(self) < 0)
+		goto err;
+	self->busy = 0;
+	Py_RETURN_NONE;
+err:
+	self->busy = 0;
+	return NULL;
+}
+
+PyDoc_STRVAR(write_doc,
+"write(fd, buffer, offset, token, path=None)\n--\n\n"
+"Queue a write of the whole buffer at offset.  Blocks (GIL released) only\n"
+"when `depth` requests are already in flight.  `token` is returned by\n"
+"wait() once every byte is written.");
+
+static PyObject *Ring_write(Ring *self, PyObject *args)
+{
+	return submit_io(self, args, 1);
+}
+
+PyDoc_STRVAR(read_doc,
+"read(fd, buffer, offset, token, path=None)\n--\n\n"
+"Queue a read filling the writable buffer from offset (stops early at EOF).");
+
+static PyObject *Ring_read(Ring *self, PyObject *args)
+{
+	return submit_io(self, args, 0);
+}
+
+static PyObject *wait_for(Ring *self, unsigned int want)
+{
+	int ret = pump(self, want);
+
+	self->busy = 0;
+	return ret < 0 ? NULL : take_done(self);
+}
+
+PyDoc_STRVAR(wait_doc,
+"wait(min_complete=0)\n--\n\n"
+"Submit everything queued, wait (GIL released) until at least min_complete\n"
+"requests finished, and return the tokens of all requests finished so far.\n"
+"Raises OSError(errno, strerror, path) after draining, if any request failed.");
+
+static PyObject *Ring_wait(Ring *self, PyObject *args)
+{
+	unsigned int want = 0;
+
+	if (!PyArg_ParseTuple(args, "|I", &want))
+		return NULL;
+	if (ring_enter(self) < 0)
+		return NULL;
+	return wait_for(self, want);
+}
+
+PyDoc_STRVAR(drain_doc,
+"drain()\n--\n\nWait for every queued request; returns their tokens.");
+
+static PyObject *Ring_drain(Ring *self, PyObject *noargs)
+{
+	if (ring_enter(self) < 0)
+		return NULL;
+	return wait_for(self, self->ring.inflight);
+}
+
+PyDoc_STRVAR(register_doc,
+"register_buffers(buffers)\n--\n\n"
+"Register writable buffers as fixed buffers (replacing any registered),\n"
+"so transfers inside them skip the per-I/O page pinning.  An empty list\n"
+"unregisters.  Raises OSError if the kernel refuses.");
+
+static PyObject *Ring_register_buffers(Ring *self, PyObject *seq)
+{
+	struct iovec *iov = NULL;
+	PyObject *fast;
+	Py_ssize_t n, i;
+	int ret;
+
+	if (ring_enter(self) < 0)
+		return NULL;
+	if (self->ring.inflight) {
+		PyErr_SetString(PyExc_RuntimeError,
+				"cannot register buffers with I/O in flight");
+		goto out;
+	}
+	if (self->nregs) {
+		lc_ring_unregister_buffers(&self->ring);
+		release_regs(self);
+	}
+	fast = PySequence_Fast(seq, "register_buffers takes a sequence");
+	if (!fast)
+		goto out;
+	n = PySequence_Fast_GET_SIZE(fast);
+	if (n == 0) {
+		Py_DECREF(fast);
+		self->busy = 0;
+		Py_RETURN_NONE;
+	}
+	self->regs = PyMem_Calloc(n, sizeof(Py_buffer));
+	iov = PyMem_Calloc(n, sizeof(struct iovec));
+	if (!self->regs || !iov) {
+		PyErr_NoMemory();
+		goto err;
+	}
+	for (i = 0; i < n; i++) {
+		PyObject *o = PySequence_Fast_GET_ITEM(fast, i);
+
+		if (PyObject_GetBuffer(o, &self->regs[i], PyBUF_WRITABLE) < 0)
+			goto err;
+		self->nregs++;
+		iov[i].iov_base = self->regs[i].buf;
+		iov[i].iov_len = (size_t)self->regs[i].len;
+	}
+	ret = lc_ring_register_buffers(&self->ring, iov, (unsigned int)n);
+	if (ret < 0) {
+		set_oserror(-ret, NULL);
+		goto err;
+	}
+	PyMem_Free(iov);
+	Py_DECREF(fast);
+	self->busy = 0;
+	Py_RETURN_NONE;
+err:
+	PyMem_Free(iov);
+	release_regs(self);
+	Py_DECREF(fast);
+out:
+	self->busy = 0;
+	return NULL;
+}
+
+static void ring_shutdown(Ring *self)
+{
+	struct slot *slots = self->slots;
+	unsigned int i, depth = self->ring.depth;
+
+	if (self->ring.fd < 0)
+		return;
+	/* waits until the kernel let go of every buffer */
+	lc_ring_exit(&self->ring);
+	self->slots = NULL;
+	for (i = 0; slots && i < depth; i++)
+		slot_release(&slots[i]);
+	PyMem_Free(slots);
+	release_regs(self);
+	Py_CLEAR(self->done);
+}
+
+PyDoc_STRVAR(close_doc, "close()\n--\n\nWait for I/O in flight and free the ring.");
+
+static PyObject *Ring_close(Ring *self, PyObject *noargs)
+{
+	if (self->busy) {
+		PyErr_SetString(PyExc_RuntimeError,
+				"Ring used from two threads at once");
+		return NULL;
+	}
+	ring_shutdown(self);
+	Py_RETURN_NONE;
+}
+
+static void Ring_dealloc(Ring *self)
+{
+	ring_shutdown(self);
+	Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Ring_get_inflight(Ring *self, void *closure)
+{
+	return PyLong_FromUnsignedLong(self->ring.inflight);
+}
+
+static PyObject *Ring_get_registered(Ring *self, void *closure)
+{
+	return PyLong_FromUnsignedLong(self->nregs);
+}
+
+static PyMethodDef Ring_methods[] = {
+	{"write", (PyCFunction)Ring_write, METH_VARARGS, write_doc},
+	{"read", (PyCFunction)Ring_read, METH_VARARGS, read_doc},
+	{"wait", (PyCFunction)Ring_wait, METH_VARARGS, wait_doc},
+	{"drain", (PyCFunction)Ring_drain, METH_NOARGS, drain_doc},
+	{"register_buffers", (PyCFunction)Ring_register_buffers, METH_O,
+	 register_doc},
+	{"close", (PyCFunction)Ring_close, METH_NOARGS, close_doc},
+	{NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Ring_getset[] = {
+	{"inflight", (getter)Ring_get_inflight, NULL,
+	 "requests queued or in flight", NULL},
+	{"registered", (getter)Ring_get_registered, NULL,
+	 "number of registered buffers", NULL},
+	{NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject RingType = {
+	PyVarObject_HEAD_INIT(NULL, 0)
+	.tp_name = "layerckpt._uring.Ring",
+	.tp_basicsize = sizeof(Ring),
+	.tp_flags = Py_TPFLAGS_DEFAULT,
+	.tp_doc = PyDoc_STR("Ring(depth=8): an io_uring with a fixed queue depth."),
+	.tp_new = Ring_new,
+	.tp_init = (initproc)Ring_init,
+	.tp_dealloc = (destructor)Ring_dealloc,
+	.tp_methods = Ring_methods,
+	.tp_getset = Ring_getset,
+};
+
+PyDoc_STRVAR(crc32c_doc,
+"crc32c(buffer, crc=0)\n--\n\n"
+"CRC32C (Castagnoli) of a buffer, continuing from crc.  Hardware-accelerated\n"
+"where the CPU has it; releases the GIL on large buffers.");
+
+static PyObject *py_crc32c(PyObject *self, PyObject *args)
+{
+	Py_buffer view;
+	unsigned int crc = 0;
+	uint32_t out;
+
+	if (!PyArg_ParseTuple(args, "y*|I", &view, &crc))
+		return NULL;
+	if (view.len > 65536) {
+		Py_BEGIN_ALLOW_THREADS
+		out = lc_crc32c(crc, view.buf, (size_t)view.len);
+		Py_END_ALLOW_THREADS
+	} else {
+		out = lc_crc32c(crc, view.buf, (size_t)view.len);
+	}
+	PyBuffer_Release(&view);
+	return PyLong_FromUnsignedLong(out);
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+PyDoc_STRVAR(populate_doc,
+"populate(buffer)\n--\n\n"
+"Fault in (and zero) the pages of a fresh writable buffer, GIL released,\n"
+"so that later I/O into it does not fault page by page.");
+
+static PyObject *py_populate(PyObject *self, PyObject *args)
+{
+	Py_buffer view;
+	long page = sysconf(_SC_PAGESIZE);
+	int rc;
+
+	if (!PyArg_ParseTuple(args, "w*", &view))
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	{
+		uintptr_t a = (uintptr_t)view.buf, e = a + (uintptr_t)view.len;
+		uintptr_t s = (a + page - 1) & ~((uintptr_t)page - 1);
+
+		rc = 0;
+		if (e > s)
+			rc = madvise((void *)s, e - s, MADV_POPULATE_WRITE);
+		if (rc < 0 || e <= s) { /* old kernel: touch one byte a page */
+			volatile char *p = view.buf;
+			Py_ssize_t i;
+
+			for (i = 0; i < view.len; i += page)
+				p[i] = p[i];
+		}
+	}
+	Py_END_ALLOW_THREADS
+	PyBuffer_Release(&view);
+	Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(probe_doc,
+"probe()\n--\n\nRaise OSError if this kernel refuses io_uring; else return None.");
+
+static PyObject *py_probe(PyObject *self, PyObject *noargs)
+{
+	int ret = lc_ring_probe();
+
+	if (ret < 0) {
+		set_oserror(-ret, NULL);
+		return NULL;
+	}
+	Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+	{"crc32c", py_crc32c, METH_VARARGS, crc32c_doc},
+	{"probe", py_probe, METH_NOARGS, probe_doc},
+	{"populate", py_populate, METH_VARARGS, populate_doc},
+	{NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+	PyModuleDef_HEAD_INIT, "layerckpt._uring",
+	"Native io_uring writer and CRC32C for layerckpt.", -1,
+	module_methods,
+};
+
+PyMODINIT_FUNC PyInit__uring(void)
+{
+	PyObject *m;
+
+	lc_crc32c_init();
+	if (PyType_Ready(&RingType) < 0)
+		return NULL;
+	m = PyModule_Create(&moduledef);
+	if (!m)
+		return NULL;
+	Py_INCREF(&RingType);
+	if (PyModule_AddObject(m, "Ring", (PyObject *)&RingType) < 0) {
+		Py_DECREF(&RingType);
+		Py_DECREF(m);
+		return NULL;
+	}
+	if (PyModule_AddIntConstant(m, "HW_CRC32C", lc_crc32c_have_hw()) < 0) {
+		Py_DECREF(m);
+		return NULL;
+	}
+	return m;
+}
