@@ -200,10 +200,10 @@ def test_staleness_violation_is_an_error_when_strict(tmp_path, caplog):
         for step in range(4):
             ck.save(step).wait()
     strict = layerckpt.Config(max_staleness=2)
-    with pytest.raises(layerckpt.StalenessError, match=r"older than max_staleness=2.*h\.0 \(age 3\)"):
+    with pytest.raises(layerckpt.StalenessError, match=r"older than max_staleness=2.*h\.0 \(age 3, 3 steps\)"):
         layerckpt.restore(tmp_path, small_model(), config=strict)
     r = layerckpt.restore(tmp_path, small_model(), strict=False, config=strict)
-    assert r.max_staleness == 3 and "h.0 (age 3)" in caplog.text
+    assert r.max_staleness == 3 and "h.0 (age 3, 3 steps)" in caplog.text
 
 
 def test_retention_keeps_what_retained_composites_reference(tmp_path):

@@ -90,6 +90,7 @@ class LayerEntry:
     reason: str = ""
     drift: Optional[float] = None
     frozen: bool = False
+    cost: Optional[float] = None  # first-order loss the composite gives up by holding this version
 
 
 @dataclass
@@ -109,6 +110,8 @@ class Manifest:
     rng_ranks: Optional[Dict[str, Any]] = None
     extra: Any = None
     checksum: str = "crc32c"
+    cost: Optional[float] = None  # the composite's estimated fidelity cost: its stale layers' summed cost
+    progress: Optional[float] = None  # the model's progress over the last interval, in the same unit
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -119,6 +122,17 @@ class Manifest:
     @property
     def model_other(self) -> Dict[str, Any]:
         return self.model.get("other") or {}
+
+    @property
+    def lag(self) -> Optional[float]:
+        """The estimated fidelity cost in checkpoint intervals of progress (None where not recorded)."""
+        if self.cost is None or not self.progress:
+            return None
+        return self.cost / self.progress
+
+    def steps_behind(self) -> Dict[str, int]:
+        """Each layer's staleness in steps: how far its persisted version trails this composite."""
+        return {name: self.step - e.step for name, e in self.layers.items()}
 
     def rng_for(self, rank: int) -> Optional[Dict[str, Any]]:
         """A rank's own RNG states when the checkpoint has them, else rank 0's."""

@@ -24,6 +24,8 @@ from ._track import DriftTracker, Views
 from .config import Config
 
 NEW = "new"  # the layer's tensors changed since the last composite (added, reshaped, new optimizer state)
+FROZEN_PART = "[frozen]"
+GRAD_AVERAGE = ("exp_avg", "momentum_buffer")  # optimizer state that estimates the gradient (Adam*, SGD)
 
 
 @dataclass
@@ -36,6 +38,8 @@ class SavePlan:
     persisted: Set[str]  # layers this save writes (on some rank)
     chain: int  # saves since the chain's first
     samples: Dict[str, Views] = field(default_factory=dict)  # drift references once committed
+    cost: float = 0.0  # the composite's estimated fidelity cost (first-order loss of its stale layers)
+    progress: float = 0.0  # the model's first-order progress over the last interval, in the same unit
 
     @property
     def reasons(self) -> Dict[str, str]:
@@ -67,6 +71,10 @@ def _mine(key: str, layer: Optional[str], persist, owner_rank: Dict[str, int], r
     return rank == 0  # extra, param_groups, non-tensor model state: once
 
 
+def _finite(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None
+
+
 class Selector:
     def __init__(self, model: torch.nn.Module, config: Config, layers: LayerSpec = None):
         self.model = model
@@ -85,15 +93,25 @@ class Selector:
         return self.config.threshold == 0.0 and self.config.budget_bytes is None
 
     def owners(self, names: Tuple[str, ...]) -> Dict[str, str]:
-        if self._owner is None or self._owner[0] != names:
-            owner = {n: layer for layer, members in group_layers(self.model, names, self.spec).items() for n in members}
-            self._owner = (names, owner)
+        """Each state_dict name's layer.  With the automatic grouping, a layer's frozen parameters (adapters
+        on a frozen base, a partly frozen block) form a layer of their own, ``<layer>[frozen]``, written
+        once and then only if they change, so the trainable rest can be written without them."""
+        frozen = frozenset(n for n, p in self.model.named_parameters() if not p.requires_grad)
+        sig = (names, frozen)
+        if self._owner is None or self._owner[0] != sig:
+            owner: Dict[str, str] = {}
+            for layer, members in group_layers(self.model, names, self.spec).items():
+                split = self.spec is None and any(n in frozen for n in members) and any(
+                    n not in frozen for n in members)
+                for n in members:
+                    owner[n] = layer + FROZEN_PART if split and n in frozen else layer
+            self._owner = (sig, owner)
         return self._owner[1]
 
     def _key_layers(self, keys: Tuple[str, ...]) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
-        """Each entry key's layer, and each layer's keys (cached while the keys stay the same)."""
-        if self._keys is None or self._keys[0] != keys:
-            owner = self.owners(tuple(n for n in map(model_name, keys) if n is not None))
+        """Each entry key's layer, and each layer's keys (cached while the keys and layers stay the same)."""
+        owner = self.owners(tuple(n for n in map(model_name, keys) if n is not None))
+        if self._keys is None or self._keys[0] != (keys, id(owner)):
             key_layer: Dict[str, str] = {}
             layer_keys: Dict[str, List[str]] = {}
             for k in keys:
@@ -102,15 +120,14 @@ class Selector:
                 if layer is not None:
                     key_layer[k] = layer
                     layer_keys.setdefault(layer, []).append(k)
-            self._keys = (keys, key_layer, layer_keys)
+            self._keys = ((keys, id(owner)), key_layer, layer_keys)
         return self._keys[1], self._keys[2]
 
-    def plan(self, step: int, fname: str, entries: Entries, rank: int = 0, world: int = 1) -> SavePlan:
-        """With several ranks each persisted layer is written by one rank (balanced by bytes); its
-        ``file`` is filled in when the ranks' results are merged."""
-        cfg = self.config
+    def _by_layer(self, entries: Entries):
+        """(key -> layer, layer -> keys, layer -> {name: weight}, layer -> {name: gradient average}, layer -> bytes)."""
         key_layer, layer_keys = self._key_layers(tuple(k for k, _ in entries))
         weights: Dict[str, Dict[str, torch.Tensor]] = {}
+        grads: Dict[str, Dict[str, torch.Tensor]] = {}
         nbytes: Dict[str, int] = {}
         for k, t in entries:
             layer = key_layer.get(k)
@@ -120,6 +137,15 @@ class Selector:
             name = model_name(k)
             if name is not None:
                 weights.setdefault(layer, {})[name] = t
+            elif k.rsplit("/", 1)[-1] in GRAD_AVERAGE:
+                grads.setdefault(layer, {})[param_of(k)] = t
+        return key_layer, layer_keys, weights, grads, nbytes
+
+    def plan(self, step: int, fname: str, entries: Entries, rank: int = 0, world: int = 1) -> SavePlan:
+        """With several ranks each persisted layer is written by one rank (balanced by bytes); its
+        ``file`` is filled in when the ranks' results are merged."""
+        cfg = self.config
+        key_layer, layer_keys, weights, grads, nbytes = self._by_layer(entries)
         owner = self._owner[1]
         trainable: Dict[str, bool] = {}
         for n, prm in self.model.named_parameters():
@@ -130,8 +156,9 @@ class Selector:
         with self._lock:
             prev = self.composite
             # full checkpoints decide nothing by drift: keep their stall to the copy alone
-            views = {} if self.full else {layer: self.tracker.views(w) for layer, w in weights.items()}
-            drift = self.tracker.drifts(views)
+            now = {} if self.full else {layer: self.tracker.sample(w, grads.get(layer, {}))
+                                        for layer, w in weights.items()}
+            measures, snaps = self.tracker.measure(now)
         chain = 0 if prev is None else prev.chain + 1
         states, forced = {}, set()
         for layer, keys in layer_keys.items():
@@ -139,15 +166,17 @@ class Selector:
             if before is None or sorted(before.tensors) != sorted(keys) or any(
                     self._prev_shapes.get(k) != shapes[k] for k in keys):
                 forced.add(layer)
+            ms = measures.get(layer)
             states[layer] = policy.LayerState(
-                drift=drift.get(layer, math.inf), age=before.age if before else 0, nbytes=nbytes[layer],
-                frozen=layer in trainable and not trainable[layer])
+                drift=ms.drift if ms else math.inf, age=before.age if before else 0, nbytes=nbytes[layer],
+                frozen=layer in trainable and not trainable[layer], cost=ms.cost if ms else math.inf,
+                progress=ms.progress if ms else 0.0)
         if self.full:
             reasons = {layer: "full" for layer in states}
         else:
             reasons = policy.decide(states, first=prev is None,
                                     base_due=cfg.base_every > 0 and chain % cfg.base_every == 0,
-                                    threshold=cfg.threshold, max_staleness=cfg.max_staleness,
+                                    threshold=cfg.threshold, budget=cfg.budget, max_staleness=cfg.max_staleness,
                                     budget_bytes=cfg.budget_bytes)
             for layer in forced:
                 if reasons[layer] not in policy.WRITE:
@@ -158,8 +187,9 @@ class Selector:
         layers: Dict[str, LayerEntry] = {}
         carried: Dict[str, TensorEntry] = {}
         for layer, keys in layer_keys.items():
-            d = drift.get(layer, math.inf)
-            info = dict(reason=reasons[layer], drift=d if math.isfinite(d) else None, frozen=states[layer].frozen)
+            st = states[layer]
+            info = dict(reason=reasons[layer], drift=_finite(st.drift), frozen=st.frozen,
+                        cost=0.0 if layer in persist else _finite(st.cost))
             if layer in persist:
                 layers[layer] = LayerEntry(step=step, file=fname if world == 1 else None, rank=owner_rank[layer],
                                            age=0, tensors=keys, nbytes=nbytes[layer], **info)
@@ -170,22 +200,27 @@ class Selector:
         files = {e.file: prev.files[e.file] for e in carried.values()} if carried else {}
         write = [(k, t) for k, t in entries if _mine(k, key_layer.get(k), persist, owner_rank, rank)]
         # the persisted layers' samples become their references once this save commits: copy them now
-        samples = {layer: self.tracker.snapshot(views[layer]) for layer in persist if layer in views}
+        samples = {layer: snaps[layer][0] for layer in persist if layer in snaps}
+        with self._lock:
+            self.tracker.advance(snaps)
         return SavePlan(write=write, layers=layers, carried=carried, files=files, persisted=persist, chain=chain,
-                        samples=samples)
+                        samples=samples, cost=policy.composite_cost(states, persist),
+                        progress=sum(st.progress for st in states.values() if not st.frozen))
 
     def adopt(self, manifest: Manifest, entries: Entries) -> None:
         """Take a committed composite as the base of the next save, as if this Selector had written it.
-        ``entries`` are the model's tensors *now*, which must be the composite's (just restored): they
-        become each layer's drift reference."""
-        key_layer, _ = self._key_layers(tuple(k for k, _ in entries))
-        weights: Dict[str, Dict[str, torch.Tensor]] = {}
-        for k, t in entries:
-            name = model_name(k)
-            if name is not None and k in key_layer:
-                weights.setdefault(key_layer[k], {})[name] = t
-        samples = {} if self.full else {layer: self.tracker.snapshot(self.tracker.views(w))
-                                        for layer, w in weights.items()}
+        ``entries`` are the model's and optimizer's tensors *now*, which must be the composite's (just
+        restored): every layer stands at its persisted version, so each one's drift reference is its
+        current value and its cost is zero."""
+        _, _, weights, grads, _ = self._by_layer(entries)
+        samples = {}
+        if not self.full:
+            with self._lock:
+                now = {layer: self.tracker.sample(w, grads.get(layer, {})) for layer, w in weights.items()}
+                snaps = {layer: (self.tracker.snapshot(s.w), self.tracker.snapshot(s.g) if s.g is not None else None,
+                                 0.0) for layer, s in now.items()}
+                self.tracker.advance(snaps)
+            samples = {layer: snap[0] for layer, snap in snaps.items()}
         self.committed(manifest, samples)
 
     def committed(self, manifest: Manifest, samples: Dict[str, Views]) -> None:

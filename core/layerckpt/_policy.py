@@ -1,57 +1,99 @@
-"""Which layers a checkpoint persists, and why.
+"""Policy: which layers a checkpoint persists, and why.  Pure: no tensors, no I/O.
 
-A layer is written when this is the first save, a base (full) checkpoint is due,
-its drift reached ``threshold``, or skipping it would let it lag more than
-``max_staleness`` checkpoints.  Frozen layers (no parameter requires grad) are
-written once and then only if they change.  With ``budget_bytes`` the drifted
-layers are taken most-drifted first until the budget is spent; the forced ones
-always go.
+Always written: every layer at the first save and when a base (full) checkpoint
+is due; a frozen layer only when it changed; any other layer when skipping it
+would let it lag more than ``max_staleness`` checkpoints.
+
+The rest is chosen by one of two rules:
+
+- **fidelity budget** (the default, ``threshold=None``): skip layers, the least
+  first-order cost per byte first, while the summed cost of everything the
+  composite then holds stale stays within ``budget`` x the whole model's
+  first-order progress over the last checkpoint interval; persist the rest.
+  Cost and progress are in the same unit (see ``_track``), so the rule has no
+  scale of its own: a 100x smaller learning rate shrinks both alike.  In words:
+  a restore of the composite is estimated to give up at most ``budget`` of one
+  interval's training progress.
+- **drift threshold** (``threshold=x``): a layer whose relative drift
+  ||W - W_p|| / ||W_p|| reached ``x``.
+
+With ``budget_bytes`` the chosen layers go most valuable first until the bytes
+are spent; the forced ones always go.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
-FIRST, BASE, DRIFT, STALE, CHANGED = "first", "base", "drift", "stale", "frozen-changed"
-SKIP_DRIFT, SKIP_FROZEN, SKIP_BUDGET = "below-threshold", "frozen", "over-budget"
+FIRST, BASE, COST, DRIFT, STALE, CHANGED = "first", "base", "cost", "drift", "stale", "frozen-changed"
+SKIP_BUDGET, SKIP_DRIFT, SKIP_FROZEN, SKIP_BYTES = "within-budget", "below-threshold", "frozen", "over-budget"
+WRITE = frozenset({FIRST, BASE, COST, DRIFT, STALE, CHANGED})
 
 
 @dataclass
 class LayerState:
-    drift: float
+    drift: float  # relative drift since persisted; 0.0 unchanged, inf unknown
     age: int  # checkpoints since this layer was persisted (before this one)
     nbytes: int
     frozen: bool
+    cost: float = math.inf  # first-order loss given up by keeping the persisted version; inf unknown
+    progress: float = 0.0  # this layer's first-order progress over the last interval
 
 
-def decide(layers: Dict[str, LayerState], *, first: bool, base_due: bool, threshold: float, max_staleness: int,
+def decide(layers: Dict[str, LayerState], *, first: bool, base_due: bool, max_staleness: int,
+           threshold: Optional[float] = None, budget: float = 0.0,
            budget_bytes: Optional[int] = None) -> Dict[str, str]:
     """layer -> reason; reasons in WRITE are persisted now."""
     if first or base_due:
         why = FIRST if first else BASE
         return {name: why for name in layers}
     out: Dict[str, str] = {}
-    wanted = []
+    open_: List[str] = []
     for name, s in layers.items():
         if s.frozen:
             out[name] = CHANGED if s.drift > 0 else SKIP_FROZEN
         elif s.age + 1 > max_staleness:
             out[name] = STALE
-        elif s.drift >= threshold:
-            wanted.append(name)
         else:
-            out[name] = SKIP_DRIFT
-    if budget_bytes is not None:
-        spent = sum(layers[n].nbytes for n, why in out.items() if why in WRITE)
-        for name in sorted(wanted, key=lambda n: -layers[n].drift):
-            if spent + layers[name].nbytes <= budget_bytes:
-                out[name] = DRIFT
-                spent += layers[name].nbytes
-            else:
-                out[name] = SKIP_BUDGET
+            open_.append(name)
+    if threshold is not None:
+        wanted = [n for n in open_ if layers[n].drift >= threshold]
+        out.update({n: SKIP_DRIFT for n in open_ if n not in wanted})
+        value = {n: layers[n].drift for n in wanted}
+        why = DRIFT
     else:
-        out.update({n: DRIFT for n in wanted})
+        wanted = _over_budget(layers, open_, budget)
+        out.update({n: SKIP_BUDGET for n in open_ if n not in wanted})
+        value = {n: layers[n].cost / max(layers[n].nbytes, 1) for n in wanted}
+        why = COST
+    if budget_bytes is None:
+        out.update({n: why for n in wanted})
+        return out
+    spent = sum(layers[n].nbytes for n, w in out.items() if w in WRITE)
+    for name in sorted(wanted, key=lambda n: -value[n]):
+        if spent + layers[name].nbytes <= budget_bytes:
+            out[name] = why
+            spent += layers[name].nbytes
+        else:
+            out[name] = SKIP_BYTES
     return out
 
 
-WRITE = frozenset({FIRST, BASE, DRIFT, STALE, CHANGED})
+def _over_budget(layers: Dict[str, LayerState], names: List[str], budget: float) -> List[str]:
+    """The layers that do not fit in the allowance, taking the cheapest per byte into it first."""
+    allowance = budget * sum(s.progress for s in layers.values() if not s.frozen)
+    spent = 0.0
+    wanted = []
+    for name in sorted(names, key=lambda n: (layers[n].cost / max(layers[n].nbytes, 1), n)):
+        c = layers[name].cost
+        if math.isfinite(c) and spent + c <= allowance:
+            spent += c
+        else:
+            wanted.append(name)
+    return wanted
+
+
+def composite_cost(layers: Dict[str, LayerState], persisted) -> float:
+    """The composite's estimated fidelity cost: what every layer it leaves stale gives up."""
+    return sum(s.cost for n, s in layers.items() if n not in persisted and not s.frozen and math.isfinite(s.cost))

@@ -1,56 +1,105 @@
-"""Per-layer drift since each layer's last persisted version: ||W - W_p|| / ||W_p||.
+"""Track: what each layer has done since it was last persisted, measured on a fixed sample of its elements.
 
-Exact for small tensors; for large ones it is estimated on a fixed strided sample
-of elements (``Config.drift_sample`` per layer, spread over the layer's tensors by
-size), so both its memory (the sample of W_p) and its time are bounded no matter
-how big the model is.  The samples are views, and the drift of every layer is
-computed in a few batched (``torch._foreach_*``) calls: this runs on the training
-thread at every save.  The reference moves only when a save that persisted the
-layer commits.
+For every layer, at every save, on the training thread:
+
+- ``drift``: ||W - W_p|| / ||W_p|| against the layer's last persisted version W_p
+  (what ``Config(threshold=...)`` selects on; 0.0 means unchanged);
+- ``progress``: the first-order loss decrease the layer contributed over the last
+  checkpoint interval, ``-<g, W_now - W_prev>`` with ``g`` the mean of the optimizer's
+  gradient average (Adam's ``exp_avg``, SGD's ``momentum_buffer``) at both ends;
+- ``cost``: the same summed over every interval since the layer was persisted: the
+  first-order loss a composite gives up by holding W_p instead of W.
+
+Where the optimizer keeps no gradient average, squared distances stand in
+(``progress = ||W_now - W_prev||^2``, ``cost = ||W - W_p||^2``): still in one unit
+across layers, which is all the policy compares.
+
+Large tensors are estimated on a fixed strided sample (``Config.drift_sample``
+elements per layer, spread over the layer's tensors by size, the same elements
+every save), scaled up by each tensor's sampling ratio, so memory and time stay
+bounded however big the model is.  The reference W_p moves, and a layer's cost
+restarts from zero, only when a save that persisted the layer commits.
 """
 from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 Views = List[torch.Tensor]
+Snap = Tuple[Views, Optional[Views], Optional[float]]  # (w, g, signed cost so far) taken at one save
+
+
+@dataclass
+class LayerSample:
+    """One layer's sampled elements now: weights, the optimizer's gradient average (or None), and each
+    tensor's ratio of elements to samples."""
+    w: Views
+    g: Optional[Views]
+    scale: List[float]
+
+
+@dataclass
+class Measure:
+    drift: float  # relative to the persisted version; inf where there is none
+    progress: float  # over the last interval (>= 0)
+    cost: float  # since the layer was persisted (>= 0); inf where unknown
 
 
 class DriftTracker:
     def __init__(self, sample_per_layer: int):
         self.sample_per_layer = sample_per_layer
         self._plan: Dict[Tuple[str, int], Optional[Tuple[int, int]]] = {}  # (name, numel) -> (start, stride)
-        self._ref: Dict[str, Tuple[Views, float]] = {}  # layer -> (float32 reference samples, squared norm)
+        self._ref: Dict[str, Tuple[Views, float]] = {}  # layer -> (float32 samples persisted, squared norm)
+        self._prev: Dict[str, Tuple[Views, Optional[Views]]] = {}  # layer -> (w, g) float32 at the last save
+        self._cost: Dict[str, float] = {}  # layer -> signed cost accumulated up to the last save
 
     @property
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for refs, _ in self._ref.values() for t in refs)
+        held = [t for refs, _ in self._ref.values() for t in refs]
+        held += [t for w, g in self._prev.values() for t in w + (g or [])]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def _sampled(self, name: str, t: torch.Tensor, total: int) -> torch.Tensor:
+        n = t.numel()
+        key = (name, n)
+        if key not in self._plan:
+            budget = 0 if self.sample_per_layer <= 0 else max(1, self.sample_per_layer * n // max(total, 1))
+            if budget <= 0 or n <= budget:
+                self._plan[key] = None
+            else:  # fixed per tensor name, so every checkpoint compares the same elements
+                stride = n // budget
+                self._plan[key] = (zlib.crc32(name.encode()) % stride, stride)
+        flat = t.detach().reshape(-1)
+        p = self._plan[key]
+        return flat if p is None else flat[p[0]::p[1]]
 
     def views(self, layer_tensors: Dict[str, torch.Tensor]) -> Views:
         """The sampled elements of one layer's tensors, as strided views (no copy)."""
-        total = sum(t.numel() for t in layer_tensors.values()) or 1
-        out = []
-        for name, t in layer_tensors.items():
-            n = t.numel()
-            key = (name, n)
-            if key not in self._plan:
-                budget = 0 if self.sample_per_layer <= 0 else max(1, self.sample_per_layer * n // total)
-                if budget <= 0 or n <= budget:
-                    self._plan[key] = None
-                else:  # fixed per tensor name, so every checkpoint compares the same elements
-                    stride = n // budget
-                    self._plan[key] = (zlib.crc32(name.encode()) % stride, stride)
-            flat = t.detach().reshape(-1)
-            p = self._plan[key]
-            out.append(flat if p is None else flat[p[0]::p[1]])
-        return out
+        total = sum(t.numel() for t in layer_tensors.values())
+        return [self._sampled(name, t, total) for name, t in layer_tensors.items()]
+
+    def sample(self, weights: Dict[str, torch.Tensor], grads: Dict[str, torch.Tensor]) -> LayerSample:
+        """Views of a layer's weights and, at the same elements, of their gradient averages (when every
+        weight that has one is known; else None)."""
+        total = sum(t.numel() for t in weights.values())
+        w = [self._sampled(n, t, total) for n, t in weights.items()]
+        scale = [t.numel() / max(v.numel(), 1) for t, v in zip(weights.values(), w)]
+        g: Optional[Views] = None
+        if grads:
+            g = []
+            for n, t in weights.items():
+                gt = grads.get(n)
+                g.append(self._sampled(n, gt, total) if gt is not None and gt.shape == t.shape
+                         else torch.zeros_like(w[len(g)], dtype=torch.float32))
+        return LayerSample(w=w, g=g, scale=scale)
 
     @staticmethod
     def snapshot(views: Views) -> Views:
-        """Copies of sampled values (float32), to keep as a reference once they are persisted."""
+        """Copies of sampled values (float32), to keep once the save that took them is planned."""
         return [v.to(dtype=torch.float32, copy=True) for v in views]
 
     def drifts(self, now: Dict[str, Views]) -> Dict[str, float]:
@@ -59,7 +108,7 @@ class DriftTracker:
         pairs: Dict[torch.device, Tuple[List[str], Views, Views]] = {}
         for layer, vs in now.items():
             ref = self._ref.get(layer)
-            if ref is None or len(ref[0]) != len(vs) or any(r.numel() != v.numel() for r, v in zip(ref[0], vs)):
+            if ref is None or not _same_shapes(ref[0], vs):
                 continue
             if ref[1] == 0.0:
                 continue  # all-zero reference: decided below, per layer
@@ -77,18 +126,77 @@ class DriftTracker:
             out[layer] = math.sqrt(s / self._ref[layer][1])
         for layer, vs in now.items():  # a zero reference: no drift while it stays zero
             ref = self._ref.get(layer)
-            if ref is not None and ref[1] == 0.0 and len(ref[0]) == len(vs):
+            if ref is not None and ref[1] == 0.0 and _same_shapes(ref[0], vs):
                 out[layer] = 0.0 if all(not bool(v.any()) for v in vs) else math.inf
         return out
+
+    def measure(self, now: Dict[str, LayerSample]) -> Tuple[Dict[str, Measure], Dict[str, "Snap"]]:
+        """Drift, progress and cost of every layer; plus the float32 snapshots this save leaves behind
+        (hand them to :meth:`advance` once the decision is taken)."""
+        drift = self.drifts({layer: s.w for layer, s in now.items()})
+        use_grad = any(s.g is not None for s in now.values())
+        out: Dict[str, Measure] = {}
+        snaps: Dict[str, Snap] = {}
+        for layer, s in now.items():
+            w = self.snapshot(s.w)
+            g = self.snapshot(s.g) if s.g is not None else None
+            snaps[layer] = (w, g, None)
+            prev = self._prev.get(layer)
+            ref = self._ref.get(layer)
+            if prev is None or ref is None or not _same_shapes(prev[0], w) or not _same_shapes(ref[0], w):
+                out[layer] = Measure(drift=drift[layer], progress=0.0, cost=math.inf)
+                continue
+            if use_grad:
+                step = -_scaled_dot(_mean(prev[1], g), _sub(w, prev[0]), s.scale)
+                cost = self._cost.get(layer, 0.0) + step
+                out[layer] = Measure(drift=drift[layer], progress=abs(step), cost=abs(cost))
+                snaps[layer] = (w, g, cost)
+            else:
+                d = _sub(w, prev[0])
+                u = _sub(w, ref[0])
+                out[layer] = Measure(drift=drift[layer], progress=_scaled_dot(d, d, s.scale),
+                                     cost=_scaled_dot(u, u, s.scale))
+        return out, snaps
+
+    def advance(self, snaps: Dict[str, "Snap"]) -> None:
+        """This save's samples become the start of the next interval; costs carry on until a commit."""
+        for layer, (w, g, cost) in snaps.items():
+            self._prev[layer] = (w, g)
+            if cost is not None:
+                self._cost[layer] = cost
 
     def commit(self, samples: Dict[str, Views]) -> None:
         """The layers in ``samples`` were persisted with these (snapshotted) values."""
         for layer, refs in samples.items():
             norms = torch._foreach_norm(refs) if refs else []
             self._ref[layer] = (refs, float(sum(float(x) ** 2 for x in norms)))
+            self._cost[layer] = 0.0
 
     def reset(self) -> None:
         self._ref.clear()
+        self._prev.clear()
+        self._cost.clear()
 
     def layers(self) -> List[str]:
         return list(self._ref)
+
+
+def _same_shapes(a: Views, b: Views) -> bool:
+    return len(a) == len(b) and all(x.numel() == y.numel() for x, y in zip(a, b))
+
+
+def _sub(a: Views, b: Views) -> Views:
+    return torch._foreach_sub(a, b) if a else []
+
+
+def _mean(a: Optional[Views], b: Optional[Views]) -> Views:
+    if a is None or b is None:
+        return b or a or []
+    return torch._foreach_mul(torch._foreach_add(a, b), 0.5)
+
+
+def _scaled_dot(a: Views, b: Views, scale: List[float]) -> float:
+    if not a or not b:
+        return 0.0
+    dots = [torch.dot(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b)]
+    return float(sum(float(d) * s for d, s in zip(torch.stack(dots).double().tolist(), scale)))

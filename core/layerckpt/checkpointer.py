@@ -133,7 +133,7 @@ class Checkpointer:
         with self._lock:
             if self._pending or self.selector.composite is not None:
                 raise CheckpointError("adopt() must come before the first save() of this Checkpointer")
-            entries, _ = gather(self.model, None, None, self.rank)
+            entries, _ = gather(self.model, self.optimizer, None, self.rank)
             self.selector.adopt(m, entries)
 
     def check(self) -> None:
@@ -203,7 +203,8 @@ class Checkpointer:
         manifest = Manifest(
             step=step, seq=self._seq, chain=plan.chain, world_size=self.group.world, created=time.time(),
             config=self.config.to_dict(), files=dict(plan.files), tensors=dict(plan.carried), layers=plan.layers,
-            model=meta["model"], optimizer=meta["optimizer"], rng=meta["rng"], extra=meta["extra"])
+            model=meta["model"], optimizer=meta["optimizer"], rng=meta["rng"], extra=meta["extra"],
+            cost=None if self.selector.full else plan.cost, progress=None if self.selector.full else plan.progress)
         pending = PendingSave(step, os.path.join(self.dirpath, _store.DATA_DIR, fname))
         job = FlushJob(pending=pending, layout=layout, fname=fname, manifest=manifest, t0=t0,
                        on_commit=lambda m: self.selector.committed(m, plan.samples))

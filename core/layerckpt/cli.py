@@ -33,11 +33,16 @@ def cmd_inspect(args) -> int:
     nbytes = {k: e.nbytes for k, e in m.tensors.items()}
     print(f"{path}: step {m.step}, world size {m.world_size}, {len(m.files)} file(s), "
           f"{sum(nbytes.values()) / 1e6:.1f} MB in {len(m.tensors)} tensors")
-    print(f"{'layer':<32}{'step':>10}{'staleness':>11}{'MB':>10}  reason")
+    lag = f"; estimated fidelity cost {m.cost:.3g} ({m.lag:.2f} checkpoint intervals of progress)" \
+        if m.lag is not None else ""
+    behind = m.steps_behind()
+    print(f"composite: layers trail step {m.step} by up to {max(behind.values(), default=0)} steps{lag}")
+    print(f"{'layer':<32}{'step':>10}{'behind':>8}{'age':>5}{'MB':>10}{'cost':>10}  reason")
     for name, e in sorted(m.layers.items()):
         mb = sum(nbytes.get(k, 0) for k in e.tensors) / 1e6
         drift = f"  drift {e.drift:.4g}" if e.drift is not None else ""
-        print(f"{name:<32}{e.step:>10}{e.age:>11}{mb:>10.2f}  {e.reason}{drift}")
+        cost = f"{e.cost:.3g}" if e.cost is not None else "-"
+        print(f"{name:<32}{e.step:>10}{behind[name]:>8}{e.age:>5}{mb:>10.2f}{cost:>10}  {e.reason}{drift}")
     committed = [s for s, _ in _store.list_manifests(root)]
     print(f"committed steps: {committed}")
     return 0
@@ -75,6 +80,12 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    import importlib
+
+    return importlib.import_module("layerckpt.bench." + ("policy" if args.policy else "run")).main(args)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="layerckpt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -99,7 +110,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.add_argument("--chunk-bytes", type=int)
     a.add_argument("--queue-depth", type=int)
     a.add_argument("--only", nargs="+", choices=["layerckpt", "selective", "torch.save", "safetensors", "dcp"])
-    a.set_defaults(fn=lambda args: __import__("layerckpt.bench.run", fromlist=["main"]).main(args))
+    a.add_argument("--policy", action="store_true",
+                   help="instead: the selection defaults on the workload family (bytes, loss after restore)")
+    a.add_argument("--workloads", nargs="+", help="with --policy: which workloads (default: all)")
+    a.set_defaults(fn=_bench)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

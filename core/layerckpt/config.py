@@ -37,10 +37,16 @@ class Config:
     ``Config(threshold=0.0)`` persists every layer at every save (a full checkpoint).
     """
 
-    threshold: float = 0.05
-    """Relative drift ||W - W_p|| / ||W_p|| at or above which a layer is persisted (0.0: every layer, every save)."""
-    max_staleness: int = 50
-    """A layer may lag at most this many checkpoints; at the bound it is persisted regardless."""
+    budget: float = 0.25
+    """The default selection rule's one knob, with no scale of its own: layers are skipped, cheapest first,
+    while the composite's estimated loss cost (first-order, from the optimizer's gradient averages) stays
+    within ``budget`` x the model's own progress over the last checkpoint interval.  0.0 writes every layer
+    that moved."""
+    threshold: Optional[float] = None
+    """Instead of the budget: persist a layer once its relative drift ||W - W_p|| / ||W_p|| reaches this
+    (0.0: every layer at every save, a full checkpoint)."""
+    max_staleness: int = 16
+    """A layer that moves may lag at most this many checkpoints; at the bound it is persisted regardless."""
     base_every: int = 0
     """Write a full (every-layer) checkpoint every N checkpoints; 0 never forces one after the first."""
     keep_last: int = 2
@@ -78,7 +84,9 @@ class Config:
         if self.layers is not None and not (isinstance(self.layers, dict) and all(
                 isinstance(k, str) and isinstance(v, str) and v for k, v in self.layers.items())):
             raise ConfigError(f"Config.layers must map name patterns to layer names, got {self.layers!r}")
-        _number(self, "threshold", float, lo=0.0)
+        _number(self, "budget", float, lo=0.0)
+        if self.threshold is not None:
+            _number(self, "threshold", float, lo=0.0)
         _number(self, "max_staleness", int, lo=1)
         _number(self, "base_every", int, lo=0)
         _number(self, "keep_last", int, lo=0)

@@ -22,6 +22,8 @@ from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchE
 
 log = logging.getLogger("layerckpt")
 
+MAX_LAG = 1.0  # checkpoint intervals of progress a composite may give up before a restore warns (strict: raises)
+
 
 @dataclass
 class RestoreReport:
@@ -37,6 +39,9 @@ class RestoreReport:
     unexpected: List[str] = field(default_factory=list)
     mismatched: List[str] = field(default_factory=list)
     layer_bytes: Dict[str, int] = field(default_factory=dict)  # layer -> bytes of its tensors read
+    staleness_steps: Dict[str, int] = field(default_factory=dict)  # layer -> steps it trails the restored step
+    cost: Optional[float] = None  # estimated fidelity cost: first-order loss the stale layers give up
+    lag: Optional[float] = None  # the same in checkpoint intervals of training progress
 
 
 def restore(
@@ -103,7 +108,8 @@ def restore(
         step=m.step, layers=layers, staleness=ages, max_staleness=max(ages.values(), default=0),
         bytes_read=total, extra=decode(m.extra or {}, tensors), manifest=mpath,
         seconds=time.perf_counter() - t0, missing=plan.missing, unexpected=plan.unexpected,
-        mismatched=plan.mismatched, layer_bytes=layer_bytes,
+        mismatched=plan.mismatched, layer_bytes=layer_bytes, staleness_steps=m.steps_behind(), cost=m.cost,
+        lag=m.lag,
     )
 
 
@@ -324,14 +330,27 @@ def _with_layer(e: CheckpointCorruptError, m: Manifest) -> CheckpointCorruptErro
 
 
 def _check_staleness(m: Manifest, bound: Optional[int], strict: bool) -> None:
-    """Frozen layers are exempt: their old version is their current one."""
+    """Refuse (strict) or warn about a composite that silently rolls training back: a layer older than the
+    staleness bound (frozen layers are exempt: their old version is their current one), or a composite
+    whose estimated fidelity cost exceeds ``MAX_LAG`` checkpoint intervals of progress."""
     if bound is None:
         bound = m.config.get("max_staleness", Config.max_staleness)
+    behind = m.steps_behind()
     old = sorted((n, e.age) for n, e in m.layers.items() if e.age > bound and not e.frozen)
-    if not old:
+    problems = []
+    if old:
+        problems.append(f"{len(old)} layer(s) older than max_staleness={bound} checkpoints: "
+                        + ", ".join(f"{n} (age {a}, {behind[n]} steps)" for n, a in old))
+    if m.lag is not None and m.lag > MAX_LAG:
+        worst = sorted(((e.cost or 0.0, n) for n, e in m.layers.items() if not e.frozen), reverse=True)[:3]
+        problems.append(
+            f"the composite of step {m.step} is estimated to give up {m.lag:.1f} checkpoint intervals of training "
+            f"progress (more than {MAX_LAG}): its layers trail it by up to {max(behind.values(), default=0)} steps, "
+            f"costliest " + ", ".join(f"{n} ({behind[n]} steps behind)" for _, n in worst)
+            + "; a lower Config.budget (or threshold) persists them sooner")
+    if not problems:
         return
-    msg = (f"{len(old)} layer(s) older than max_staleness={bound} checkpoints: "
-           + ", ".join(f"{n} (age {a})" for n, a in old))
+    msg = "; ".join(problems)
     if strict:
         raise StalenessError(msg + "; pass strict=False to restore anyway")
     log.warning("layerckpt: %s", msg)

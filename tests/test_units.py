@@ -1,0 +1,165 @@
+"""The pure pieces, one at a time: policy, tracker, layer grouping, JSON codec, file layout, manifest."""
+import json
+import math
+
+import pytest
+import torch
+
+from layerckpt import CheckpointCorruptError, CheckpointError
+from layerckpt import _policy as policy
+from layerckpt._codec import decode, encode, tensor_refs
+from layerckpt._layers import group_layers
+from layerckpt._layout import plan_layout
+from layerckpt._manifest import Manifest, param_of
+from layerckpt._track import DriftTracker
+
+
+# ------------------------------------------------------------------ policy
+
+def _st(cost, nbytes=100, progress=0.0, age=0, drift=0.1, frozen=False):
+    return policy.LayerState(drift=drift, age=age, nbytes=nbytes, frozen=frozen, cost=cost, progress=progress)
+
+
+def test_policy_first_and_base_write_everything():
+    layers = {"a": _st(0.0), "b": _st(0.0, frozen=True)}
+    assert policy.decide(layers, first=True, base_due=False, max_staleness=4) == {"a": "first", "b": "first"}
+    assert policy.decide(layers, first=False, base_due=True, max_staleness=4) == {"a": "base", "b": "base"}
+
+
+def test_policy_budget_skips_cheapest_per_byte_until_the_allowance_is_spent():
+    # progress 10 in all, budget 0.5: 5.0 of cost may stay stale
+    layers = {"big": _st(3.0, nbytes=1000, progress=4.0), "small": _st(3.0, nbytes=10, progress=4.0),
+              "idle": _st(0.0, nbytes=500, progress=2.0)}
+    out = policy.decide(layers, first=False, base_due=False, max_staleness=8, budget=0.5)
+    # cost per byte: idle 0, big 0.003, small 0.3 -> idle and big fit (3.0 <= 5.0), small does not
+    assert out == {"idle": "within-budget", "big": "within-budget", "small": "cost"}
+    assert policy.composite_cost(layers, {"small"}) == 3.0
+    # the same decisions at any scale: a 1000x smaller learning rate shrinks cost and progress alike
+    tiny = {n: _st(s.cost / 1000, s.nbytes, s.progress / 1000) for n, s in layers.items()}
+    assert policy.decide(tiny, first=False, base_due=False, max_staleness=8, budget=0.5) == out
+
+
+def test_policy_unknown_cost_staleness_and_frozen():
+    layers = {"new": _st(math.inf), "old": _st(0.0, age=3), "frozen": _st(0.0, frozen=True, drift=0.0),
+              "thawed": _st(0.0, frozen=True, drift=0.2)}
+    out = policy.decide(layers, first=False, base_due=False, max_staleness=3, budget=1.0)
+    assert out == {"new": "cost", "old": "stale", "frozen": "frozen", "thawed": "frozen-changed"}
+
+
+def test_policy_threshold_rule_and_byte_cap():
+    layers = {"a": _st(0, nbytes=60, drift=0.3), "b": _st(0, nbytes=60, drift=0.2), "c": _st(0, nbytes=60, drift=0.01)}
+    out = policy.decide(layers, first=False, base_due=False, max_staleness=9, threshold=0.1)
+    assert out == {"a": "drift", "b": "drift", "c": "below-threshold"}
+    out = policy.decide(layers, first=False, base_due=False, max_staleness=9, threshold=0.1, budget_bytes=100)
+    assert out == {"a": "drift", "b": "over-budget", "c": "below-threshold"}
+
+
+# ------------------------------------------------------------------ tracker
+
+def test_tracker_cost_is_first_order_progress_and_resets_on_commit():
+    tr = DriftTracker(sample_per_layer=0)  # exact
+    w = torch.zeros(4)
+    g = torch.tensor([1.0, -2.0, 0.0, 0.5])
+    s = tr.sample({"w": w}, {"w": g})
+    m, snaps = tr.measure({"L": s})
+    assert m["L"].cost == math.inf and m["L"].drift == math.inf  # nothing persisted yet
+    tr.advance(snaps)
+    tr.commit({"L": snaps["L"][0]})
+    # one step of plain gradient descent: w -= 0.1 g, the gradient unchanged
+    w2 = w - 0.1 * g
+    m, snaps = tr.measure({"L": tr.sample({"w": w2}, {"w": g})})
+    expect = 0.1 * float(g @ g)  # -<g, dw>
+    assert m["L"].progress == pytest.approx(expect) and m["L"].cost == pytest.approx(expect)
+    tr.advance(snaps)
+    w3 = w2 - 0.1 * g
+    m, snaps = tr.measure({"L": tr.sample({"w": w3}, {"w": g})})
+    assert m["L"].progress == pytest.approx(expect) and m["L"].cost == pytest.approx(2 * expect)  # accumulates
+    tr.advance(snaps)
+    tr.commit({"L": snaps["L"][0]})  # persisted at w3
+    m, _ = tr.measure({"L": tr.sample({"w": w3.clone()}, {"w": g})})
+    assert m["L"].cost == 0.0 and m["L"].drift == 0.0
+
+
+def test_tracker_samples_a_bounded_fixed_subset_and_scales_it_up():
+    tr = DriftTracker(sample_per_layer=100)
+    big = torch.randn(10_000)
+    views = tr.views({"big": big})
+    assert views[0].numel() == 100 and views[0].data_ptr() >= big.data_ptr()  # a view, no copy
+    assert torch.equal(tr.views({"big": big})[0], views[0])  # the same elements every time
+    s = tr.sample({"big": big}, {"big": torch.ones(10_000)})
+    assert s.scale == [100.0]
+
+
+# ------------------------------------------------------------------ layers
+
+def test_layer_grouping_blocks_and_named_modules():
+    model = torch.nn.Module()
+    model.emb = torch.nn.Embedding(4, 2)
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(2)])
+    model.head = torch.nn.Linear(2, 2)
+    names = [n for n, _ in model.named_parameters()]
+    groups = group_layers(model, names)
+    assert groups == {"emb": ["emb.weight"], "blocks.0": ["blocks.0.weight", "blocks.0.bias"],
+                      "blocks.1": ["blocks.1.weight", "blocks.1.bias"], "head": ["head.weight", "head.bias"]}
+    assert set(group_layers(model, names, {"blocks.*": "body"})) == {"body", "emb", "head"}
+    assert set(group_layers(model, names, lambda n: n.split(".")[0])) == {"emb", "blocks", "head"}
+    assert param_of("optim/blocks.0.weight/exp_avg") == "blocks.0.weight" and param_of("rng/torch") is None
+
+
+# ------------------------------------------------------------------ codec
+
+def test_codec_round_trips_plain_values_and_tensors_without_pickle():
+    value = {"epoch": 3, "t": (1, 2.5, None), "ids": {1: "a", (2, 3): "b"}, "x": torch.arange(3), "l": [True, "s"]}
+    out = []
+    enc = encode(value, "extra", out, "extra")
+    json.dumps(enc)  # JSON all the way
+    assert [k for k, _ in out] == ["extra/x"] and tensor_refs(enc) == ["extra/x"]
+    back = decode(enc, dict(out))
+    assert back["t"] == (1, 2.5, None) and back["ids"] == {1: "a", (2, 3): "b"} and back["l"] == [True, "s"]
+    assert torch.equal(back["x"], torch.arange(3))
+    with pytest.raises(CheckpointError, match=r"extra\['f'\] is a builtins.builtin_function_or_method.*without pickling"):
+        encode({"f": len}, "extra", [], "extra")
+
+
+# ------------------------------------------------------------------ layout
+
+def test_layout_is_a_4k_aligned_safetensors_image_ordered_by_element_size():
+    entries = [("a", torch.zeros(3, dtype=torch.int8)), ("b", torch.zeros(5, dtype=torch.float64)),
+               ("c", torch.zeros(2, 2, dtype=torch.float32))]
+    lay = plan_layout(entries)
+    assert len(lay.header) % 4096 == 0
+    hlen = int.from_bytes(lay.header[:8], "little")
+    meta = json.loads(lay.header[8:8 + hlen])
+    assert [it.key for it in lay.items] == ["b", "c", "a"]  # 8-, 4-, 1-byte elements: every tensor aligned
+    assert meta["b"]["data_offsets"] == [0, 40] and meta["c"]["data_offsets"] == [40, 56]
+    assert lay.size == len(lay.header) + 59
+    assert all(it.offset % it.tensor.element_size() == 0 for it in lay.items)
+
+
+# ------------------------------------------------------------------ manifest
+
+def _manifest_dict():
+    return {"format": "layerckpt", "version": 1, "step": 7, "world_size": 1, "model": {"aliases": {}},
+            "files": {"f": {"step": 7, "rank": 0, "size": 8192}},
+            "tensors": {"model/w": {"file": "f", "dtype": "F32", "shape": [2, 3], "offset": 4096, "nbytes": 24,
+                                    "crc": 1}},
+            "layers": {"w": {"step": 5, "file": "f", "tensors": ["model/w"], "nbytes": 24, "age": 1}}}
+
+
+def test_manifest_validates_in_one_place_and_round_trips():
+    m = Manifest.from_dict(_manifest_dict(), "m.json")
+    assert m.layers["w"].age == 1 and m.steps_behind() == {"w": 2} and m.lag is None
+    again = Manifest.from_dict(json.loads(m.to_json()), "m.json")
+    assert again == m
+    bad = _manifest_dict()
+    bad["tensors"]["model/w"]["nbytes"] = 25
+    with pytest.raises(CheckpointCorruptError, match=r"'model/w' has shape \[2, 3\] and dtype F32 but 25 bytes"):
+        Manifest.from_dict(bad, "m.json")
+    bad = _manifest_dict()
+    bad["tensors"]["model/w"]["file"] = "g"
+    with pytest.raises(CheckpointCorruptError, match="points to file 'g' that the manifest does not list"):
+        Manifest.from_dict(bad, "m.json")
+    bad = _manifest_dict()
+    bad["version"] = 99
+    with pytest.raises(CheckpointCorruptError, match="newer than this layerckpt reads"):
+        Manifest.from_dict(bad, "m.json")
