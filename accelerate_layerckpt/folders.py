@@ -47,16 +47,35 @@ def folder_number(path: str) -> Optional[int]:
 
 
 def auto_dir(project_dir: str) -> str:
+    """Where automatic naming puts the checkpoint folders: ``<project_dir>/checkpoints``."""
     return os.path.join(os.path.abspath(project_dir), "checkpoints")
+
+
+def auto_store(project_dir: str) -> str:
+    """The store of the folders automatic naming writes: ``<project_dir>/layerckpt``."""
+    return os.path.join(os.path.abspath(project_dir), AUTO_STORE)
 
 
 def layout(folder: str, project_dir: Optional[str], automatic: bool) -> Tuple[str, str]:
     """(store root, directory whose entries are the checkpoint folders) for a folder save_state wrote."""
     folder = os.path.abspath(folder)
     if automatic:
-        return os.path.join(os.path.abspath(project_dir), AUTO_STORE), auto_dir(project_dir)
+        return auto_store(project_dir), auto_dir(project_dir)
     parent = os.path.dirname(folder)
     return os.path.join(parent, EXPLICIT_STORE), parent
+
+
+def is_inside(path: str, folder: str) -> bool:
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _entries(folders_dir: str) -> List[str]:
+    """The names in ``folders_dir``; none when it does not exist (yet)."""
+    try:
+        return os.listdir(folders_dir)
+    except FileNotFoundError:
+        return []
 
 
 # ------------------------------------------------------------------ pointer files
@@ -163,11 +182,7 @@ def committed(ptr: Pointer) -> bool:
 
 def pointers_in(folders_dir: str) -> Iterable[Pointer]:
     """Readable pointers of the folders directly inside ``folders_dir`` (damaged ones are skipped)."""
-    try:
-        names = os.listdir(folders_dir)
-    except FileNotFoundError:
-        return
-    for n in names:
+    for n in _entries(folders_dir):
         d = os.path.join(folders_dir, n)
         if not os.path.isfile(os.path.join(d, POINTER)):
             continue
@@ -194,11 +209,7 @@ def newest_step(model_roots: Iterable[str]) -> int:
 
 def numbered(folders_dir: str) -> List[Tuple[int, str]]:
     """(number, path) of the entries accelerate's automatic naming sees, oldest first."""
-    try:
-        names = os.listdir(folders_dir)
-    except FileNotFoundError:
-        return []
-    out = [(folder_number(n), os.path.join(folders_dir, n)) for n in names]
+    out = [(folder_number(n), os.path.join(folders_dir, n)) for n in _entries(folders_dir)]
     return sorted((k, p) for k, p in out if k is not None)
 
 
@@ -287,8 +298,3 @@ class Pruner:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
-
-
-def is_inside(path: str, folder: str) -> bool:
-    path, folder = os.path.abspath(path), os.path.abspath(folder)
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)

@@ -13,7 +13,7 @@ import torch
 
 from layerckpt import Checkpointer, Config, PendingSave, RestoreReport, restore
 from layerckpt.errors import CheckpointError, CheckpointMismatchError, ConfigError
-from layerckpt.layers import LayerSpec
+from layerckpt._layers import LayerSpec
 
 from . import folders
 
@@ -46,6 +46,11 @@ def _routed(orig, route):
     return method
 
 
+def _with_optimizer(pairs) -> List[bool]:
+    """Per model of ``pairs`` (see ``LayerCheckpointPlugin._pairs``): whether an optimizer goes with it."""
+    return [opt is not None for _, opt in pairs]
+
+
 class _Store:
     """One layerckpt store and its Checkpointers (one per prepared model)."""
 
@@ -62,6 +67,20 @@ class _Store:
     @property
     def model_roots(self) -> List[str]:
         return [ck.dirpath for ck in self.checkpointers]
+
+    def wait_flushes(self) -> None:
+        """Every save into this store durable and committed; re-raises a flush error."""
+        for ck in self.checkpointers:
+            ck.wait()
+
+    def wait(self) -> None:
+        """Flushes done and pruning too."""
+        self.wait_flushes()
+        self.pruner.drain()
+
+    def close(self) -> None:
+        for ck in self.checkpointers:
+            ck.close()
 
 
 class LayerCheckpointPlugin:
@@ -144,9 +163,7 @@ class LayerCheckpointPlugin:
     def wait(self) -> None:
         """Block until every save_state so far is durable and committed; re-raises a flush error."""
         for st in self._stores.values():
-            for ck in st.checkpointers:
-                ck.wait()
-            st.pruner.drain()
+            st.wait()
 
     def close(self) -> None:
         """Wait for in-flight flushes, free the buffers and give the accelerator its own methods back."""
@@ -154,8 +171,7 @@ class LayerCheckpointPlugin:
             self.wait()
         finally:
             for st in self._stores.values():
-                for ck in st.checkpointers:
-                    ck.close()
+                st.close()
             self._stores.clear()
             for h in self._handles:
                 h.remove()
@@ -175,7 +191,7 @@ class LayerCheckpointPlugin:
 
     def __repr__(self) -> str:
         state = {None: "not registered", False: "disabled", True: "registered"}[self.enabled]
-        return f"LayerCheckpointPlugin({state}, threshold={self.config.threshold}, stores={self.stores})"
+        return f"LayerCheckpointPlugin({state}, budget={self.config.budget}, threshold={self.config.threshold}, stores={self.stores})"
 
     # ------------------------------------------------------------ save
 
@@ -218,7 +234,7 @@ class LayerCheckpointPlugin:
             raise CheckpointError(f"save_state({output_dir!r}) would put the checkpoint folder and its layerckpt "
                                   f"store {root} inside one another; choose another folder name")
         st = self._stores.get(root) or self._open(root, folders_dir, pairs)
-        shape = [opt is not None for _, opt in pairs]
+        shape = _with_optimizer(pairs)
         if shape != st.optimizers:
             raise CheckpointError(
                 f"the prepared models/optimizers changed since the first save_state into {root} "
@@ -252,21 +268,19 @@ class LayerCheckpointPlugin:
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(start, from_process=0)  # every rank saves the same steps
-        st = _Store(root, cks, [opt is not None for _, opt in pairs], start[0], start[1], live)
+        st = _Store(root, cks, _with_optimizer(pairs), start[0], start[1], live)
         self._stores[root] = st
         return st
 
     # ------------------------------------------------------------ load
 
     def _load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs: Any):
-        acc = self.accelerator
-        pc = acc.project_configuration
         self.last_restore = []
-        folder = None
+        folder, auto = None, self._auto_dir()
         if input_dir is not None:
             folder = os.path.expanduser(os.fspath(input_dir))
-        elif pc.automatic_checkpoint_naming and acc.project_dir is not None:
-            folder = folders.newest_loadable(folders.auto_dir(acc.project_dir))
+        elif auto is not None:
+            folder = folders.newest_loadable(auto)
         if folder is None or not os.path.isdir(folder):
             return self._orig["load_state"](input_dir, load_kwargs, **kwargs)  # accelerate's own error
         ptr = folders.read_pointer(folder)
@@ -275,8 +289,8 @@ class LayerCheckpointPlugin:
         else:
             for plugin in [self, *_registered.values()]:  # saved by this process: a flush may be in flight
                 st = plugin._stores.get(os.path.normpath(ptr.store))
-                for ck in st.checkpointers if st is not None else ():
-                    ck.wait()
+                if st is not None:
+                    st.wait_flushes()
             folders.check_committed(ptr)  # before anything is loaded
             self._pointer = ptr
             try:
@@ -293,7 +307,7 @@ class LayerCheckpointPlugin:
             return
         ptr = self._pointer
         pairs = self._pairs(models)
-        shape = [opt is not None for _, opt in pairs]
+        shape = _with_optimizer(pairs)
         if shape != ptr.optimizers:
             raise CheckpointMismatchError(
                 f"accelerator (models with an optimizer {shape}; the checkpoint {input_dir} has {ptr.optimizers})",
@@ -308,29 +322,35 @@ class LayerCheckpointPlugin:
         """With automatic naming the next saves go to the store just restored from: open it now (load_state
         runs on every rank, like save_state) and continue its composite, so the next save is selective
         rather than full.  Explicit folders may go anywhere: their first save is full."""
-        acc = self.accelerator
-        pc = acc.project_configuration
-        if not pc.automatic_checkpoint_naming or acc.project_dir is None:
+        base = self._auto_dir()
+        if base is None:
             return
-        root = os.path.join(os.path.abspath(acc.project_dir), folders.AUTO_STORE)
+        root = folders.auto_store(self.accelerator.project_dir)
         if os.path.normpath(ptr.store) != os.path.normpath(root) or root in self._stores:
             return
-        st = self._open(root, folders.auto_dir(acc.project_dir), pairs)
+        st = self._open(root, base, pairs)
         for ck, report in zip(st.checkpointers, self.last_restore):
             ck.adopt(report)
 
     def _next_iteration(self, folder: str) -> None:
         """Accelerate never moves project_configuration.iteration on load: the next automatic save would
         write checkpoint_0 again (or fail because it exists).  Continue after the newest existing folder."""
-        acc = self.accelerator
-        pc = acc.project_configuration
-        if not pc.automatic_checkpoint_naming or acc.project_dir is None:
+        base = self._auto_dir()
+        if base is None:
             return
-        base = folders.auto_dir(acc.project_dir)
         nums = [n for n, _ in folders.numbered(base)]
         if folders.is_inside(folder, base) and folders.folder_number(folder) is not None:
             nums.append(folders.folder_number(folder))
+        pc = self.accelerator.project_configuration
         pc.iteration = max([pc.iteration] + [n + 1 for n in nums])
+
+    def _auto_dir(self) -> Optional[str]:
+        """``<project_dir>/checkpoints`` under automatic checkpoint naming (where save_state() writes and
+        load_state() reads), else None."""
+        acc = self.accelerator
+        if not acc.project_configuration.automatic_checkpoint_naming or acc.project_dir is None:
+            return None
+        return folders.auto_dir(acc.project_dir)
 
     # ------------------------------------------------------------ models and optimizers
 

@@ -215,7 +215,7 @@ def test_sharded_strategies_are_refused():
     """FSDP needs a GPU in Lightning, so its strategy object is checked directly: setup() runs this check."""
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-    from lightning_layerckpt import _refuse_sharded
+    from lightning_layerckpt.callback import _refuse_sharded
 
     for strategy in (FSDPStrategy(), ModelParallelStrategy()):
         with pytest.raises(layerckpt.CheckpointError, match=f"does not support {type(strategy).__name__}"):
@@ -277,7 +277,7 @@ model:
         assert isinstance(cb, LayerCheckpoint) and cb.enabled is enabled
         if enabled:
             assert cb.layer_config.threshold == 0.1
-            assert [s for s, _ in __import__("layerckpt.format").format.list_manifests(str(d))] == [4, 8]
+            assert [s for s, _ in store.list_manifests(str(d))] == [4, 8]
         else:
             assert sorted(os.listdir(d)) == ["epoch=0-step=8.ckpt", "last.ckpt"]
 

@@ -1,0 +1,335 @@
+"""LayerCheckpoint: a ModelCheckpoint whose saves go to one layerckpt store, from every rank at once."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from types import MethodType
+from typing import Any, Dict, List, Optional, Union
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
+
+import layerckpt
+from layerckpt import _store as store
+from layerckpt.config import Config
+from layerckpt.errors import CheckpointError, ConfigError
+
+from ._state import LOADED_KEY, to_extra
+from .checkpoint_io import LayerCheckpointIO
+
+log = logging.getLogger("layerckpt")
+
+#: The hooks through which LayerCheckpoint saves and resumes with layerckpt instead of ``.ckpt`` files.
+#: A disabled LayerCheckpoint has ModelCheckpoint's own for each (see :func:`_as_model_checkpoint`).
+_LAYERCKPT_HOOKS = (
+    "setup", "_find_last_checkpoints", "on_load_checkpoint", "on_train_start", "state_dict", "load_state_dict",
+    "_save_topk_checkpoint", "_save_last_checkpoint", "_save_checkpoint", "on_train_batch_end", "on_train_end",
+    "on_exception", "teardown",
+)
+
+
+def _as_model_checkpoint(cb: "LayerCheckpoint") -> None:
+    """Decide ``enabled=False`` once: bind ModelCheckpoint's hooks on the instance, where they shadow the
+    class's, so that Lightning (and the callback itself) reaches ModelCheckpoint's code for each."""
+    for name in _LAYERCKPT_HOOKS:
+        setattr(cb, name, MethodType(getattr(ModelCheckpoint, name), cb))
+
+
+class LayerCheckpoint(ModelCheckpoint):
+    """Layer-selective, asynchronous checkpoints for a Lightning Trainer.
+
+    Args:
+        dirpath: the layerckpt store; when omitted, resolved as ModelCheckpoint resolves it
+            (``<logger save_dir>/<name>/<version>/checkpoints`` or ``<default_root_dir>/checkpoints``).
+        every_n_train_steps, train_time_interval, every_n_epochs, save_on_exception,
+        save_on_train_epoch_end: when to save, exactly as ModelCheckpoint.  A last save is made at
+            the end of fit in any case.
+        config: a layerckpt YAML file; the layerckpt fields below override it.
+        enabled: ``False`` turns this into Lightning's ordinary ModelCheckpoint (full ``.ckpt``
+            files, ``save_last=True`` so ``ckpt_path="last"`` still resumes).  Fixed at construction.
+        log_stats: log each checkpoint's bytes, layers persisted, stall, flush speed and staleness
+            through the Trainer's loggers (``layerckpt/*``).
+        budget ... layers: layerckpt Config fields (see layerckpt.Config).
+    """
+
+    CHECKPOINT_NAME_LAST = "last"
+
+    def __init__(
+        self,
+        dirpath: Optional[str] = None,
+        every_n_train_steps: Optional[int] = None,
+        train_time_interval: Optional[timedelta] = None,
+        every_n_epochs: Optional[int] = None,
+        save_on_exception: bool = False,
+        save_on_train_epoch_end: Optional[bool] = None,
+        config: Optional[str] = None,
+        enabled: bool = True,
+        log_stats: bool = True,
+        budget: Optional[float] = None,
+        threshold: Optional[float] = None,
+        max_staleness: Optional[int] = None,
+        base_every: Optional[int] = None,
+        keep_last: Optional[int] = None,
+        staging_bytes: Optional[Union[int, str]] = None,
+        chunk_bytes: Optional[Union[int, str]] = None,
+        queue_depth: Optional[int] = None,
+        max_inflight: Optional[int] = None,
+        backend: Optional[str] = None,
+        direct_io: Optional[bool] = None,
+        verify_checksums: Optional[bool] = None,
+        restore_rng: Optional[bool] = None,
+        budget_bytes: Optional[Union[int, str]] = None,
+        drift_sample: Optional[int] = None,
+        layers: Optional[Dict[str, str]] = None,
+    ):
+        fields = {k: v for k, v in dict(
+            budget=budget, threshold=threshold, max_staleness=max_staleness, base_every=base_every,
+            keep_last=keep_last,
+            staging_bytes=staging_bytes, chunk_bytes=chunk_bytes, queue_depth=queue_depth,
+            max_inflight=max_inflight, backend=backend, direct_io=direct_io, verify_checksums=verify_checksums,
+            restore_rng=restore_rng, budget_bytes=budget_bytes, drift_sample=drift_sample, layers=layers,
+        ).items() if v is not None}
+        base = Config.from_yaml(config) if config is not None else Config()
+        self.layer_config: Config = base.replace(**fields) if fields else base  # validates, names a bad field
+        if isinstance(enabled, str) or not isinstance(enabled, bool):
+            raise ConfigError(f"LayerCheckpoint(enabled=...) must be true or false, got {enabled!r}")
+        self._enabled = enabled
+        self.log_stats = log_stats
+        super().__init__(
+            dirpath=dirpath, every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs, save_on_exception=save_on_exception,
+            save_on_train_epoch_end=save_on_train_epoch_end, save_last=None if enabled else True,
+        )
+        self._ckpt: Optional[layerckpt.Checkpointer] = None
+        self._io: Optional[LayerCheckpointIO] = None
+        self._unlogged: List[layerckpt.PendingSave] = []
+        self._pending_rng: Optional[layerckpt.LoadedCheckpoint] = None
+        self._loggers: List[Any] = []
+        self.last_save: Optional[layerckpt.PendingSave] = None
+        self.restored: Optional[Dict[str, Any]] = None  # what the last resume read: step, layers, staleness, ...
+        self.saves: List[layerckpt.PendingSave] = []
+        if not enabled:
+            _as_model_checkpoint(self)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether saves go through layerckpt (else this is Lightning's ModelCheckpoint); set at construction."""
+        return self._enabled
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # ModelCheckpoint's hooks bound on a disabled instance are not state: __setstate__ binds them again
+        return {k: v for k, v in self.__dict__.items() if k not in _LAYERCKPT_HOOKS}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if not self._enabled:
+            _as_model_checkpoint(self)
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=self.dirpath, every_n_train_steps=self._every_n_train_steps,
+                                        every_n_epochs=self._every_n_epochs,
+                                        train_time_interval=self._train_time_interval, layerckpt=self.enabled)
+
+    # -- setup / resume -------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        _refuse_sharded(trainer.strategy)
+        self.restored, self._pending_rng = None, None  # set again if this fit resumes
+        self.dirpath = trainer.strategy.broadcast(self._resolve_dir(trainer))
+        self._install_io(trainer)
+
+    def _install_io(self, trainer: Any) -> None:
+        current = trainer.strategy.checkpoint_io
+        if isinstance(current, LayerCheckpointIO):
+            io = current
+        else:
+            io = LayerCheckpointIO(self.layer_config, fallback=current)
+            trainer.strategy.checkpoint_io = io
+        io._attach(self)
+        self._io = io
+
+    def _resolve_dir(self, trainer: Any) -> str:
+        if self.dirpath is not None:
+            return os.fspath(self.dirpath)
+        if trainer.loggers:
+            lg = trainer.loggers[0]
+            save_dir = lg.save_dir if lg.save_dir is not None else trainer.default_root_dir
+            version = lg.version if isinstance(lg.version, str) else f"version_{lg.version}"
+            return os.path.join(save_dir, str(lg.name), version, "checkpoints")
+        return os.path.join(trainer.default_root_dir, "checkpoints")
+
+    @override
+    def _find_last_checkpoints(self, trainer: Any) -> set:
+        """Where ``fit(ckpt_path="last")`` looks: the store, if it holds a committed checkpoint.  With no
+        dirpath, a new process's logger has a new version, so earlier versions' stores are candidates too."""
+        where = [self._resolve_dir(trainer)]
+        if self.dirpath is None and trainer.loggers and trainer.loggers[0].save_dir is not None:
+            lg = trainer.loggers[0]
+            base = os.path.join(lg.save_dir, str(lg.name))
+            if os.path.isdir(base):
+                where += [os.path.join(base, v, "checkpoints") for v in sorted(os.listdir(base))]
+        found = set()
+        for d in where:
+            try:
+                store.resolve(d)
+                found.add(os.path.normpath(d))
+            except CheckpointError:
+                pass
+        return found
+
+    @override
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
+        info = checkpoint.get(LOADED_KEY)
+        if isinstance(info, dict):
+            self.restored = {k: v for k, v in info.items() if k != "rng"}
+            if self.layer_config.restore_rng:
+                self._pending_rng = info.get("rng")
+
+    @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self._ckpt is None:
+            self._checkpointer(trainer)
+            if self.restored is not None and os.path.dirname(os.path.dirname(self.restored["manifest"])) == \
+                    self._ckpt.dirpath:
+                self._ckpt.adopt(self.restored["manifest"])  # resumed from this store: stay selective
+        loaded, self._pending_rng = self._pending_rng, None
+        if loaded is not None:  # Lightning keeps no RNG state; put back each rank's own, as at the save
+            loaded.restore_rng()
+
+    def _checkpointer(self, trainer: Any) -> "layerckpt.Checkpointer":
+        """This fit's Checkpointer (created on every rank at once: construction is collective)."""
+        optimizers = trainer.optimizers
+        if self._ckpt is None:
+            self._ckpt = layerckpt.Checkpointer(self.dirpath, trainer.lightning_module,
+                                                optimizers[0] if optimizers else None, self.layer_config)
+        elif optimizers and self._ckpt.optimizer is not optimizers[0]:
+            raise CheckpointError("the Trainer's optimizer changed since the first checkpoint of this fit; "
+                                  "LayerCheckpoint follows one optimizer object per fit")
+        return self._ckpt
+
+    @override
+    def state_dict(self) -> Dict[str, Any]:
+        return {"dirpath": self.dirpath, "best_model_path": self.best_model_path,
+                "last_model_path": self.last_model_path, "last_step": self._last_global_step_saved}
+
+    @override
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if state_dict.get("dirpath") == self.dirpath:
+            self.best_model_path = state_dict.get("best_model_path", "")
+            self.last_model_path = state_dict.get("last_model_path", "")
+
+    # -- saving ------------------------------------------------------------------------------------------
+
+    @override
+    def _save_topk_checkpoint(self, trainer: Any, monitor_candidates: Dict[str, Any]) -> None:
+        self._save(trainer)
+
+    @override
+    def _save_last_checkpoint(self, trainer: Any, monitor_candidates: Dict[str, Any]) -> None:
+        if self._last_global_step_saved != trainer.global_step:
+            self._save(trainer)
+
+    @override
+    def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+        self._save(trainer)
+
+    def _save(self, trainer: Any) -> None:
+        """One checkpoint of the current global step, on every rank."""
+        t0 = time.perf_counter()
+        step = int(trainer.global_step)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        extra = to_extra(checkpoint, has_optimizer=bool(trainer.optimizers))
+        pending = self._checkpointer(trainer).save(step, extra=extra)
+        pending.stall_s = time.perf_counter() - t0  # what training waited for, the state dump included
+        self._last_global_step_saved = step
+        self._last_checkpoint_saved = self.last_model_path = self.best_model_path = pending.manifest_path or \
+            os.path.join(self._ckpt.dirpath, "manifests", f"step-{step:08d}.json")
+        self.last_save = pending
+        self.saves.append(pending)
+        self._unlogged.append(pending)
+        self._loggers = list(trainer.loggers)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
+
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._ckpt is not None:
+            self._ckpt.check()  # a failed flush stops training here, not in a log line
+            self._log_finished(trainer)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if not (trainer.fast_dev_run or trainer.sanity_checking) and \
+                self._last_global_step_saved != trainer.global_step:
+            self._save(trainer)  # the state fit ends with is always committed
+        self.wait()
+        self._log_finished(trainer)
+
+    @override
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        try:
+            if self._should_save_on_exception(trainer) and trainer.optimizers:
+                self._save(trainer)
+        except Exception as e:  # noqa: BLE001 - do not hide the exception that stopped training
+            log.error("layerckpt: the save on exception failed: %s", e)
+        self._close(quiet=True)
+
+    @override
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._close(quiet=False)
+        super().teardown(trainer, pl_module, stage)
+
+    def wait(self) -> None:
+        """Every checkpoint made so far durable; raises the first failure."""
+        if self._ckpt is not None:
+            self._ckpt.wait()
+
+    def _close(self, quiet: bool) -> None:
+        ck, self._ckpt = self._ckpt, None
+        if self._io is not None:
+            self._io._detach(self)
+        if ck is None:
+            return
+        try:
+            ck.close()
+        except CheckpointError as e:
+            if not quiet:
+                raise
+            log.error("layerckpt: %s", e)
+
+    def _log_finished(self, trainer: Any) -> None:
+        done = [p for p in self._unlogged if p.done()]
+        self._unlogged = [p for p in self._unlogged if not p.done()]
+        if not self.log_stats or not trainer.is_global_zero:
+            return
+        for p in done:
+            if p.error is not None:
+                continue
+            metrics = {
+                "layerckpt/bytes_written": float(p.bytes_all_ranks or p.bytes_written),
+                "layerckpt/layers_persisted": float(p.layers_persisted),
+                "layerckpt/stall_ms": p.stall_s * 1e3,
+                "layerckpt/flush_gbps": p.flush_gbps,
+                "layerckpt/max_staleness": float(p.max_staleness),
+            }
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=p.step)
+
+
+def _refuse_sharded(strategy: Any) -> None:
+    """FSDP, DeepSpeed and model-parallel strategies save and load around CheckpointIO; refuse them."""
+    names = {c.__name__ for c in type(strategy).__mro__}
+    bad = names & {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy", "XLAFSDPStrategy"}
+    if bad:
+        raise CheckpointError(
+            f"LayerCheckpoint does not support {type(strategy).__name__}: it saves sharded state outside "
+            f"Lightning's CheckpointIO. Use ModelCheckpoint with this strategy, or DDP / single-device with "
+            f"LayerCheckpoint")
