@@ -109,6 +109,7 @@ class LayerCheckpointPlugin:
         self._stores: Dict[str, _Store] = {}
         self._handles: list = []
         self._orig: Dict[str, Any] = {}
+        self._loss: Any = None  # the loss of the last accelerator.backward()
         self._active = False  # inside a save_state/load_state this plugin routes
         self._optimizers: List[Any] = []  # the accelerator's optimizers, set aside during that call
         self._pointer: Optional[folders.Pointer] = None
@@ -156,6 +157,15 @@ class LayerCheckpointPlugin:
         for name, route in (("save_state", self._save_state), ("load_state", self._load_state)):
             self._orig[name] = getattr(accelerator, name)
             setattr(accelerator, name, _routed(self._orig[name], route))
+        # the loss sets the scale of layerckpt's selection (Config.fidelity): keep the last one trained on
+        self._orig["backward"] = backward = accelerator.backward
+
+        @functools.wraps(backward)
+        def _backward(loss, **kwargs):
+            self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+            return backward(loss, **kwargs)
+
+        accelerator.backward = _backward
         self._handles = [accelerator.register_save_state_pre_hook(self._save_hook),
                          accelerator.register_load_state_pre_hook(self._load_hook)]
         return self
@@ -191,7 +201,7 @@ class LayerCheckpointPlugin:
 
     def __repr__(self) -> str:
         state = {None: "not registered", False: "disabled", True: "registered"}[self.enabled]
-        return f"LayerCheckpointPlugin({state}, budget={self.config.budget}, threshold={self.config.threshold}, stores={self.stores})"
+        return f"LayerCheckpointPlugin({state}, fidelity={self.config.fidelity}, threshold={self.config.threshold}, stores={self.stores})"
 
     # ------------------------------------------------------------ save
 
@@ -248,7 +258,7 @@ class LayerCheckpointPlugin:
         st.next_step += 1
         token = f"{st.run_id}-{step}"
         extra = {"accelerate": {"token": token, "folder": os.path.basename(folder), "accelerator_step": acc.step}}
-        self.last_saves = [ck.save(step, extra=extra) for ck in st.checkpointers]
+        self.last_saves = [ck.save(step, extra=extra, loss=self._loss) for ck in st.checkpointers]
         if acc.is_main_process:
             st.live[folders.write_pointer(folder, st.root, step, token, st.optimizers)] = step
             # rotation (or the user) may have deleted folders since: their composites can go

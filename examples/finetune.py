@@ -75,7 +75,7 @@ def child(root: str, every: int, crash_at: int, config: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if (step + 1) % every == 0:
             t = time.perf_counter()
-            p = ck.save(step + 1, extra={"finetune_step": step + 1})
+            p = ck.save(step + 1, extra={"finetune_step": step + 1}, loss=loss)
             stats["blocked_s"] += time.perf_counter() - t
             stats["bytes"] += p.nbytes
 

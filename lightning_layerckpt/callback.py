@@ -8,6 +8,7 @@ from datetime import timedelta
 from types import MethodType
 from typing import Any, Dict, List, Optional, Union
 
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
@@ -51,7 +52,7 @@ class LayerCheckpoint(ModelCheckpoint):
             files, ``save_last=True`` so ``ckpt_path="last"`` still resumes).  Fixed at construction.
         log_stats: log each checkpoint's bytes, layers persisted, stall, flush speed and staleness
             through the Trainer's loggers (``layerckpt/*``).
-        budget ... layers: layerckpt Config fields (see layerckpt.Config).
+        fidelity ... layers: layerckpt Config fields (see layerckpt.Config).
     """
 
     CHECKPOINT_NAME_LAST = "last"
@@ -67,7 +68,7 @@ class LayerCheckpoint(ModelCheckpoint):
         config: Optional[str] = None,
         enabled: bool = True,
         log_stats: bool = True,
-        budget: Optional[float] = None,
+        fidelity: Optional[float] = None,
         threshold: Optional[float] = None,
         max_staleness: Optional[int] = None,
         base_every: Optional[int] = None,
@@ -85,7 +86,7 @@ class LayerCheckpoint(ModelCheckpoint):
         layers: Optional[Dict[str, str]] = None,
     ):
         fields = {k: v for k, v in dict(
-            budget=budget, threshold=threshold, max_staleness=max_staleness, base_every=base_every,
+            fidelity=fidelity, threshold=threshold, max_staleness=max_staleness, base_every=base_every,
             keep_last=keep_last,
             staging_bytes=staging_bytes, chunk_bytes=chunk_bytes, queue_depth=queue_depth,
             max_inflight=max_inflight, backend=backend, direct_io=direct_io, verify_checksums=verify_checksums,
@@ -105,6 +106,7 @@ class LayerCheckpoint(ModelCheckpoint):
         self._ckpt: Optional[layerckpt.Checkpointer] = None
         self._io: Optional[LayerCheckpointIO] = None
         self._unlogged: List[layerckpt.PendingSave] = []
+        self._loss: Optional[torch.Tensor] = None  # the last training step's loss
         self._pending_rng: Optional[layerckpt.LoadedCheckpoint] = None
         self._loggers: List[Any] = []
         self.last_save: Optional[layerckpt.PendingSave] = None
@@ -245,7 +247,7 @@ class LayerCheckpoint(ModelCheckpoint):
         step = int(trainer.global_step)
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         extra = to_extra(checkpoint, has_optimizer=bool(trainer.optimizers))
-        pending = self._checkpointer(trainer).save(step, extra=extra)
+        pending = self._checkpointer(trainer).save(step, extra=extra, loss=self._loss)
         pending.stall_s = time.perf_counter() - t0  # what training waited for, the state dump included
         self._last_global_step_saved = step
         self._last_checkpoint_saved = self.last_model_path = self.best_model_path = pending.manifest_path or \
@@ -260,6 +262,10 @@ class LayerCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # the training loss sets the scale of layerckpt's selection (Config.fidelity)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._loss = loss.detach()
         if self._ckpt is not None:
             self._ckpt.check()  # a failed flush stops training here, not in a log line
             self._log_finished(trainer)

@@ -27,22 +27,25 @@ def test_policy_first_and_base_write_everything():
 
 
 def test_policy_budget_skips_cheapest_per_byte_until_the_allowance_is_spent():
-    # progress 10 in all, budget 0.5: 5.0 of cost may stay stale
     layers = {"big": _st(3.0, nbytes=1000, progress=4.0), "small": _st(3.0, nbytes=10, progress=4.0),
               "idle": _st(0.0, nbytes=500, progress=2.0)}
-    out = policy.decide(layers, first=False, base_due=False, max_staleness=8, budget=0.5)
-    # cost per byte: idle 0, big 0.003, small 0.3 -> idle and big fit (3.0 <= 5.0), small does not
+    # loss 500, fidelity 1%: 5.0 of cost may stay stale.  Cost per byte: idle 0, big 0.003, small 0.3,
+    # so idle and big fit (3.0 <= 5.0) and small does not
+    out = policy.decide(layers, first=False, base_due=False, max_staleness=8, fidelity=0.01, loss=500.0)
     assert out == {"idle": "within-budget", "big": "within-budget", "small": "cost"}
     assert policy.composite_cost(layers, {"small"}) == 3.0
-    # the same decisions at any scale: a 1000x smaller learning rate shrinks cost and progress alike
-    tiny = {n: _st(s.cost / 1000, s.nbytes, s.progress / 1000) for n, s in layers.items()}
-    assert policy.decide(tiny, first=False, base_due=False, max_staleness=8, budget=0.5) == out
+    # no scale of its own: the same decisions with the loss (and so every cost) in other units
+    scaled = {n: _st(s.cost * 1e-4, s.nbytes, s.progress * 1e-4) for n, s in layers.items()}
+    assert policy.decide(scaled, first=False, base_due=False, max_staleness=8, fidelity=0.01, loss=0.05) == out
+    # without a loss: NO_LOSS_INTERVALS (0.25) x the progress of 10 = 2.5 -> only idle fits
+    out = policy.decide(layers, first=False, base_due=False, max_staleness=8, fidelity=0.01)
+    assert out == {"idle": "within-budget", "big": "cost", "small": "cost"}
 
 
 def test_policy_unknown_cost_staleness_and_frozen():
     layers = {"new": _st(math.inf), "old": _st(0.0, age=3), "frozen": _st(0.0, frozen=True, drift=0.0),
               "thawed": _st(0.0, frozen=True, drift=0.2)}
-    out = policy.decide(layers, first=False, base_due=False, max_staleness=3, budget=1.0)
+    out = policy.decide(layers, first=False, base_due=False, max_staleness=3, fidelity=1.0, loss=1.0)
     assert out == {"new": "cost", "old": "stale", "frozen": "frozen", "thawed": "frozen-changed"}
 
 

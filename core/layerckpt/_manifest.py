@@ -112,6 +112,7 @@ class Manifest:
     checksum: str = "crc32c"
     cost: Optional[float] = None  # the composite's estimated fidelity cost: its stale layers' summed cost
     progress: Optional[float] = None  # the model's progress over the last interval, in the same unit
+    loss: Optional[float] = None  # the training loss passed to save()
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -129,6 +130,13 @@ class Manifest:
         if self.cost is None or not self.progress:
             return None
         return self.cost / self.progress
+
+    @property
+    def loss_increase(self) -> Optional[float]:
+        """The estimated fidelity cost as a fraction of the training loss (None where no loss was given)."""
+        if self.cost is None or not self.loss:
+            return None
+        return self.cost / abs(self.loss)
 
     def steps_behind(self) -> Dict[str, int]:
         """Each layer's staleness in steps: how far its persisted version trails this composite."""

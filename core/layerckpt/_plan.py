@@ -141,7 +141,8 @@ class Selector:
                 grads.setdefault(layer, {})[param_of(k)] = t
         return key_layer, layer_keys, weights, grads, nbytes
 
-    def plan(self, step: int, fname: str, entries: Entries, rank: int = 0, world: int = 1) -> SavePlan:
+    def plan(self, step: int, fname: str, entries: Entries, rank: int = 0, world: int = 1,
+             loss: Optional[float] = None) -> SavePlan:
         """With several ranks each persisted layer is written by one rank (balanced by bytes); its
         ``file`` is filled in when the ranks' results are merged."""
         cfg = self.config
@@ -176,7 +177,8 @@ class Selector:
         else:
             reasons = policy.decide(states, first=prev is None,
                                     base_due=cfg.base_every > 0 and chain % cfg.base_every == 0,
-                                    threshold=cfg.threshold, budget=cfg.budget, max_staleness=cfg.max_staleness,
+                                    threshold=cfg.threshold, fidelity=cfg.fidelity, loss=loss,
+                                    max_staleness=cfg.max_staleness,
                                     budget_bytes=cfg.budget_bytes)
             for layer in forced:
                 if reasons[layer] not in policy.WRITE:

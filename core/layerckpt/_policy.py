@@ -8,12 +8,14 @@ The rest is chosen by one of two rules:
 
 - **fidelity budget** (the default, ``threshold=None``): skip layers, the least
   first-order cost per byte first, while the summed cost of everything the
-  composite then holds stale stays within ``budget`` x the whole model's
-  first-order progress over the last checkpoint interval; persist the rest.
-  Cost and progress are in the same unit (see ``_track``), so the rule has no
-  scale of its own: a 100x smaller learning rate shrinks both alike.  In words:
-  a restore of the composite is estimated to give up at most ``budget`` of one
-  interval's training progress.
+  composite then holds stale stays within an allowance; persist the rest.  The
+  cost (see ``_track``) is the first-order loss increase of restoring a layer's
+  persisted version, so the allowance is ``fidelity`` x the training loss when
+  the caller passes it (``save(step, loss=...)``; the adapters do): a restore is
+  estimated to raise the loss by at most that fraction.  Without a loss the
+  allowance is ``NO_LOSS_INTERVALS`` x the model's own first-order progress over
+  the last checkpoint interval, a conservative stand-in.  Neither depends on the
+  learning rate, the model's size or the run's length.
 - **drift threshold** (``threshold=x``): a layer whose relative drift
   ||W - W_p|| / ||W_p|| reached ``x``.
 
@@ -29,6 +31,7 @@ from typing import Dict, List, Optional
 FIRST, BASE, COST, DRIFT, STALE, CHANGED = "first", "base", "cost", "drift", "stale", "frozen-changed"
 SKIP_BUDGET, SKIP_DRIFT, SKIP_FROZEN, SKIP_BYTES = "within-budget", "below-threshold", "frozen", "over-budget"
 WRITE = frozenset({FIRST, BASE, COST, DRIFT, STALE, CHANGED})
+NO_LOSS_INTERVALS = 0.25  # without a loss: the composite may give up this much of one interval's progress
 
 
 @dataclass
@@ -42,7 +45,7 @@ class LayerState:
 
 
 def decide(layers: Dict[str, LayerState], *, first: bool, base_due: bool, max_staleness: int,
-           threshold: Optional[float] = None, budget: float = 0.0,
+           threshold: Optional[float] = None, fidelity: float = 0.0, loss: Optional[float] = None,
            budget_bytes: Optional[int] = None) -> Dict[str, str]:
     """layer -> reason; reasons in WRITE are persisted now."""
     if first or base_due:
@@ -63,7 +66,7 @@ def decide(layers: Dict[str, LayerState], *, first: bool, base_due: bool, max_st
         value = {n: layers[n].drift for n in wanted}
         why = DRIFT
     else:
-        wanted = _over_budget(layers, open_, budget)
+        wanted = _over_budget(layers, open_, allowance(layers, fidelity, loss))
         out.update({n: SKIP_BUDGET for n in open_ if n not in wanted})
         value = {n: layers[n].cost / max(layers[n].nbytes, 1) for n in wanted}
         why = COST
@@ -80,9 +83,15 @@ def decide(layers: Dict[str, LayerState], *, first: bool, base_due: bool, max_st
     return out
 
 
-def _over_budget(layers: Dict[str, LayerState], names: List[str], budget: float) -> List[str]:
+def allowance(layers: Dict[str, LayerState], fidelity: float, loss: Optional[float]) -> float:
+    """How much first-order loss the composite may give up."""
+    if loss is not None:
+        return fidelity * abs(loss)
+    return NO_LOSS_INTERVALS * sum(s.progress for s in layers.values() if not s.frozen)
+
+
+def _over_budget(layers: Dict[str, LayerState], names: List[str], allowance: float) -> List[str]:
     """The layers that do not fit in the allowance, taking the cheapest per byte into it first."""
-    allowance = budget * sum(s.progress for s in layers.values() if not s.frozen)
     spent = 0.0
     wanted = []
     for name in sorted(names, key=lambda n: (layers[n].cost / max(layers[n].nbytes, 1), n)):

@@ -103,20 +103,26 @@ class Checkpointer:
     def backend_name(self) -> str:
         return self.backend.name
 
-    def save(self, step: int, extra: Optional[Dict[str, Any]] = None) -> PendingSave:
-        """Stage the state of ``step``; returns once training may go on."""
+    def save(self, step: int, extra: Optional[Dict[str, Any]] = None, *,
+             loss: Union[None, float, torch.Tensor] = None) -> PendingSave:
+        """Stage the state of ``step``; returns once training may go on.
+
+        ``loss``: the current training loss (a float or a one-element tensor).  It sets the scale of
+        the default selection rule (``Config.fidelity``): pass it and the layers that barely matter
+        are skipped; without it a conservative rule writes more."""
         if self._closed:
             raise CheckpointError("save() on a closed Checkpointer; create a new one")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}")
         if extra is not None and not isinstance(extra, dict):
             raise CheckpointError(f"extra must be a dict of tensors and plain values, got {type(extra).__name__}")
+        loss = _as_loss(loss)
         with self._lock:
             self._raise_unreported()
             # a selective save composes on the last committed one: that one must be finished
             self._throttle(self.config.max_inflight - 1 if self.selector.full else 0)
             self._raise_unreported()  # the flush just waited for may have failed
-            return self._save(step, extra)
+            return self._save(step, extra, loss)
 
     def adopt(self, restored: Any) -> None:
         """Continue from a checkpoint of this directory that was just restored into the model (a
@@ -193,18 +199,23 @@ class Checkpointer:
                 p._reported = True
                 raise p.error
 
-    def _save(self, step: int, extra: Optional[Dict[str, Any]]) -> PendingSave:
+    def _save(self, step: int, extra: Optional[Dict[str, Any]], loss: Optional[float]) -> PendingSave:
         t0 = time.perf_counter()
         entries, meta = gather(self.model, self.optimizer, extra, self.rank)
         fname = self._fresh_name(step)
-        plan = self.selector.plan(step, fname, entries, self.rank, self.group.world)
+        if self.group.world > 1 and not self.selector.full:
+            # every rank must take the same decisions: the ranks' mean loss (or none if one lacks it)
+            losses = self.group.exchange(loss)
+            loss = None if None in losses else sum(losses) / len(losses)
+        plan = self.selector.plan(step, fname, entries, self.rank, self.group.world, loss)
         layout = self._layout_cache.plan(plan.write)
         self._seq += 1
         manifest = Manifest(
             step=step, seq=self._seq, chain=plan.chain, world_size=self.group.world, created=time.time(),
             config=self.config.to_dict(), files=dict(plan.files), tensors=dict(plan.carried), layers=plan.layers,
             model=meta["model"], optimizer=meta["optimizer"], rng=meta["rng"], extra=meta["extra"],
-            cost=None if self.selector.full else plan.cost, progress=None if self.selector.full else plan.progress)
+            cost=None if self.selector.full else plan.cost, progress=None if self.selector.full else plan.progress,
+            loss=loss)
         pending = PendingSave(step, os.path.join(self.dirpath, _store.DATA_DIR, fname))
         job = FlushJob(pending=pending, layout=layout, fname=fname, manifest=manifest, t0=t0,
                        on_commit=lambda m: self.selector.committed(m, plan.samples))
@@ -230,6 +241,19 @@ class Checkpointer:
         while os.path.exists(os.path.join(d, _store.data_name(step, self.rank, v))):
             v += 1
         return _store.data_name(step, self.rank, v)
+
+
+def _as_loss(loss: Any) -> Optional[float]:
+    if loss is None:
+        return None
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise CheckpointError(f"loss must be a number or a one-element tensor, got a tensor of shape "
+                                  f"{tuple(loss.shape)}; pass the mean loss")
+        loss = loss.detach().float().item()
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or loss != loss or abs(loss) == float("inf"):
+        raise CheckpointError(f"loss must be a finite number or a one-element tensor, got {loss!r}")
+    return float(loss)
 
 
 __all__ = ["Checkpointer", "PendingSave"]

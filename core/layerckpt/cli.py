@@ -33,8 +33,11 @@ def cmd_inspect(args) -> int:
     nbytes = {k: e.nbytes for k, e in m.tensors.items()}
     print(f"{path}: step {m.step}, world size {m.world_size}, {len(m.files)} file(s), "
           f"{sum(nbytes.values()) / 1e6:.1f} MB in {len(m.tensors)} tensors")
-    lag = f"; estimated fidelity cost {m.cost:.3g} ({m.lag:.2f} checkpoint intervals of progress)" \
-        if m.lag is not None else ""
+    lag = ""
+    if m.loss_increase is not None:
+        lag = f"; estimated fidelity cost {m.cost:.3g} (+{m.loss_increase:.3%} of the training loss {m.loss:.4g})"
+    elif m.lag is not None:
+        lag = f"; estimated fidelity cost {m.cost:.3g} ({m.lag:.2f} checkpoint intervals of progress)"
     behind = m.steps_behind()
     print(f"composite: layers trail step {m.step} by up to {max(behind.values(), default=0)} steps{lag}")
     print(f"{'layer':<32}{'step':>10}{'behind':>8}{'age':>5}{'MB':>10}{'cost':>10}  reason")

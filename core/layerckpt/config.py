@@ -37,13 +37,14 @@ class Config:
     ``Config(threshold=0.0)`` persists every layer at every save (a full checkpoint).
     """
 
-    budget: float = 0.25
+    fidelity: float = 0.004
     """The default selection rule's one knob, with no scale of its own: layers are skipped, cheapest first,
-    while the composite's estimated loss cost (first-order, from the optimizer's gradient averages) stays
-    within ``budget`` x the model's own progress over the last checkpoint interval.  0.0 writes every layer
-    that moved."""
+    while a restore of the composite is estimated (first order, from the optimizer's gradient averages) to
+    raise the training loss by at most this fraction of it.  Needs the loss: ``save(step, loss=...)``,
+    which the Lightning and Accelerate adapters pass; without it a conservative stand-in applies.
+    0.0 writes every layer that moved."""
     threshold: Optional[float] = None
-    """Instead of the budget: persist a layer once its relative drift ||W - W_p|| / ||W_p|| reaches this
+    """Instead of the fidelity budget: persist a layer once its relative drift ||W - W_p|| / ||W_p|| reaches this
     (0.0: every layer at every save, a full checkpoint)."""
     max_staleness: int = 16
     """A layer that moves may lag at most this many checkpoints; at the bound it is persisted regardless."""
@@ -84,7 +85,7 @@ class Config:
         if self.layers is not None and not (isinstance(self.layers, dict) and all(
                 isinstance(k, str) and isinstance(v, str) and v for k, v in self.layers.items())):
             raise ConfigError(f"Config.layers must map name patterns to layer names, got {self.layers!r}")
-        _number(self, "budget", float, lo=0.0)
+        _number(self, "fidelity", float, lo=0.0)
         if self.threshold is not None:
             _number(self, "threshold", float, lo=0.0)
         _number(self, "max_staleness", int, lo=1)

@@ -22,7 +22,10 @@ from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchE
 
 log = logging.getLogger("layerckpt")
 
-MAX_LAG = 1.0  # checkpoint intervals of progress a composite may give up before a restore warns (strict: raises)
+# What a composite may be estimated to give up before a restore warns (strict: raises): a fraction of the
+# training loss where the save knew it, else checkpoint intervals of progress.
+MAX_LOSS_INCREASE = 0.01
+MAX_LAG = 1.0
 
 
 @dataclass
@@ -42,6 +45,7 @@ class RestoreReport:
     staleness_steps: Dict[str, int] = field(default_factory=dict)  # layer -> steps it trails the restored step
     cost: Optional[float] = None  # estimated fidelity cost: first-order loss the stale layers give up
     lag: Optional[float] = None  # the same in checkpoint intervals of training progress
+    loss_increase: Optional[float] = None  # the same as a fraction of the training loss at the save
 
 
 def restore(
@@ -109,7 +113,7 @@ def restore(
         bytes_read=total, extra=decode(m.extra or {}, tensors), manifest=mpath,
         seconds=time.perf_counter() - t0, missing=plan.missing, unexpected=plan.unexpected,
         mismatched=plan.mismatched, layer_bytes=layer_bytes, staleness_steps=m.steps_behind(), cost=m.cost,
-        lag=m.lag,
+        lag=m.lag, loss_increase=m.loss_increase,
     )
 
 
@@ -341,13 +345,19 @@ def _check_staleness(m: Manifest, bound: Optional[int], strict: bool) -> None:
     if old:
         problems.append(f"{len(old)} layer(s) older than max_staleness={bound} checkpoints: "
                         + ", ".join(f"{n} (age {a}, {behind[n]} steps)" for n, a in old))
-    if m.lag is not None and m.lag > MAX_LAG:
+    if m.loss_increase is not None:
+        rollback = m.loss_increase > MAX_LOSS_INCREASE
+        what = f"raise the training loss by {m.loss_increase:.2%} (more than {MAX_LOSS_INCREASE:.0%})"
+    else:
+        rollback = m.lag is not None and m.lag > MAX_LAG
+        what = f"give up {m.lag or 0:.1f} checkpoint intervals of training progress (more than {MAX_LAG})"
+    if rollback:
         worst = sorted(((e.cost or 0.0, n) for n, e in m.layers.items() if not e.frozen), reverse=True)[:3]
         problems.append(
-            f"the composite of step {m.step} is estimated to give up {m.lag:.1f} checkpoint intervals of training "
-            f"progress (more than {MAX_LAG}): its layers trail it by up to {max(behind.values(), default=0)} steps, "
-            f"costliest " + ", ".join(f"{n} ({behind[n]} steps behind)" for _, n in worst)
-            + "; a lower Config.budget (or threshold) persists them sooner")
+            f"restoring the composite of step {m.step} is estimated to {what}: its layers trail it by up to "
+            f"{max(behind.values(), default=0)} steps, costliest " + ", ".join(
+                f"{n} ({behind[n]} steps behind)" for _, n in worst)
+            + "; a lower Config.fidelity (or threshold) persists them sooner")
     if not problems:
         return
     msg = "; ".join(problems)

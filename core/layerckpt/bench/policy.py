@@ -46,7 +46,7 @@ def run(w: Workload, config: Config, root: str, crashes: Sequence[float] = CRASH
         for step in range(steps):
             losses.append(w.train_step(model, opt, step))
             if (step + 1) % w.every == 0:
-                p = ck.save(step + 1).wait()
+                p = ck.save(step + 1, loss=losses[-1]).wait()
                 m = ck.selector.composite
                 full += sum(e.nbytes for e in m.layers.values())
                 written += sum(e.nbytes for e in m.layers.values() if e.step == m.step and e.age == 0)
@@ -91,7 +91,7 @@ def meets(row: Dict[str, Any]) -> bool:
 
 
 def format_table(rows: List[Dict[str, Any]], config: Config) -> str:
-    rule = f"threshold={config.threshold}" if config.threshold is not None else f"budget={config.budget}"
+    rule = f"threshold={config.threshold}" if config.threshold is not None else f"fidelity={config.fidelity}"
     lines = [f"selection: {rule}, max_staleness={config.max_staleness} checkpoints",
              f"{'workload':<17}{'saves':>6}{'bytes vs full':>15}   loss after restore vs uninterrupted "
              f"(early / middle / late crash; steps the oldest layer trails)   target"]

@@ -94,7 +94,7 @@ def post_training_run(root: str, config=None, every: int = 4, crash_at: int = 16
     with Checkpointer(root, model, opt, config=cfg) as ck:
         def after(step: int, loss: float) -> None:
             if (step + 1) % every == 0:
-                p = ck.save(step + 1, extra={"finetune_step": step + 1})
+                p = ck.save(step + 1, extra={"finetune_step": step + 1}, loss=loss)
                 saves.append(p)
                 p.wait()
 
