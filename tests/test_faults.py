@@ -201,7 +201,11 @@ def test_disk_full_raises_and_recovers(tiny_fs):
     out = _sized_model(1 << 20)
     assert layerckpt.restore(root, out).step == 2  # earlier checkpoints intact
     os.unlink(root / "manifests" / "step-00000001.json")
-    layerckpt.Checkpointer(root, _sized_model(1 << 20)).close()  # cleanup frees step 1's data
+    with pytest.raises(layerckpt.CheckpointError, match=r"already has a writer \(pid \d+ on .*\): a store takes one"):
+        layerckpt.Checkpointer(root, _sized_model(1 << 20))  # a second opener: refused, deletes nothing
+    assert len(os.listdir(root / "data")) == 2
+    ck.close()
+    ck = layerckpt.Checkpointer(root, model, config=cfg)  # the next writer's cleanup frees step 1's data
     ck.save(3).wait()  # works again once space is freed
     ck.close()
     layerckpt.restore(root, out)
@@ -225,6 +229,7 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
 model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 100))
 ck = layerckpt.Checkpointer(sys.argv[1], model)
 ck.save(1).wait()
+ck.close()
 big = torch.nn.Sequential(*[torch.nn.Linear(200, 200) for _ in range(3)])
 ck2 = layerckpt.Checkpointer(sys.argv[1], big)
 try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -17,6 +18,8 @@ from ._layout import DTYPES, Layout
 from ._manifest import FileEntry, Manifest, TensorEntry
 from ._store import LATEST, MANIFEST_DIR, manifest_name, write_atomic
 from .errors import CheckpointWriteError
+
+log = logging.getLogger("layerckpt")
 
 
 def rank_result(rank: int, fname: str, layout: Layout, crcs: Sequence[int], rng: Any,
@@ -89,10 +92,15 @@ def merge(m: Manifest, ranks: List[Dict[str, Any]], checksum: str) -> None:
 
 
 def commit(root: str, m: Manifest) -> str:
-    """Write the manifest atomically, then point `latest` at it.  Returns the manifest path."""
+    """Write the manifest atomically: from its rename on, the checkpoint exists.  Then point `latest` at
+    it, best effort: a failure there is logged and does not undo the commit.  Returns the manifest path."""
     _faults.point("commit.before")
     name = manifest_name(m.step)
     path = os.path.join(root, MANIFEST_DIR, name)
     write_atomic(path, m.to_json())
-    write_atomic(os.path.join(root, LATEST), (name + "\n").encode())
+    try:
+        _faults.point("commit.latest")
+        write_atomic(os.path.join(root, LATEST), (name + "\n").encode())
+    except OSError as e:
+        log.warning("layerckpt: step %d is committed, but %s/%s could not be updated: %s", m.step, root, LATEST, e)
     return path

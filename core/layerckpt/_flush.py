@@ -95,9 +95,12 @@ class Flusher:
         self._jobs.put(job)
 
     def stop(self) -> None:
+        """Finish the jobs queued, then end the thread (from the thread itself, e.g. when a dropped
+        Checkpointer is collected there, it only asks)."""
         if self._thread is not None:
             self._jobs.put(None)
-            self._thread.join()
+            if self._thread is not threading.current_thread():
+                self._thread.join()
             self._thread = None
 
     def _run(self) -> None:
@@ -174,7 +177,7 @@ class Flusher:
                     w.submit(fd, chunk, base, n, segs, path)
                     if job.staged.is_set():  # the stall is over: checksum while the writes run
                         w.checksum_all()
-                except OSError as e:
+                except BaseException as e:  # noqa: BLE001 - any failure: drain, free, keep consuming
                     failed = e
                     w.abandon()
             if msg is ABORT and failed is None:
@@ -187,7 +190,7 @@ class Flusher:
                     if direct:
                         os.ftruncate(fd, layout.size)
                     os.fdatasync(fd)
-                except OSError as e:
+                except BaseException as e:  # noqa: BLE001
                     failed = e
                     w.abandon()
         finally:
@@ -244,6 +247,7 @@ class _Writes:
                 self.pool.release(c)
 
     def checksum_all(self) -> None:
+        _faults.point("flush.checksum")
         for chunk, segs in self._owed:
             for i, a, b in segs:
                 self.crcs[i] = checksum(chunk.view[a:b], self.crcs[i])

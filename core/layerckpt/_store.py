@@ -87,6 +87,36 @@ def list_manifests(root: str) -> List[Tuple[int, str]]:
     return sorted((s, n) for s, n in out if s is not None)
 
 
+WRITER_LOCK = ".writer.lock"
+
+
+class WriterLock:
+    """One writer per store: an exclusive ``flock`` on ``<root>/.writer.lock``, held while a Checkpointer is
+    open (released by the kernel if its process dies).  Readers never take it."""
+
+    def __init__(self, root: str):
+        import fcntl
+        import socket
+
+        path = os.path.join(root, WRITER_LOCK)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self._fd, 256, 0).decode("utf-8", "replace").strip() or "another Checkpointer"
+            os.close(self._fd)
+            raise CheckpointError(
+                f"{root} already has a writer ({holder}): a store takes one Checkpointer at a time, in one "
+                f"process; close() that one first, or save into another directory") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+
 def ensure_layout(root: str) -> None:
     for sub in (DATA_DIR, MANIFEST_DIR):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
@@ -128,20 +158,15 @@ def resolve(root: str, step: Optional[int] = None) -> str:
             have = [s for s, _ in list_manifests(root)]
             raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {root}; committed steps: {have}")
         return path
-    try:
-        with open(os.path.join(root, LATEST), "r", encoding="utf-8") as f:
-            name = f.read().strip()
-        path = safe_join(root, MANIFEST_DIR, name, f"{root}/latest")
-        if os.path.exists(path):
-            return path
-    except (FileNotFoundError, UnicodeDecodeError, CheckpointCorruptError):
-        pass
-    # `latest` missing or stale: the newest manifest that parses
+    # the manifests are the only commit record: `latest` may lag them after a crash, so it decides nothing
     good, bad = read_all(root)
     name = newest(good)
     if name is None:
         hint = f" ({len(bad)} damaged manifest(s): {', '.join(bad)})" if bad else ""
         raise CheckpointNotFoundError(f"no committed checkpoint in {root}{hint}")
+    newer = [b for b in bad if manifest_step(b) > good[name].step]
+    if newer:  # never fall back silently past a newer checkpoint that was committed and then damaged
+        load_manifest(os.path.join(root, MANIFEST_DIR, newer[-1]))  # raises, naming the damage
     return os.path.join(root, MANIFEST_DIR, name)
 
 

@@ -74,12 +74,25 @@ class Checkpointer:
         # every rank builds its Checkpointer together: the group and the cleanup are collective
         self.group = _dist.Group(enabled=distributed)
         self.rank = self.group.rank
+        # one writer per store: rank 0 holds the lock for the Checkpointer's life, and only the holder
+        # may clean up, so no opener ever deletes what another one is still writing
+        self._writer: Optional[_store.WriterLock] = None
+        refused: Optional[str] = None
         if self.rank == 0:
-            _store.ensure_layout(self.dirpath)
-            removed = _retain.cleanup(self.dirpath)
-            if removed:
-                log.info("layerckpt: removed %d leftover file(s) of interrupted saves", len(removed))
-        self.group.barrier()  # no rank writes before the leftovers are gone
+            try:
+                _store.ensure_layout(self.dirpath)
+                self._writer = _store.WriterLock(self.dirpath)
+                removed = _retain.cleanup(self.dirpath)
+                if removed:
+                    log.info("layerckpt: removed %d leftover file(s) of interrupted saves", len(removed))
+            except (CheckpointError, OSError) as e:
+                refused = str(e)
+        if self.group.world > 1:  # no rank writes before the leftovers are gone, or all refuse together
+            refused = self.group.exchange(refused)[0]
+        if refused is not None:
+            if self._writer is not None:
+                self._writer.release()
+            raise CheckpointError(refused)
         good, _ = _store.read_all(self.dirpath)
         self._seq = max((m.seq for m in good.values()), default=0)
         self.backend = make_backend(config.backend, config.queue_depth)
@@ -87,6 +100,8 @@ class Checkpointer:
         self._flusher = Flusher(self.backend, self.pool, config, self.dirpath, self.group)
         self._pending: List[PendingSave] = []
         self._closed = False
+        # dropped without close(): the flusher finishes what it has, then thread, ring, pool and lock go
+        self._release = weakref.finalize(self, _shutdown, self._flusher, self.backend, self.pool, self._writer)
         # A flush in flight completes before a normal interpreter exit, even without close().  It
         # must run before thread pools refuse new work at shutdown, hence threading's exit hooks
         # (run newest first, before concurrent.futures' own) where this Python has them.
@@ -159,9 +174,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
-            self._flusher.stop()
-            self.backend.close()
-            self.pool.close()
+            self._release()
 
     def _finish_at_exit(self) -> None:
         if self._closed:
@@ -241,6 +254,14 @@ class Checkpointer:
         while os.path.exists(os.path.join(d, _store.data_name(step, self.rank, v))):
             v += 1
         return _store.data_name(step, self.rank, v)
+
+
+def _shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_store.WriterLock]) -> None:
+    flusher.stop()
+    backend.close()
+    pool.close()
+    if writer is not None:
+        writer.release()
 
 
 def _as_loss(loss: Any) -> Optional[float]:
