@@ -116,6 +116,7 @@ class Flusher:
             finally:
                 job.pending.durable_s = time.perf_counter() - job.t0
                 job.pending._done.set()
+                del job  # hold nothing of a finished save while waiting for the next
 
     def _flush(self, job: FlushJob) -> None:
         """Write this rank's file, then agree with every rank; rank 0 commits only if all succeeded."""

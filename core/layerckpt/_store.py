@@ -117,6 +117,16 @@ class WriterLock:
             self._fd = None
 
 
+def local_path(path: Union[str, "os.PathLike[str]"], what: str = "checkpoint directory") -> str:
+    """An absolute local path; a URL (``s3://``, ``gs://``, ...) is refused rather than taken for a folder."""
+    p = os.fspath(path)
+    if isinstance(p, str) and "://" in p:
+        raise CheckpointError(
+            f"{what} {p!r} is a URL: layerckpt writes to and reads from a local directory (a remote tier is "
+            f"not configured); pass a local path")
+    return os.path.abspath(p)
+
+
 def ensure_layout(root: str) -> None:
     for sub in (DATA_DIR, MANIFEST_DIR):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
@@ -144,6 +154,7 @@ def newest(manifests: Dict[str, Manifest]) -> Optional[str]:
 
 def resolve(root: str, step: Optional[int] = None) -> str:
     """Path of the manifest to restore: the one for `step`, else the newest committed."""
+    root = local_path(root)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
     if not os.path.isdir(os.path.join(root, MANIFEST_DIR)):
@@ -181,7 +192,7 @@ def is_checkpoint(path: Union[str, os.PathLike]) -> bool:
 
 def locate(path: Union[str, os.PathLike]) -> Tuple[str, Optional[int]]:
     """(checkpoint directory, step or None for the newest) named by a directory or a manifest path."""
-    p = os.path.abspath(os.fspath(path))
+    p = local_path(path)
     if os.path.isfile(p):
         parent = os.path.dirname(p)
         step = manifest_step(os.path.basename(p))

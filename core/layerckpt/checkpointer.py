@@ -9,6 +9,7 @@ and commit the manifest (``_commit``) -> retention (``_retain``).
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -67,7 +68,7 @@ class Checkpointer:
             config = Config()
         elif not isinstance(config, Config):
             raise CheckpointError(f"config must be a layerckpt.Config, got {type(config).__name__}")
-        self.dirpath = os.path.abspath(os.fspath(dirpath))
+        self.dirpath = _store.local_path(dirpath)
         self.model = model
         self.optimizer = optimizer
         self.config = config
@@ -231,7 +232,7 @@ class Checkpointer:
             loss=loss)
         pending = PendingSave(step, os.path.join(self.dirpath, _store.DATA_DIR, fname))
         job = FlushJob(pending=pending, layout=layout, fname=fname, manifest=manifest, t0=t0,
-                       on_commit=lambda m: self.selector.committed(m, plan.samples))
+                       on_commit=functools.partial(self.selector.committed, samples=plan.samples))
         self.pool.reserve(layout.size)
         self._flusher.submit(job)
         self._pending.append(pending)

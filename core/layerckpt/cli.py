@@ -12,7 +12,7 @@ from . import _store
 from ._backend import checksum_function, make_backend
 from ._manifest import Manifest, load_manifest, model_name
 from .config import Config
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError
 from .restore import read_tensors
 
 
@@ -26,9 +26,16 @@ def _read_tensors(root: str, m: Manifest, keys: List[str], mpath: str = "manifes
         backend.close()
 
 
+def _locate(args):
+    """(checkpoint directory, manifest path) from a directory or a manifest path, and --step."""
+    root, step = _store.locate(args.dir)
+    if step is not None and getattr(args, "step", None) not in (None, step):
+        raise CheckpointError(f"{args.dir} is the checkpoint of step {step}, but --step {args.step} was asked for")
+    return root, _store.resolve(root, step if step is not None else getattr(args, "step", None))
+
+
 def cmd_inspect(args) -> int:
-    root = os.path.abspath(args.dir)
-    path = _store.resolve(root, args.step)
+    root, path = _locate(args)
     m = load_manifest(path)
     nbytes = {k: e.nbytes for k, e in m.tensors.items()}
     print(f"{path}: step {m.step}, world size {m.world_size}, {len(m.files)} file(s), "
@@ -52,8 +59,10 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    root = os.path.abspath(args.dir)
+    root, _ = _store.locate(args.dir)  # a missing directory, or one that is no checkpoint, is an error
     good, bad = _store.read_all(root)
+    if not good and not bad:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {root}: nothing to verify")
     failures = [f"{n}: damaged manifest" for n in bad]
     checked = 0
     for name, m in sorted(good.items()):
@@ -71,8 +80,11 @@ def cmd_verify(args) -> int:
 def cmd_export(args) -> int:
     from safetensors.torch import save_file
 
-    root = os.path.abspath(args.dir)
-    m = load_manifest(_store.resolve(root, args.step))
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        raise CheckpointError(f"cannot write {args.output}: the directory {out_dir} does not exist; create it first")
+    root, path = _locate(args)
+    m = load_manifest(path)
     keys = [k for k in m.tensors if model_name(k) is not None]
     ts = _read_tensors(root, m, keys)
     out = {model_name(k): t for k, t in ts.items()}
@@ -92,7 +104,7 @@ def _bench(args) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="layerckpt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("inspect", help="per layer: persisted step, staleness, bytes")
+    a = sub.add_parser("inspect", help="per layer: persisted step, steps behind, bytes, estimated cost")
     a.add_argument("dir")
     a.add_argument("--step", type=int)
     a.set_defaults(fn=cmd_inspect)

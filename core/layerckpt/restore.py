@@ -66,7 +66,7 @@ def restore(
     """
     t0 = time.perf_counter()
     cfg = config or Config()
-    root = os.path.abspath(os.fspath(dirpath))
+    root = _store.local_path(dirpath)
     mpath = _store.resolve(root, step)
     m = load_manifest(mpath)
 
@@ -286,6 +286,11 @@ def _optimizer_keys(optimizer, model, m, strict) -> List[str]:
         if strict:
             raise CheckpointMismatchError("optimizer", missing=["<optimizer state: this checkpoint has none>"])
         return []
+    mine = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if saved.get("class") not in (None, mine):
+        raise CheckpointMismatchError("optimizer", mismatched=[
+            f"class: checkpoint {saved['class']}, optimizer {mine} (their states do not carry over; restore "
+            f"with the optimizer class that saved it, or pass optimizer=None and start its state afresh)"])
     names = param_names(model)
     cur_groups = [[names.get(id(p), f"<unnamed #{i}>") for i, p in enumerate(g["params"])] for g in optimizer.param_groups]
     saved_groups = [g["params"] for g in saved["param_groups"]]
