@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
+import functools
 import logging
 import os
 import threading
@@ -214,15 +215,43 @@ class UringBackend:
         self._ring.close()
 
 
+@functools.lru_cache(maxsize=None)
 def uring_available() -> Optional[str]:
-    """None if io_uring works here, else the reason it does not."""
+    """None if io_uring works here, else the reason it does not.  Setting a ring up is not enough (kernels
+    5.1-5.5 accept io_uring_setup but refuse the read and write operations used): one small write and
+    read go through a ring, once per process."""
     if _uring is None:
         return "the native module layerckpt._uring is not built"
     try:
         _uring.probe()
     except OSError as e:
         return f"io_uring_setup refused: {e.strerror} (errno {e.errno})"
+    try:
+        _probe_read_write()
+    except OSError as e:
+        return f"io_uring refused a write or read on this kernel: {e.strerror} (errno {e.errno})"
     return None
+
+
+def _probe_read_write() -> None:
+    import mmap
+    import tempfile
+
+    ring = _uring.Ring(2)
+    out, back = mmap.mmap(-1, mmap.PAGESIZE), mmap.mmap(-1, mmap.PAGESIZE)
+    out.write(b"layerckpt" * (mmap.PAGESIZE // 9))
+    try:
+        with tempfile.TemporaryFile() as f:
+            ring.write(f.fileno(), out, 0, "w", f.name)
+            ring.drain()
+            ring.read(f.fileno(), back, 0, "r", f.name)
+            ring.drain()
+        if back[:] != out[:]:
+            raise OSError(errno.EIO, "io_uring read back other bytes than it wrote")
+    finally:
+        ring.close()
+        out.close()
+        back.close()
 
 
 def resolve_backend_name(requested: str = "auto") -> str:

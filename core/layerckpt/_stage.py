@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 import queue
 import threading
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -135,7 +135,7 @@ def stage(layout: Layout, pool: BufferPool, out: "queue.Queue", staged: threadin
     C = pool.chunk_bytes
     header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
     sources = [(-1, header, len(layout.header))] + [(i, it.tensor, it.nbytes) for i, it in enumerate(layout.items)]
-    stream = None
+    streams: Dict[torch.device, "torch.cuda.Stream"] = {}
 
     def starved() -> None:
         out.put(STARVED)
@@ -146,19 +146,19 @@ def stage(layout: Layout, pool: BufferPool, out: "queue.Queue", staged: threadin
         if nbytes == 0:
             continue
         src = _flat_bytes(t)
-        if src.is_cuda:
-            stream = stream or _side_stream(src.device)
+        stream = _device_stream(src, streams) if src.is_cuda else None
+        if stream is not None:
             chunk.pin()
         pos = 0
         while pos < nbytes:
             if fill == C:
-                _emit(out, chunk, base, fill, segs, stream)
+                _emit(out, chunk, base, fill, segs, streams)
                 chunk = pool.acquire(on_wait=starved)
                 base, fill, segs = base + C, 0, []
                 if stream is not None:
                     chunk.pin()
             n = min(C - fill, nbytes - pos)
-            if src.is_cuda:
+            if stream is not None:
                 with torch.cuda.stream(stream):
                     chunk.tensor[fill:fill + n].copy_(src[pos:pos + n], non_blocking=True)
             else:
@@ -168,18 +168,23 @@ def stage(layout: Layout, pool: BufferPool, out: "queue.Queue", staged: threadin
             fill += n
             pos += n
     staged.set()
-    _emit(out, chunk, base, fill, segs, stream)
+    _emit(out, chunk, base, fill, segs, streams)
     out.put(None)
 
 
-def _emit(out, chunk, base, fill, segs, stream) -> None:
-    if stream is not None:
-        stream.synchronize()  # the flusher reads this chunk next
+def _emit(out, chunk, base, fill, segs, streams) -> None:
+    for s in streams.values():
+        s.synchronize()  # the flusher reads this chunk next
     out.put((chunk, base, fill, segs))
 
 
-def _side_stream(device: torch.device):
-    """Device-to-host copies on their own stream, after the work already queued on the current one."""
-    s = torch.cuda.Stream(device=device)
-    s.wait_stream(torch.cuda.current_stream(device))
+def _device_stream(src: torch.Tensor, streams: Dict[torch.device, "torch.cuda.Stream"]) -> "torch.cuda.Stream":
+    """The side stream that copies ``src`` to the host, ordered after everything queued on the current
+    stream so far (the ``.contiguous()`` that made ``src`` included), and ``src``'s memory kept from
+    reuse until that copy is done."""
+    s = streams.get(src.device)
+    if s is None:
+        s = streams[src.device] = torch.cuda.Stream(device=src.device)
+    s.wait_stream(torch.cuda.current_stream(src.device))
+    src.record_stream(s)
     return s
