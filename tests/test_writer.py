@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import layerckpt
 from layerckpt import _backend as B
 
 pytestmark = pytest.mark.usefixtures("backend")
@@ -141,3 +143,33 @@ def test_registration_refused_under_memlock_is_logged_and_io_goes_on(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "REGISTERED 0 DONE ['a']" in r.stdout
     assert "io_uring buffer registration refused" in r.stderr
+
+
+NO_NATIVE = r"""
+import sys
+sys.modules["layerckpt._uring"] = None  # as on a machine where the extension was not built
+import torch, layerckpt
+from layerckpt import _backend
+assert _backend._uring is None and _backend.CHECKSUM == "crc32"
+model = torch.nn.Linear(64, 64)
+out = layerckpt.restore(sys.argv[1], model)
+print("RESTORED", out.step, bool((model.weight == 2.0).all()))
+from layerckpt.cli import main
+sys.exit(main(["verify", sys.argv[1]]))
+"""
+
+
+def test_checkpoints_stay_verifiable_without_the_native_module(tmp_path):
+    from layerckpt._crc32c import crc32c
+
+    data = os.urandom(1 << 20 | 77)
+    assert crc32c(data) == B.checksum(data) == crc32c(data[5000:], crc32c(data[:5000]))  # the same values
+    model = torch.nn.Linear(64, 64)
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    with layerckpt.Checkpointer(tmp_path, model, config=layerckpt.Config(threshold=0.0)) as ck:
+        ck.save(1).wait()
+    r = subprocess.run([sys.executable, "-c", NO_NATIVE, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "LAYERCKPT_BACKEND": "threads"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "RESTORED 1 True" in r.stdout and "1 of 1 checkpoint(s) verified" in r.stdout

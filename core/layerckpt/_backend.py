@@ -301,7 +301,8 @@ def open_file(path: str, write: bool, direct: bool = True) -> "tuple[int, bool]"
 
 # ------------------------------------------------------------------ checksums
 # CRC32C in hardware (about 14 GB/s a core here) when the native module is built;
-# zlib's CRC32 otherwise.  The manifest records which one wrote it.
+# zlib's CRC32 for new saves otherwise (the manifest records which one wrote it), and
+# CRC32C in numpy (_crc32c, a few hundred MB/s) to verify what the native one wrote.
 if _uring is not None:
     CHECKSUM = "crc32c"
     checksum = _uring.crc32c
@@ -313,13 +314,16 @@ else:  # pragma: no cover
 
 
 def checksum_function(name: str):
-    if name == "crc32c" and _uring is not None:
-        return _uring.crc32c
+    if name == "crc32c":
+        if _uring is not None:
+            return _uring.crc32c
+        from ._crc32c import crc32c
+
+        return crc32c
     if name == "crc32":
         import zlib
 
         return zlib.crc32
-    from .errors import CheckpointError
+    from .errors import CheckpointCorruptError
 
-    raise CheckpointError(f"checksum {name!r} needs the native module layerckpt._uring, which is not built; "
-                          f"reinstall layerckpt with a C compiler, or restore with verify_checksums=False")
+    raise CheckpointCorruptError(f"unknown checksum {name!r} in the manifest; this layerckpt knows crc32c and crc32")
