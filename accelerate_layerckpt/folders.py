@@ -260,7 +260,8 @@ def prune(model_roots: Iterable[str], keep_steps: Set[int], below: int) -> List[
 
 class Pruner:
     """Runs :func:`prune` on a thread of its own, so retention never blocks training; a newer request
-    replaces one not yet started.  A failure is logged, and the next request tries again."""
+    replaces one not yet started.  A failure is logged, and the next request tries again.  The thread
+    ends as soon as no request waits (the next one starts another): none outlives the work."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -277,16 +278,18 @@ class Pruner:
             self._cond.notify_all()
 
     def drain(self) -> None:
-        """Wait until every request so far is done."""
+        """Wait until every request so far is done and the thread has ended."""
         with self._cond:
-            while self._request is not None or self._busy:
+            while self._request is not None or self._busy or self._thread is not None:
                 self._cond.wait()
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._request is None:
-                    self._cond.wait()
+                if self._request is None:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
                 req, self._request, self._busy = self._request, None, True
             try:
                 removed = prune(*req)

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -135,6 +136,7 @@ def test_folders_hold_accelerate_state_and_a_pointer(tmp_path, runs):
 
 def test_total_limit_rotation_keeps_every_remaining_folder_loadable(tmp_path, runs):
     """Full saves: each remaining folder restores exactly its own state; rotated composites leave the store."""
+    before = set(threading.enumerate())
     run = runs(tmp_path, total_limit=2, config=FULL)
     snaps = {}
     for _ in range(5):
@@ -152,6 +154,9 @@ def test_total_limit_rotation_keeps_every_remaining_folder_loadable(tmp_path, ru
         snap, progress, sched = snaps[name]
         same_state(run.snapshot(), snap)
         assert run.progress.step == progress and run.sched.state_dict() == sched
+    run.plugin.close()
+    left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("layerckpt-") and t.is_alive()]
+    assert left == []  # no flusher, no pruner outlives the plugin
 
 
 def test_rotation_never_breaks_a_composite(tmp_path, runs):

@@ -1,11 +1,13 @@
 """The Lightning adapter on real Trainers: save, crash, resume in a new Trainer, compare with the run that never stopped."""
 import csv
+import gc
 import glob
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -97,6 +99,8 @@ def test_trainer_save_checkpoint_goes_through_layerckpt(tmp_path):
     m = Tiny()
     t = trainer(8, [LayerCheckpoint(dirpath=str(tmp_path / "run"), every_n_train_steps=4)], str(tmp_path))
     t.fit(m)
+    gc.collect()
+    assert [th.name for th in threading.enumerate() if th.name == "layerckpt-flusher" and th.is_alive()] == []
     path = str(tmp_path / "manual.ckpt")
     t.save_checkpoint(path)
     t.strategy.checkpoint_io.wait()
