@@ -1,4 +1,4 @@
-"""The fine-tuning workload of ``layerckpt.workload`` as a LightningModule, for the example and the tests.
+"""The fine-tuning workload of ``layerckpt.bench.workload`` as a LightningModule, for the example and the tests.
 
 Batches depend only on (task, global step, rank), never on the data loader's position, so a run
 stopped mid-epoch and resumed sees exactly the data of the run that never stopped; dropout draws
