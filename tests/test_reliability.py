@@ -154,3 +154,20 @@ def test_a_url_is_never_taken_for_a_local_folder(tmp_path, url, monkeypatch):
     with pytest.raises(layerckpt.CheckpointError, match="is a URL"):
         layerckpt.restore(url, small_model())
     assert os.listdir(tmp_path) == []
+
+
+def test_reading_right_after_a_save_waits_for_its_flush(tmp_path):
+    """Read your writes: restore / read_checkpoint of a directory this process is still flushing into."""
+    model = small_model(1)
+    _faults.install("flush.written", lambda: time.sleep(0.5))  # the save is still flushing when we read
+    try:
+        ck = layerckpt.Checkpointer(tmp_path, model, config=FULL)
+        ck.save(7)
+        out = small_model(2)
+        assert layerckpt.restore(tmp_path, out).step == 7
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), out.state_dict().values()))
+        ck.save(8)
+        assert layerckpt.read_checkpoint(tmp_path).step == 8
+        ck.close()
+    finally:
+        _faults.remove("flush.written")

@@ -8,6 +8,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
@@ -24,12 +25,24 @@ from .errors import CheckpointError, CheckpointWriteError
 log = logging.getLogger("layerckpt")
 
 
+_in_flight: "weakref.WeakSet[PendingSave]" = weakref.WeakSet()  # this process's saves not yet finished
+
+
+def wait_for_saves(root: str) -> None:
+    """Read your writes: wait for every save of this process into ``root`` still flushing (its outcome,
+    success or failure, is the caller's to see in the directory; errors stay with their PendingSave)."""
+    for p in list(_in_flight):
+        if p.root == root:
+            p._done.wait()
+
+
 class PendingSave:
     """Handle of one save: ``wait()`` returns once it is durable and committed."""
 
     def __init__(self, step: int, path: str):
         self.step = step
         self.path = path
+        self.root = os.path.dirname(os.path.dirname(path))  # the checkpoint directory
         self.error: Optional[BaseException] = None
         self.stall_s: float = 0.0  # save() call to return
         self.durable_s: float = 0.0  # save() call to commit
@@ -89,6 +102,7 @@ class Flusher:
         self._thread: Optional[threading.Thread] = None
 
     def submit(self, job: FlushJob) -> None:
+        _in_flight.add(job.pending)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="layerckpt-flusher", daemon=True)
             self._thread.start()
@@ -116,6 +130,7 @@ class Flusher:
             finally:
                 job.pending.durable_s = time.perf_counter() - job.t0
                 job.pending._done.set()
+                _in_flight.discard(job.pending)
                 del job  # hold nothing of a finished save while waiting for the next
 
     def _flush(self, job: FlushJob) -> None:

@@ -12,6 +12,7 @@ import torch
 from . import _dist, _store
 from ._backend import checksum_function, make_backend
 from ._codec import decode, tensor_refs
+from ._flush import wait_for_saves
 from ._gather import model_state, optimizer_params, param_names, set_rng_state
 from ._layout import DTYPES
 from ._manifest import Manifest, is_rng, load_manifest, model_key, model_name
@@ -67,6 +68,7 @@ def restore(
     t0 = time.perf_counter()
     cfg = config or Config()
     root = _store.local_path(dirpath)
+    wait_for_saves(root)  # a save of this process into root commits (or fails) first
     mpath = _store.resolve(root, step)
     m = load_manifest(mpath)
 
@@ -151,6 +153,7 @@ def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *
     t0 = time.perf_counter()
     cfg = config or Config()
     root, located = _store.locate(path)
+    wait_for_saves(root)
     if step is not None and located is not None and step != located:
         raise CheckpointError(f"{path} is the checkpoint of step {located}, but step={step} was asked for")
     mpath = _store.resolve(root, located if step is None else step)
