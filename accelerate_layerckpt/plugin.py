@@ -166,6 +166,16 @@ class LayerCheckpointPlugin:
             return backward(loss, **kwargs)
 
         accelerator.backward = _backward
+        # accelerate's own save_state is done when it returns: end_training() makes ours done too, so the
+        # script may remove project_dir right after, and leaves no thread behind
+        self._orig["end_training"] = end_training = accelerator.end_training
+
+        @functools.wraps(end_training)
+        def _end_training(*args, **kwargs):
+            self.close()
+            return end_training(*args, **kwargs)
+
+        accelerator.end_training = _end_training
         self._handles = [accelerator.register_save_state_pre_hook(self._save_hook),
                          accelerator.register_load_state_pre_hook(self._load_hook)]
         return self

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -407,3 +408,20 @@ def test_yaml_config_from_code_and_from_the_environment(tmp_path, runs, monkeypa
     path.write_text("threshold: 0.0\nkeep_lastt: 3\n")
     with pytest.raises(layerckpt.ConfigError, match="keep_lastt"):
         LayerCheckpointPlugin()
+
+
+def test_end_training_finishes_every_save_so_the_project_dir_can_go(tmp_path):
+    """save_state() several times (automatic naming, total_limit), end_training(), then remove project_dir."""
+    before = set(threading.enumerate())
+    project = tmp_path / "project"
+    run = Run(project, total_limit=2)
+    for _ in range(4):
+        run.train(2)
+        run.acc.save_state()
+    run.acc.end_training()
+    assert run.plugin.accelerator is None  # closed: the accelerator has its own methods back
+    left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("layerckpt-") and t.is_alive()]
+    assert left == []
+    shutil.rmtree(project)  # nothing in the background recreates or writes into it
+    time.sleep(0.2)
+    assert not project.exists()
