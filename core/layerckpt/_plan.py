@@ -11,7 +11,7 @@ import dataclasses
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import _backend
-from ._backend import Backend, open_file
+from ._backend import open_file
 from ._layout import CODES, align_up
 from ._manifest import TensorEntry
 from .config import ALIGN

@@ -46,12 +46,11 @@ def run(w: Workload, config: Config, root: str, crashes: Sequence[float] = CRASH
         for step in range(steps):
             losses.append(w.train_step(model, opt, step))
             if (step + 1) % w.every == 0:
-                p = ck.save(step + 1, loss=losses[-1]).wait()
+                ck.save(step + 1, loss=losses[-1]).wait()
                 m = ck.selector.composite
                 full += sum(e.nbytes for e in m.layers.values())
                 written += sum(e.nbytes for e in m.layers.values() if e.step == m.step and e.age == 0)
                 saved.append(step + 1)
-                del p
     out: Dict[str, Any] = {"workload": w.name, "steps": steps, "every": w.every, "saves": len(saved),
                            "bytes": written, "full_bytes": full, "ratio": full / max(written, 1), "crashes": []}
     for frac in crashes:
