@@ -171,3 +171,20 @@ def test_reading_right_after_a_save_waits_for_its_flush(tmp_path):
         ck.close()
     finally:
         _faults.remove("flush.written")
+
+
+def test_a_directory_removed_under_a_flush_drops_that_save_quietly(tmp_path, caplog):
+    import shutil
+
+    root = tmp_path / "run"
+    ck = layerckpt.Checkpointer(root, small_model(), config=FULL)
+    ck.save(1).wait()
+    _faults.install("flush.checksum", lambda: shutil.rmtree(root, ignore_errors=True))  # the user removes it
+    try:
+        with caplog.at_level(logging.INFO, logger="layerckpt"):
+            p = ck.save(2).wait(timeout=60)  # no error: there is nothing left to commit into
+    finally:
+        _faults.remove("flush.checksum")
+    assert p.cancelled and p.error is None and "was removed while step 2 was flushing" in caplog.text
+    ck.close()
+    assert not root.exists()  # nothing in the background recreated it

@@ -53,6 +53,7 @@ class PendingSave:
         self.layers_total: int = 0
         self.max_staleness: int = 0  # the composite's oldest layer, in checkpoints
         self.manifest_path: Optional[str] = None
+        self.cancelled = False  # its directory was removed while it flushed: dropped, not failed
         self._done = threading.Event()
         self._reported = False
 
@@ -73,7 +74,7 @@ class PendingSave:
         return self.bytes_written / self.durable_s / 1e9 if self.durable_s else 0.0
 
     def __repr__(self) -> str:
-        state = "failed" if self.error else ("committed" if self.done() else "flushing")
+        state = "failed" if self.error else "dropped" if self.cancelled else "committed" if self.done() else "flushing"
         return f"PendingSave(step={self.step}, {state})"
 
 
@@ -125,8 +126,13 @@ class Flusher:
             try:
                 self._flush(job)
             except BaseException as e:  # noqa: BLE001 - kept and re-raised from wait()
-                job.pending.error = _as_checkpoint_error(e, job.pending.path)
-                log.debug("layerckpt: flush of step %d failed: %s", job.pending.step, e)
+                if not os.path.isdir(self.root):  # the user removed the directory: nothing to fight over
+                    job.pending.cancelled = True
+                    log.info("layerckpt: %s was removed while step %d was flushing; that save is dropped",
+                             self.root, job.pending.step)
+                else:
+                    job.pending.error = _as_checkpoint_error(e, job.pending.path)
+                    log.debug("layerckpt: flush of step %d failed: %s", job.pending.step, e)
             finally:
                 job.pending.durable_s = time.perf_counter() - job.t0
                 job.pending._done.set()
