@@ -61,7 +61,8 @@ class LayerCheckpointIO(CheckpointIO):
         except BaseException:
             ck.close()
             raise
-        self._saving = ck
+        ck.close(wait=False)  # one save per store: its thread and buffers go once it is durable
+        self._saving = ck  # wait(), teardown() and the next save still raise its error
 
     @override
     def load_checkpoint(self, path: Union[str, os.PathLike], map_location: Optional[Any] = None,

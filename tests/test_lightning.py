@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -104,6 +105,10 @@ def test_trainer_save_checkpoint_goes_through_layerckpt(tmp_path):
     path = str(tmp_path / "manual.ckpt")
     t.save_checkpoint(path)
     t.strategy.checkpoint_io.wait()
+    deadline = time.time() + 30  # once durable, the one-save store lets its flusher go
+    while any(th.name == "layerckpt-flusher" and th.is_alive() for th in threading.enumerate()):
+        assert time.time() < deadline, "a layerckpt-flusher thread outlived trainer.save_checkpoint"
+        time.sleep(0.01)
     assert os.path.isdir(path) and store.is_checkpoint(path)
     assert not glob.glob(str(tmp_path / "**" / "*.pt"), recursive=True)
     ck = t.strategy.checkpoint_io.load_checkpoint(path)

@@ -99,7 +99,7 @@ class Flusher:
         self.pool = pool
         self.config = config
         self.root = root
-        self._jobs: "queue.Queue[Optional[FlushJob]]" = queue.Queue()
+        self._jobs: "queue.Queue[Any]" = queue.Queue()  # FlushJob, a callable (then()), or None (stop)
         self._thread: Optional[threading.Thread] = None
 
     def submit(self, job: FlushJob) -> None:
@@ -108,6 +108,13 @@ class Flusher:
             self._thread = threading.Thread(target=self._run, name="layerckpt-flusher", daemon=True)
             self._thread.start()
         self._jobs.put(job)
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` on the flusher thread once every job queued so far is done (at once if none ran)."""
+        if self._thread is None:
+            fn()
+        else:
+            self._jobs.put(fn)
 
     def stop(self) -> None:
         """Finish the jobs queued, then end the thread (from the thread itself, e.g. when a dropped
@@ -123,6 +130,9 @@ class Flusher:
             job = self._jobs.get()
             if job is None:
                 return
+            if not isinstance(job, FlushJob):  # a callable from then()
+                job()
+                continue
             try:
                 self._flush(job)
             except BaseException as e:  # noqa: BLE001 - kept and re-raised from wait()

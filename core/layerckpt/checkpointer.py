@@ -167,15 +167,20 @@ class Checkpointer:
         self._throttle(0)
         self._raise_unreported()
 
-    def close(self) -> None:
-        """Wait for in-flight work, then free the buffers and the ring."""
-        if self._closed:
-            return
-        try:
-            self.wait()
-        finally:
+    def close(self, wait: bool = True) -> None:
+        """Wait for in-flight work, then free the thread, the buffers, the ring and the store's lock.
+
+        ``wait=False`` returns at once: no more saves, and the flusher frees all that itself after its
+        last one.  Errors stay with each :class:`PendingSave`; a later ``close()`` waits and raises them."""
+        if wait:
+            try:
+                self.wait()
+            finally:
+                self._closed = True
+                self._release()
+        elif not self._closed:
             self._closed = True
-            self._release()
+            self._flusher.then(self._release)
 
     def _finish_at_exit(self) -> None:
         if self._closed:
