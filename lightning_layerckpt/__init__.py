@@ -15,11 +15,13 @@ durable.  It also installs :class:`LayerCheckpointIO` as the strategy's ``Checkp
 ``trainer.save_checkpoint(path)`` and ``fit(ckpt_path=<store dir or a manifest>)`` go through
 layerckpt while ordinary ``.ckpt`` files still load.
 
-Modules: ``callback`` (:class:`LayerCheckpoint`), ``checkpoint_io`` (:class:`LayerCheckpointIO`) and
-``_state`` (Lightning's checkpoint dict to and from layerckpt's model, optimizer and ``extra``).
+Modules: ``callback`` (:class:`LayerCheckpoint`), ``checkpoint_io`` (:class:`LayerCheckpointIO`),
+``export`` (:func:`export_ckpt`: a standard ``.ckpt`` for ``Model.load_from_checkpoint``) and ``_state``
+(Lightning's checkpoint dict to and from layerckpt's model, optimizer and ``extra``).
 """
 from .callback import LayerCheckpoint
 from .checkpoint_io import LayerCheckpointIO
+from .export import export_ckpt
 from ._state import LOADED_KEY  # noqa: F401 - the key of layerckpt's report in a loaded checkpoint dict
 
-__all__ = ["LayerCheckpoint", "LayerCheckpointIO"]
+__all__ = ["LayerCheckpoint", "LayerCheckpointIO", "export_ckpt"]

@@ -333,3 +333,24 @@ def test_triggers_are_modelcheckpoints(tmp_path, trigger, kw, steps):
     from layerckpt._store import list_manifests
 
     assert [s for s, _ in list_manifests(d)] == steps
+
+
+def test_export_writes_a_standard_ckpt_that_load_from_checkpoint_takes(tmp_path):
+    torch.manual_seed(7)
+    m = Tiny()
+    cb = LayerCheckpoint(dirpath=str(tmp_path / "run"), every_n_train_steps=4)
+    t = trainer(8, [cb], str(tmp_path))
+    t.fit(m)
+    out = tmp_path / "model.ckpt"
+    r = subprocess.run([sys.executable, "-m", "layerckpt.cli", "export", cb.best_model_path, "--lightning", "-o",
+                        str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    raw = torch.load(out, weights_only=True)  # nothing pickled but tensors and plain values
+    assert raw["global_step"] == 8 and "layerckpt" not in raw
+    loaded = type(m).load_from_checkpoint(out)
+    composite = layerckpt.read_checkpoint(cb.best_model_path).model  # layers from the steps they were saved at
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, composite[k]), k
+    t2 = trainer(12, [], str(tmp_path / "again"))
+    t2.fit(Tiny(), ckpt_path=str(out))  # and Lightning's own loader resumes from it
+    assert t2.global_step == 12

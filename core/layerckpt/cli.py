@@ -84,6 +84,14 @@ def cmd_export(args) -> int:
     if not os.path.isdir(out_dir):
         raise CheckpointError(f"cannot write {args.output}: the directory {out_dir} does not exist; create it first")
     root, path = _locate(args)
+    if args.lightning:
+        try:
+            from lightning_layerckpt.export import export_ckpt
+        except ImportError as e:
+            raise CheckpointError(f"--lightning needs lightning installed (pip install 'layerckpt[lightning]'): {e}")
+        export_ckpt(path, args.output)
+        print(f"wrote the Lightning checkpoint of step {load_manifest(path).step} to {args.output}")
+        return 0
     m = load_manifest(path)
     keys = [k for k in m.tensors if model_name(k) is not None]
     ts = _read_tensors(root, m, keys)
@@ -115,6 +123,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.add_argument("dir")
     a.add_argument("--step", type=int)
     a.add_argument("-o", "--output", required=True)
+    a.add_argument("--lightning", action="store_true",
+                   help="instead: a standard Lightning .ckpt (Model.load_from_checkpoint, ckpt_path=)")
     a.set_defaults(fn=cmd_export)
     a = sub.add_parser("bench", help="time layerckpt against torch.save, safetensors and DCP")
     a.add_argument("--preset", default="gpt2-small", choices=["gpt2-small", "tiny"])
