@@ -425,3 +425,21 @@ def test_end_training_finishes_every_save_so_the_project_dir_can_go(tmp_path):
     shutil.rmtree(project)  # nothing in the background recreates or writes into it
     time.sleep(0.2)
     assert not project.exists()
+
+
+def test_export_gives_a_folder_plain_accelerate_loads(tmp_path, runs):
+    run = runs(tmp_path / "a", config=FULL)
+    run.train(3)
+    folder = run.acc.save_state()
+    run.plugin.wait()
+    saved, step = run.snapshot(), run.progress.step
+    out = tmp_path / "plain"
+    r = subprocess.run([sys.executable, "-m", "layerckpt.cli", "export", folder, "--accelerate", "-o", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "layerckpt.json" not in os.listdir(out) and "optimizer.bin" in os.listdir(out)
+    plain = runs(tmp_path / "b", plugin=False, seed=5)
+    plain.train(1)
+    plain.acc.load_state(str(out))  # accelerate's own loader, no plugin
+    same_state(plain.snapshot(), saved)
+    assert plain.progress.step == step

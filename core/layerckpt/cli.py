@@ -83,6 +83,13 @@ def cmd_export(args) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise CheckpointError(f"cannot write {args.output}: the directory {out_dir} does not exist; create it first")
+    if args.accelerate:
+        try:
+            from accelerate_layerckpt.export import export_folder
+        except ImportError as e:
+            raise CheckpointError(f"--accelerate needs accelerate installed (pip install 'layerckpt[accelerate]'): {e}")
+        print(f"wrote {export_folder(args.dir, args.output)}: plain accelerate's load_state reads it")
+        return 0
     root, path = _locate(args)
     if args.lightning:
         try:
@@ -125,6 +132,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.add_argument("-o", "--output", required=True)
     a.add_argument("--lightning", action="store_true",
                    help="instead: a standard Lightning .ckpt (Model.load_from_checkpoint, ckpt_path=)")
+    a.add_argument("--accelerate", action="store_true",
+                   help="instead: DIR is a folder save_state wrote through the plugin; -o a folder plain "
+                        "accelerate's load_state reads")
     a.set_defaults(fn=cmd_export)
     a = sub.add_parser("bench", help="time layerckpt against torch.save, safetensors and DCP")
     a.add_argument("--preset", default="gpt2-small", choices=["gpt2-small", "tiny"])

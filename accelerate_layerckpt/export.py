@@ -1,0 +1,50 @@
+"""A folder plain accelerate can ``load_state``, from one that the plugin wrote.
+
+The plugin's folders hold accelerate's own files (schedulers, RNG, registered objects) and a
+``layerckpt.json`` pointer to the composite in the store beside them.  :func:`export_folder`
+copies the folder and writes each model's composite as ``pytorch_model[_i].bin`` (the whole
+state dict, tied names included) and its optimizer state as ``optimizer[_i].bin``, the names
+accelerate's ``load_state`` reads; the pointer is left out.  ``layerckpt export FOLDER
+--accelerate -o OUT`` runs the same.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Union
+
+import torch
+from accelerate.utils import MODEL_NAME, OPTIMIZER_NAME
+
+import layerckpt
+from layerckpt.errors import CheckpointError
+
+from . import folders
+
+
+def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLike]) -> str:
+    """Write ``output`` (a new directory) as plain accelerate would have written ``folder``."""
+    folder, output = os.path.abspath(os.fspath(folder)), os.path.abspath(os.fspath(output))
+    ptr = folders.read_pointer(folder)
+    if ptr is None:
+        raise CheckpointError(f"{folder} has no {folders.POINTER}: it was not written through the layerckpt "
+                              f"plugin (plain accelerate loads it as it is)")
+    if os.path.exists(output) and os.listdir(output):
+        raise CheckpointError(f"{output} exists and is not empty; export into a new directory")
+    manifests = folders.check_committed(ptr)  # a clear error when the composite never committed
+    tmp = output + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(folders.POINTER))
+    for i, manifest in enumerate(manifests):
+        loaded = layerckpt.read_checkpoint(manifest)
+        ending = f"_{i}" if i > 0 else ""
+        torch.save({**loaded.model_other, **loaded.model}, os.path.join(tmp, f"{MODEL_NAME}{ending}.bin"))
+        if ptr.optimizers[i]:
+            if loaded.optimizer is None:
+                raise CheckpointError(f"{manifest} lacks the optimizer state its pointer {ptr.path} promises")
+            name = f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin"
+            torch.save(loaded.optimizer, os.path.join(tmp, name))
+    if os.path.exists(output):
+        os.rmdir(output)
+    os.replace(tmp, output)
+    return output
