@@ -188,3 +188,11 @@ def test_a_directory_removed_under_a_flush_drops_that_save_quietly(tmp_path, cap
     assert p.cancelled and p.error is None and "was removed while step 2 was flushing" in caplog.text
     ck.close()
     assert not root.exists()  # nothing in the background recreated it
+
+
+def test_a_checkpointer_that_fails_to_start_leaves_the_store_free(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYERCKPT_BACKEND", "nonsense")
+    with pytest.raises(layerckpt.ConfigError, match="LAYERCKPT_BACKEND"):
+        layerckpt.Checkpointer(tmp_path, small_model())
+    monkeypatch.delenv("LAYERCKPT_BACKEND")
+    layerckpt.Checkpointer(tmp_path, small_model()).close()  # not "already has a writer"

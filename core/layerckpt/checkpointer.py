@@ -94,10 +94,15 @@ class Checkpointer:
             if self._writer is not None:
                 self._writer.release()
             raise CheckpointError(refused)
-        good, _ = _store.read_all(self.dirpath)
-        self._seq = max((m.seq for m in good.values()), default=0)
-        self.backend = make_backend(config.backend, config.queue_depth)
-        self.pool = BufferPool(config.chunk_bytes, config.staging_bytes)
+        try:
+            good, _ = _store.read_all(self.dirpath)
+            self._seq = max((m.seq for m in good.values()), default=0)
+            self.backend = make_backend(config.backend, config.queue_depth)
+            self.pool = BufferPool(config.chunk_bytes, config.staging_bytes)
+        except BaseException:
+            if self._writer is not None:  # a Checkpointer that never came to be holds no lock
+                self._writer.release()
+            raise
         self._flusher = Flusher(self.backend, self.pool, config, self.dirpath, self.group)
         self._pending: List[PendingSave] = []
         self._closed = False
