@@ -86,11 +86,11 @@ def test_tracker_cost_is_first_order_progress_and_resets_on_commit():
 def test_tracker_samples_a_bounded_fixed_subset_and_scales_it_up():
     tr = DriftTracker(sample_per_layer=100)
     big = torch.randn(10_000)
-    views = tr.views({"big": big})
-    assert views[0].numel() == 100 and views[0].data_ptr() >= big.data_ptr()  # a view, no copy
-    assert torch.equal(tr.views({"big": big})[0], views[0])  # the same elements every time
     s = tr.sample({"big": big}, {"big": torch.ones(10_000)})
-    assert s.scale == [100.0]
+    views = s.w
+    assert views[0].numel() == 100 and views[0].data_ptr() >= big.data_ptr()  # a view, no copy
+    assert torch.equal(tr.sample({"big": big}, {}).w[0], views[0])  # the same elements every time
+    assert s.scale == [100.0] and s.g[0].numel() == 100
 
 
 # ------------------------------------------------------------------ layers

@@ -77,14 +77,9 @@ class DriftTracker:
         p = self._plan[key]
         return flat if p is None else flat[p[0]::p[1]]
 
-    def views(self, layer_tensors: Dict[str, torch.Tensor]) -> Views:
-        """The sampled elements of one layer's tensors, as strided views (no copy)."""
-        total = sum(t.numel() for t in layer_tensors.values())
-        return [self._sampled(name, t, total) for name, t in layer_tensors.items()]
-
     def sample(self, weights: Dict[str, torch.Tensor], grads: Dict[str, torch.Tensor]) -> LayerSample:
-        """Views of a layer's weights and, at the same elements, of their gradient averages (when every
-        weight that has one is known; else None)."""
+        """The sampled elements of a layer's weights, as strided views (no copy), and, at the same elements,
+        of their gradient averages (None where the optimizer keeps none)."""
         total = sum(t.numel() for t in weights.values())
         w = [self._sampled(n, t, total) for n, t in weights.items()]
         scale = [t.numel() / max(v.numel(), 1) for t, v in zip(weights.values(), w)]
@@ -171,14 +166,6 @@ class DriftTracker:
             norms = torch._foreach_norm(refs) if refs else []
             self._ref[layer] = (refs, float(sum(float(x) ** 2 for x in norms)))
             self._cost[layer] = 0.0
-
-    def reset(self) -> None:
-        self._ref.clear()
-        self._prev.clear()
-        self._cost.clear()
-
-    def layers(self) -> List[str]:
-        return list(self._ref)
 
 
 def _same_shapes(a: Views, b: Views) -> bool:
