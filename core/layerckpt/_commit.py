@@ -44,7 +44,7 @@ def agree(group: Group, mine: Dict[str, Any], failed: Optional[BaseException], p
     bad = [r for r in ranks if r["error"] is not None]
     if not bad:
         return ranks
-    _unlink_quietly(path)
+    unlink_quietly(path)
     if failed is not None and len(bad) == 1:
         raise failed
     err, where, _ = bad[0]["error"]
@@ -68,7 +68,7 @@ def publish(group: Group, root: str, m: Manifest) -> str:
     return path
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:

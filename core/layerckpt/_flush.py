@@ -230,7 +230,7 @@ class Flusher:
         if failed is not None:
             if direct and isinstance(failed, OSError) and failed.errno == errno.EINVAL:
                 failed = _diagnose_einval(path, layout.size, failed)
-            _commit._unlink_quietly(path)
+            _commit.unlink_quietly(path)
             raise failed
         return w.crcs
 
