@@ -83,7 +83,7 @@ class Selector:
         self.tracker = DriftTracker(config.drift_sample)
         self.composite: Optional[Manifest] = None  # the last committed manifest of this Checkpointer
         self._lock = threading.Lock()
-        self._owner: Optional[Tuple[tuple, Dict[str, str]]] = None
+        self._owner: Optional[Tuple[tuple, Dict[str, str], frozenset]] = None  # (sig, owner, frozen layers)
         self._keys: Optional[Tuple[tuple, Dict[str, str], Dict[str, List[str]]]] = None
         self._prev_shapes: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = {}
 
@@ -96,7 +96,8 @@ class Selector:
         """Each state_dict name's layer.  With the automatic grouping, a layer's frozen parameters (adapters
         on a frozen base, a partly frozen block) form a layer of their own, ``<layer>[frozen]``, written
         once and then only if they change, so the trainable rest can be written without them."""
-        frozen = frozenset(n for n, p in self.model.named_parameters() if not p.requires_grad)
+        grad = {n: p.requires_grad for n, p in self.model.named_parameters()}
+        frozen = frozenset(n for n, g in grad.items() if not g)
         sig = (names, frozen)
         if self._owner is None or self._owner[0] != sig:
             owner: Dict[str, str] = {}
@@ -105,7 +106,11 @@ class Selector:
                     n not in frozen for n in members)
                 for n in members:
                     owner[n] = layer + FROZEN_PART if split and n in frozen else layer
-            self._owner = (sig, owner)
+            trainable: Dict[str, bool] = {}
+            for n, g in grad.items():
+                if n in owner:
+                    trainable[owner[n]] = trainable.get(owner[n], False) or g
+            self._owner = (sig, owner, frozenset(layer for layer, t in trainable.items() if not t))
         return self._owner[1]
 
     def _key_layers(self, keys: Tuple[str, ...]) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
@@ -147,11 +152,7 @@ class Selector:
         ``file`` is filled in when the ranks' results are merged."""
         cfg = self.config
         key_layer, layer_keys, weights, grads, nbytes = self._by_layer(entries)
-        owner = self._owner[1]
-        trainable: Dict[str, bool] = {}
-        for n, prm in self.model.named_parameters():
-            if n in owner:
-                trainable[owner[n]] = trainable.get(owner[n], False) or prm.requires_grad
+        frozen = self._owner[2]  # layers whose parameters all have requires_grad off
         shapes = {k: (t.dtype, tuple(t.shape)) for k, t in entries}
 
         with self._lock:
@@ -170,7 +171,7 @@ class Selector:
             ms = measures.get(layer)
             states[layer] = policy.LayerState(
                 drift=ms.drift if ms else math.inf, age=before.age if before else 0, nbytes=nbytes[layer],
-                frozen=layer in trainable and not trainable[layer], cost=ms.cost if ms else math.inf,
+                frozen=layer in frozen, cost=ms.cost if ms else math.inf,
                 progress=ms.progress if ms else 0.0)
         if self.full:
             reasons = {layer: "full" for layer in states}
