@@ -153,29 +153,14 @@ class LayerCheckpointPlugin:
         _registered[accelerator] = self
         # Accelerate has hooks for models but none for optimizers: save_state writes optimizer.bin for every
         # entry of accelerator._optimizers, and load_state requires that file.  The accelerator's own
-        # save_state/load_state are wrapped (on this instance only) to set that list aside for the call.
-        for name, route in (("save_state", self._save_state), ("load_state", self._load_state)):
+        # save_state/load_state are wrapped (on this instance only) to set that list aside for the call;
+        # backward to keep the loss, which sets the scale of layerckpt's selection (Config.fidelity); and
+        # end_training to finish every save first, as accelerate's own save_state is done when it returns
+        # (the script may then remove project_dir, and no thread is left behind).
+        for name, route in (("save_state", self._save_state), ("load_state", self._load_state),
+                            ("backward", self._backward), ("end_training", self._end_training)):
             self._orig[name] = getattr(accelerator, name)
             setattr(accelerator, name, _routed(self._orig[name], route))
-        # the loss sets the scale of layerckpt's selection (Config.fidelity): keep the last one trained on
-        self._orig["backward"] = backward = accelerator.backward
-
-        @functools.wraps(backward)
-        def _backward(loss, **kwargs):
-            self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
-            return backward(loss, **kwargs)
-
-        accelerator.backward = _backward
-        # accelerate's own save_state is done when it returns: end_training() makes ours done too, so the
-        # script may remove project_dir right after, and leaves no thread behind
-        self._orig["end_training"] = end_training = accelerator.end_training
-
-        @functools.wraps(end_training)
-        def _end_training(*args, **kwargs):
-            self.close()
-            return end_training(*args, **kwargs)
-
-        accelerator.end_training = _end_training
         self._handles = [accelerator.register_save_state_pre_hook(self._save_hook),
                          accelerator.register_load_state_pre_hook(self._load_hook)]
         return self
@@ -227,6 +212,15 @@ class LayerCheckpointPlugin:
         finally:
             acc._optimizers, self._optimizers = self._optimizers, []
             self._active = False
+
+    def _backward(self, loss, **kwargs: Any):
+        self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        return self._orig["backward"](loss, **kwargs)
+
+    def _end_training(self, *args: Any, **kwargs: Any):
+        end_training = self._orig["end_training"]
+        self.close()  # hands the accelerator its own methods back, so take ours first
+        return end_training(*args, **kwargs)
 
     def _save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any):
         self._target = None
