@@ -21,8 +21,8 @@ Modules: ``callback`` (:class:`LayerCheckpoint`), ``checkpoint_io`` (:class:`Lay
 """
 from .callback import LayerCheckpoint
 from .checkpoint_io import LayerCheckpointIO
-from .export import export_ckpt
+from .export import export_ckpt, load_from_checkpoint
 from .fabric import LayerFabricCheckpoint
 from ._state import LOADED_KEY  # noqa: F401 - the key of layerckpt's report in a loaded checkpoint dict
 
-__all__ = ["LayerCheckpoint", "LayerCheckpointIO", "export_ckpt", "LayerFabricCheckpoint"]
+__all__ = ["LayerCheckpoint", "LayerCheckpointIO", "export_ckpt", "load_from_checkpoint", "LayerFabricCheckpoint"]

@@ -6,7 +6,7 @@ import os
 import time
 from datetime import timedelta
 from types import MethodType
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -26,7 +26,8 @@ log = logging.getLogger("layerckpt")
 #: A disabled LayerCheckpoint has ModelCheckpoint's own for each (see :func:`_as_model_checkpoint`).
 _LAYERCKPT_HOOKS = (
     "setup", "_find_last_checkpoints", "on_load_checkpoint", "on_train_start", "state_dict", "load_state_dict",
-    "_save_topk_checkpoint", "_save_last_checkpoint", "_save_checkpoint", "on_train_batch_end", "on_train_end",
+    "_get_metric_interpolated_filepath_name", "_save_last_checkpoint", "_save_checkpoint", "_remove_checkpoint",
+    "on_train_batch_end", "on_train_end",
     "on_exception", "teardown",
 )
 
@@ -41,15 +42,38 @@ def _as_model_checkpoint(cb: "LayerCheckpoint") -> None:
 class LayerCheckpoint(ModelCheckpoint):
     """Layer-selective, asynchronous checkpoints for a Lightning Trainer.
 
-    Args:
-        dirpath: the layerckpt store; when omitted, resolved as ModelCheckpoint resolves it
-            (``<logger save_dir>/<name>/<version>/checkpoints`` or ``<default_root_dir>/checkpoints``).
-        every_n_train_steps, train_time_interval, every_n_epochs, save_on_exception,
-        save_on_train_epoch_end: when to save, exactly as ModelCheckpoint.  A last save is made at
-            the end of fit in any case.
-        config: a layerckpt YAML file; the layerckpt fields below override it.
+    Takes ModelCheckpoint's arguments, with their meaning:
+
+    - ``dirpath``: the layerckpt store; when omitted, resolved as ModelCheckpoint resolves it
+      (``<logger save_dir>/<name>/<version>/checkpoints`` or ``<default_root_dir>/checkpoints``).
+    - ``every_n_train_steps``, ``train_time_interval``, ``every_n_epochs``, ``save_on_exception``,
+      ``save_on_train_epoch_end``: when to save.  A last save is made at the end of fit in any case.
+    - ``monitor``, ``mode``, ``save_top_k``: with a monitored metric a trigger saves only when the
+      score enters the top k, and the k best composites are kept by score (retention by reference:
+      data a kept composite uses is never deleted); ``best_model_path``, ``best_model_score``,
+      ``best_k_models``, ``kth_best_model_path`` name manifests (``<dirpath>/manifests/step-N.json``),
+      and survive a resume.  Without ``monitor``, ``keep_last`` decides what is kept
+      (``save_top_k=-1``: everything).
+    - ``filename``, ``auto_insert_metric_name``, ``enable_version_counter``: the templated name
+      (``"{epoch}-{val_loss:.2f}"`` as in ModelCheckpoint) is recorded in each composite's manifest
+      (``layerckpt inspect`` shows it); the files themselves are named by step.
+    - ``save_last``: the newest composite is always kept, since the next selective save builds on
+      it, and ``last_model_path`` always names it; ``True`` (or ``"link"``) also saves at every trigger
+      whose score did not enter the top k, as ModelCheckpoint writes ``last.ckpt``.
+    - ``save_weights_only``: composites of the model alone (no optimizer or loop state).
+    - ``verbose``: ModelCheckpoint's messages.
+
+    Where the directory format differs: ``best_model_path`` is a manifest, which ``ckpt_path=``,
+    ``trainer.validate(ckpt_path="best")`` and :func:`lightning_layerckpt.load_from_checkpoint` read;
+    ``Model.load_from_checkpoint`` reads only ``.ckpt`` files, which ``layerckpt export DIR --lightning``
+    (or :func:`lightning_layerckpt.export_ckpt`) writes.
+
+    layerckpt's own arguments:
+        config: a layerckpt YAML file; the layerckpt fields below override it.  With ``monitor`` set
+            and neither ``config`` nor ``keep_last`` given, ``keep_last`` is 1 (the top k plus the newest).
         enabled: ``False`` turns this into Lightning's ordinary ModelCheckpoint (full ``.ckpt``
-            files, ``save_last=True`` so ``ckpt_path="last"`` still resumes).  Fixed at construction.
+            files; ``save_last`` defaults to ``True`` so ``ckpt_path="last"`` still resumes).  Fixed at
+            construction.
         log_stats: log each checkpoint's bytes, layers persisted, stall, flush speed and staleness
             through the Trainer's loggers (``layerckpt/*``).
         fidelity ... layers: layerckpt Config fields (see layerckpt.Config).
@@ -60,11 +84,21 @@ class LayerCheckpoint(ModelCheckpoint):
     def __init__(
         self,
         dirpath: Optional[str] = None,
+        filename: Optional[str] = None,
+        monitor: Optional[str] = None,
+        verbose: bool = False,
+        save_last: Optional[Union[bool, Literal["link"]]] = None,
+        save_top_k: int = 1,
+        save_on_exception: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
         every_n_train_steps: Optional[int] = None,
         train_time_interval: Optional[timedelta] = None,
         every_n_epochs: Optional[int] = None,
-        save_on_exception: bool = False,
         save_on_train_epoch_end: Optional[bool] = None,
+        enable_version_counter: bool = True,
+        *,
         config: Optional[str] = None,
         enabled: bool = True,
         log_stats: bool = True,
@@ -85,6 +119,11 @@ class LayerCheckpoint(ModelCheckpoint):
         drift_sample: Optional[int] = None,
         layers: Optional[Dict[str, str]] = None,
     ):
+        if keep_last is None and config is None:
+            if monitor is not None:
+                keep_last = 1  # the k best are kept by score; of the rest, the newest (selective saves build on it)
+            elif save_top_k == -1:
+                keep_last = 0
         fields = {k: v for k, v in dict(
             fidelity=fidelity, threshold=threshold, max_staleness=max_staleness, base_every=base_every,
             keep_last=keep_last,
@@ -99,9 +138,12 @@ class LayerCheckpoint(ModelCheckpoint):
         self._enabled = enabled
         self.log_stats = log_stats
         super().__init__(
-            dirpath=dirpath, every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval,
-            every_n_epochs=every_n_epochs, save_on_exception=save_on_exception,
-            save_on_train_epoch_end=save_on_train_epoch_end, save_last=None if enabled else True,
+            dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose,
+            save_last=True if save_last is None and not enabled else save_last, save_top_k=save_top_k,
+            save_on_exception=save_on_exception, save_weights_only=save_weights_only, mode=mode,
+            auto_insert_metric_name=auto_insert_metric_name, every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval, every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end, enable_version_counter=enable_version_counter,
         )
         self._ckpt: Optional[layerckpt.Checkpointer] = None
         self._io: Optional[LayerCheckpointIO] = None
@@ -109,6 +151,7 @@ class LayerCheckpoint(ModelCheckpoint):
         self._loss: Optional[torch.Tensor] = None  # the last training step's loss
         self._pending_rng: Optional[layerckpt.LoadedCheckpoint] = None
         self._loggers: List[Any] = []
+        self._names: Dict[str, str] = {}  # manifest path -> the templated name it was saved under
         self.last_save: Optional[layerckpt.PendingSave] = None
         self.restored: Optional[Dict[str, Any]] = None  # what the last resume read: step, layers, staleness, ...
         self.saves: List[layerckpt.PendingSave] = []
@@ -134,7 +177,8 @@ class LayerCheckpoint(ModelCheckpoint):
     def state_key(self) -> str:
         return self._generate_state_key(dirpath=self.dirpath, every_n_train_steps=self._every_n_train_steps,
                                         every_n_epochs=self._every_n_epochs,
-                                        train_time_interval=self._train_time_interval, layerckpt=self.enabled)
+                                        train_time_interval=self._train_time_interval, monitor=self.monitor,
+                                        mode=self.mode, layerckpt=self.enabled)
 
     # -- setup / resume -------------------------------------------------------------------------------------
 
@@ -206,10 +250,11 @@ class LayerCheckpoint(ModelCheckpoint):
 
     def _checkpointer(self, trainer: Any) -> "layerckpt.Checkpointer":
         """This fit's Checkpointer (created on every rank at once: construction is collective)."""
-        optimizers = trainer.optimizers
+        optimizers = [] if self.save_weights_only else trainer.optimizers
         if self._ckpt is None:
             self._ckpt = layerckpt.Checkpointer(self.dirpath, trainer.lightning_module,
                                                 optimizers[0] if optimizers else None, self.layer_config)
+            self._pin()
         elif optimizers and self._ckpt.optimizer is not optimizers[0]:
             raise CheckpointError("the Trainer's optimizer changed since the first checkpoint of this fit; "
                                   "LayerCheckpoint follows one optimizer object per fit")
@@ -217,41 +262,103 @@ class LayerCheckpoint(ModelCheckpoint):
 
     @override
     def state_dict(self) -> Dict[str, Any]:
-        return {"dirpath": self.dirpath, "best_model_path": self.best_model_path,
-                "last_model_path": self.last_model_path, "last_step": self._last_global_step_saved}
+        # ModelCheckpoint's state (best_k_models, scores, paths), so top-k survives a resume
+        return {**super().state_dict(), "last_step": self._last_global_step_saved, "names": dict(self._names)}
 
     @override
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        if state_dict.get("dirpath") == self.dirpath:
-            self.best_model_path = state_dict.get("best_model_path", "")
-            self.last_model_path = state_dict.get("last_model_path", "")
+        if "best_model_score" not in state_dict:  # written by a LayerCheckpoint that had no top-k
+            if state_dict.get("dirpath") == self.dirpath:
+                self.best_model_path = state_dict.get("best_model_path", "")
+                self.last_model_path = state_dict.get("last_model_path", "")
+            return
+        super().load_state_dict(state_dict)
+        if state_dict.get("dirpath") != self.dirpath:
+            return
+        names = state_dict.get("names")
+        self._names = dict(names) if isinstance(names, dict) else {}
+        # composites retention already dropped (e.g. a crash between an unpin and the restart) are gone
+        kept = {p: v for p, v in self.best_k_models.items() if os.path.isfile(p)}
+        if kept != self.best_k_models:
+            self.best_k_models = kept
+            self._rank_best()
+        if self._ckpt is not None:
+            self._pin()
+
+    def _rank_best(self) -> None:
+        """best_model_path/score and the k-th from best_k_models, as ModelCheckpoint derives them."""
+        worst, best = (max, min) if self.mode == "min" else (min, max)
+        if self.best_k_models:
+            self.best_model_path = best(self.best_k_models, key=self.best_k_models.get)
+            self.best_model_score = self.best_k_models[self.best_model_path]
+            if self.save_top_k != -1 and len(self.best_k_models) >= self.save_top_k:
+                self.kth_best_model_path = worst(self.best_k_models, key=self.best_k_models.get)
+                self.kth_value = self.best_k_models[self.kth_best_model_path]
+        else:
+            self.best_model_path, self.best_model_score, self.kth_best_model_path = "", None, ""
+
+    def _pin(self) -> None:
+        """Retention keeps the top-k composites by score besides the newest (monitor set only)."""
+        if self._ckpt is not None and self.monitor is not None:
+            self._ckpt.keep(self.best_k_models)
 
     # -- saving ------------------------------------------------------------------------------------------
+    # ModelCheckpoint decides when to save and what to keep (monitor, top-k, save_last, version counter);
+    # the "file path" it keeps for a composite is its manifest, and the file name it formats is recorded
+    # in that manifest.
+
+    def _manifest_path(self, step: int) -> str:
+        return os.path.join(os.fspath(self.dirpath), store.MANIFEST_DIR, store.manifest_name(step))
 
     @override
-    def _save_topk_checkpoint(self, trainer: Any, monitor_candidates: Dict[str, Any]) -> None:
-        self._save(trainer)
+    def _get_metric_interpolated_filepath_name(self, monitor_candidates: Dict[str, Any], trainer: Any,
+                                               del_filepath: Optional[str] = None) -> str:
+        name = os.path.basename(self.format_checkpoint_name(dict(monitor_candidates)))
+        name = name[: -len(self.FILE_EXTENSION)] if name.endswith(self.FILE_EXTENSION) else name
+        if self._enable_version_counter:
+            taken = {n for p, n in self._names.items() if p != del_filepath}
+            stem, version = name, self.STARTING_VERSION
+            while name in taken:
+                name, version = f"{stem}{self.CHECKPOINT_JOIN_CHAR}v{version}", version + 1
+        path = self._manifest_path(int(trainer.global_step))
+        self._names[path] = name
+        return path
 
     @override
     def _save_last_checkpoint(self, trainer: Any, monitor_candidates: Dict[str, Any]) -> None:
-        if self._last_global_step_saved != trainer.global_step:
-            self._save(trainer)
+        # the newest composite is the last one: save only where this step has none yet
+        if self.save_last and self._last_global_step_saved != trainer.global_step:
+            self._save(trainer, name=self.CHECKPOINT_NAME_LAST)
 
     @override
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
-        self._save(trainer)
+        self._save(trainer, name=self._names.get(filepath))
 
-    def _save(self, trainer: Any) -> None:
+    @override
+    def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
+        """A composite that left the top k: no longer kept by score; retention drops it after the next
+        commit unless it is the newest (data that kept composites use stays)."""
+        self._names.pop(filepath, None)
+        self._pin()
+
+    def _save(self, trainer: Any, name: Optional[str] = None) -> None:
         """One checkpoint of the current global step, on every rank."""
         t0 = time.perf_counter()
         step = int(trainer.global_step)
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        extra = to_extra(checkpoint, has_optimizer=bool(trainer.optimizers))
-        pending = self._checkpointer(trainer).save(step, extra=extra, loss=self._loss)
+        path = self._manifest_path(step)
+        # the paths are set before the state is dumped: the state saved names its own composite
+        self._last_checkpoint_saved = self.last_model_path = path
+        if self.monitor is None:
+            self.best_model_path = path
+        self._names.setdefault(path, name or f"step={step}")
+        self._names = {p: n for p, n in self._names.items() if p == path or p in self.best_k_models}
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=self.save_weights_only)
+        extra = to_extra(checkpoint, has_optimizer=bool(trainer.optimizers) and not self.save_weights_only)
+        ckpt = self._checkpointer(trainer)
+        self._pin()  # before the save: its flush may commit, and run retention, before save() returns
+        pending = ckpt.save(step, extra=extra, loss=self._loss, name=self._names[path])
         pending.stall_s = time.perf_counter() - t0  # what training waited for, the state dump included
         self._last_global_step_saved = step
-        self._last_checkpoint_saved = self.last_model_path = self.best_model_path = pending.manifest_path or \
-            os.path.join(self._ckpt.dirpath, "manifests", f"step-{step:08d}.json")
         self.last_save = pending
         self.saves.append(pending)
         self._unlogged.append(pending)
@@ -275,7 +382,7 @@ class LayerCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if not (trainer.fast_dev_run or trainer.sanity_checking) and \
                 self._last_global_step_saved != trainer.global_step:
-            self._save(trainer)  # the state fit ends with is always committed
+            self._save(trainer, name=self.CHECKPOINT_NAME_LAST)  # the state fit ends with is always committed
         self.wait()
         self._log_finished(trainer)
 

@@ -5,8 +5,9 @@
 """
 from __future__ import annotations
 
+import io
 import os
-from typing import Optional, Union
+from typing import Any, Optional, Type, TypeVar, Union
 
 import torch
 
@@ -15,13 +16,34 @@ from layerckpt._store import fsync_dir
 
 from ._state import LOADED_KEY, to_lightning
 
+M = TypeVar("M")
+
+
+def lightning_dict(path: Union[str, os.PathLike], step: Optional[int] = None) -> dict:
+    """The Lightning checkpoint dict of a layerckpt checkpoint (a store or one of its manifests)."""
+    ckpt = to_lightning(layerckpt.read_checkpoint(path, step=step, strict=False))
+    ckpt.pop(LOADED_KEY)
+    return ckpt
+
+
+def load_from_checkpoint(cls: Type[M], path: Union[str, os.PathLike], **kwargs: Any) -> M:
+    """``cls.load_from_checkpoint`` for a layerckpt checkpoint: ``path`` is a store or a manifest such as
+    ``LayerCheckpoint.best_model_path``; ``kwargs`` go to ``cls.load_from_checkpoint`` (``map_location``,
+    ``strict``, hyper-parameter overrides, ...).  An ordinary ``.ckpt`` file is passed through."""
+    from layerckpt import _store
+
+    if not _store.is_checkpoint(path):
+        return cls.load_from_checkpoint(path, **kwargs)  # type: ignore[attr-defined]
+    buf = io.BytesIO()
+    torch.save(lightning_dict(path), buf)
+    buf.seek(0)
+    return cls.load_from_checkpoint(buf, **kwargs)  # type: ignore[attr-defined]
+
 
 def export_ckpt(path: Union[str, os.PathLike], output: Union[str, os.PathLike], step: Optional[int] = None) -> str:
     """Write the checkpoint at ``path`` (a layerckpt store of LayerCheckpoint, or one of its manifests)
     as one ``torch.save`` file at ``output``, atomically and durably.  Returns ``output``."""
-    loaded = layerckpt.read_checkpoint(path, step=step, strict=False)
-    ckpt = to_lightning(loaded)
-    ckpt.pop(LOADED_KEY)
+    ckpt = lightning_dict(path, step)
     output = os.path.abspath(os.fspath(output))
     if not os.path.isdir(os.path.dirname(output)):
         raise layerckpt.CheckpointError(

@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional
+from typing import AbstractSet, Any, Callable, Dict, Optional
 
 from . import _commit, _faults, _retain
 from ._backend import CHECKSUM, Backend, checksum, open_file
@@ -101,6 +101,8 @@ class Flusher:
         self.root = root
         self._jobs: "queue.Queue[Any]" = queue.Queue()  # FlushJob, a callable (then()), or None (stop)
         self._thread: Optional[threading.Thread] = None
+        #: manifest file names retention keeps whatever their age (set by Checkpointer.keep())
+        self.pinned: AbstractSet[str] = frozenset()
 
     def submit(self, job: FlushJob) -> None:
         _in_flight.add(job.pending)
@@ -169,7 +171,7 @@ class Flusher:
         job.pending.bytes_all_ranks = sum(r["size"] for r in ranks)
         if self.group.rank == 0:
             try:
-                _retain.retain(self.root, self.config.keep_last)
+                _retain.retain(self.root, self.config.keep_last, self.pinned)
             except OSError as e:  # retention failing must not fail a committed save
                 log.warning("layerckpt: retention after step %d failed: %s", m.step, e)
 

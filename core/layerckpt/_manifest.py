@@ -113,6 +113,7 @@ class Manifest:
     cost: Optional[float] = None  # the composite's estimated fidelity cost: its stale layers' summed cost
     progress: Optional[float] = None  # the model's progress over the last interval, in the same unit
     loss: Optional[float] = None  # the training loss passed to save()
+    name: Optional[str] = None  # a name given at save(), e.g. LayerCheckpoint's templated filename
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 

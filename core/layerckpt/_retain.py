@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, List, Set
+from typing import AbstractSet, Dict, List, Set
 
 from . import _faults
 from ._manifest import Manifest
@@ -41,13 +41,14 @@ def cleanup(root: str) -> List[str]:
     return removed
 
 
-def retain(root: str, keep_last: int) -> List[str]:
-    """Keep the keep_last newest composites; delete the rest, then unreferenced data."""
+def retain(root: str, keep_last: int, pinned: AbstractSet[str] = frozenset()) -> List[str]:
+    """Keep the keep_last newest composites and the ``pinned`` ones (manifest file names); delete the
+    rest, then the data no kept composite uses.  ``keep_last`` 0 keeps everything."""
     if keep_last <= 0:
         return []
     good, bad = read_all(root)
     order = sorted(good, key=recency(good), reverse=True)
-    return drop(root, good, bad, order[keep_last:])
+    return drop(root, good, bad, [n for n in order[keep_last:] if n not in pinned])
 
 
 def drop(root: str, good: Dict[str, Manifest], bad: List[str], names: List[str]) -> List[str]:

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
@@ -125,25 +125,34 @@ class Checkpointer:
         return self.backend.name
 
     def save(self, step: int, extra: Optional[Dict[str, Any]] = None, *,
-             loss: Union[None, float, torch.Tensor] = None) -> PendingSave:
+             loss: Union[None, float, torch.Tensor] = None, name: Optional[str] = None) -> PendingSave:
         """Stage the state of ``step``; returns once training may go on.
 
         ``loss``: the current training loss (a float or a one-element tensor).  It sets the scale of
         the default selection rule (``Config.fidelity``): pass it and the layers that barely matter
-        are skipped; without it a conservative rule writes more."""
+        are skipped; without it a conservative rule writes more.  ``name``: recorded in the manifest
+        (``layerckpt inspect`` shows it), e.g. a templated file name of the framework's."""
         if self._closed:
             raise CheckpointError("save() on a closed Checkpointer; create a new one")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}")
         if extra is not None and not isinstance(extra, dict):
             raise CheckpointError(f"extra must be a dict of tensors and plain values, got {type(extra).__name__}")
+        if name is not None and not isinstance(name, str):
+            raise CheckpointError(f"name must be a string, got {type(name).__name__}")
         loss = _as_loss(loss)
         with self._lock:
             self._raise_unreported()
             # a selective save composes on the last committed one: that one must be finished
             self._throttle(self.config.max_inflight - 1 if self.selector.full else 0)
             self._raise_unreported()  # the flush just waited for may have failed
-            return self._save(step, extra, loss)
+            return self._save(step, extra, loss, name)
+
+    def keep(self, manifests: Iterable[Union[str, "os.PathLike[str]"]]) -> None:
+        """Composites (manifest paths of this directory) that retention keeps besides the
+        ``keep_last`` newest, e.g. the best by a monitored metric; replaces the previous set.  One
+        dropped from the set goes at the next retention, after the next commit."""
+        self._flusher.pinned = frozenset(os.path.basename(os.fspath(m)) for m in manifests)
 
     def adopt(self, restored: Any) -> None:
         """Continue from a checkpoint of this directory that was just restored into the model (a
@@ -223,7 +232,8 @@ class Checkpointer:
                 p._reported = True
                 raise p.error
 
-    def _save(self, step: int, extra: Optional[Dict[str, Any]], loss: Optional[float]) -> PendingSave:
+    def _save(self, step: int, extra: Optional[Dict[str, Any]], loss: Optional[float],
+              name: Optional[str]) -> PendingSave:
         t0 = time.perf_counter()
         entries, meta = gather(self.model, self.optimizer, extra, self.rank)
         fname = self._fresh_name(step)
@@ -239,7 +249,7 @@ class Checkpointer:
             config=self.config.to_dict(), files=dict(plan.files), tensors=dict(plan.carried), layers=plan.layers,
             model=meta["model"], optimizer=meta["optimizer"], rng=meta["rng"], extra=meta["extra"],
             cost=None if self.selector.full else plan.cost, progress=None if self.selector.full else plan.progress,
-            loss=loss)
+            loss=loss, name=name)
         pending = PendingSave(step, os.path.join(self.dirpath, _store.DATA_DIR, fname))
         job = FlushJob(pending=pending, layout=layout, fname=fname, manifest=manifest, t0=t0,
                        on_commit=functools.partial(self.selector.committed, samples=plan.samples))

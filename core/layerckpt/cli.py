@@ -38,7 +38,8 @@ def cmd_inspect(args) -> int:
     root, path = _locate(args)
     m = load_manifest(path)
     nbytes = {k: e.nbytes for k, e in m.tensors.items()}
-    print(f"{path}: step {m.step}, world size {m.world_size}, {len(m.files)} file(s), "
+    named = f" ({m.name})" if m.name else ""
+    print(f"{path}{named}: step {m.step}, world size {m.world_size}, {len(m.files)} file(s), "
           f"{sum(nbytes.values()) / 1e6:.1f} MB in {len(m.tensors)} tensors")
     lag = ""
     if m.loss_increase is not None:
