@@ -117,6 +117,7 @@ class LayerCheckpoint(ModelCheckpoint):
         restore_rng: Optional[bool] = None,
         budget_bytes: Optional[Union[int, str]] = None,
         drift_sample: Optional[int] = None,
+        row_block_bytes: Optional[Union[int, str]] = None,
         layers: Optional[Dict[str, str]] = None,
     ):
         if keep_last is None and config is None:
@@ -129,7 +130,8 @@ class LayerCheckpoint(ModelCheckpoint):
             keep_last=keep_last,
             staging_bytes=staging_bytes, chunk_bytes=chunk_bytes, queue_depth=queue_depth,
             max_inflight=max_inflight, backend=backend, direct_io=direct_io, verify_checksums=verify_checksums,
-            restore_rng=restore_rng, budget_bytes=budget_bytes, drift_sample=drift_sample, layers=layers,
+            restore_rng=restore_rng, budget_bytes=budget_bytes, drift_sample=drift_sample,
+            row_block_bytes=row_block_bytes, layers=layers,
         ).items() if v is not None}
         base = Config.from_yaml(config) if config is not None else Config()
         self.layer_config: Config = base.replace(**fields) if fields else base  # validates, names a bad field

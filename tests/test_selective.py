@@ -198,6 +198,9 @@ def test_staleness_violation_is_an_error_when_strict(tmp_path, caplog):
     model = small_model()
     with layerckpt.Checkpointer(tmp_path, model, config=layerckpt.Config(threshold=5.0)) as ck:
         for step in range(4):
+            with torch.no_grad():  # every layer moves a little (an unchanged one is never stale)
+                for p in model.parameters():
+                    p.add_(1e-3)
             ck.save(step).wait()
     strict = layerckpt.Config(max_staleness=2)
     with pytest.raises(layerckpt.StalenessError, match=r"older than max_staleness=2.*h\.0 \(age 3, 3 steps\)"):

@@ -8,15 +8,17 @@ format version 1, and readers of version 1 read it unchanged.
 Tensor keys in a checkpoint have fixed prefixes, named here and nowhere else:
 ``model/<state_dict name>``, ``optim/<parameter name>/<state key>``,
 ``optim_groups/<i>/...``, ``rng/...`` (``rng.rankN/...`` for other ranks),
-``extra/...`` and ``model_other/...``.
+``extra/...`` and ``model_other/...``; ``<key>#rows=<a>:<b>`` is a row block of a tensor
+(see ``_blocks``).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ._layout import CODES, ITEMSIZE
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -30,6 +32,8 @@ OPTIM_GROUPS = "optim_groups"
 RNG = "rng"
 EXTRA = "extra"
 MODEL_OTHER = "model_other"
+ROWS = "#rows="  # <key>#rows=<a>:<b>: rows [a, b) of a tensor stored in row blocks
+_PIECE = re.compile(r"^(.*)#rows=(\d+):(\d+)$")
 
 
 def model_key(name: str) -> str:
@@ -50,6 +54,24 @@ def param_of(key: str) -> Optional[str]:
         if len(parts) == 3:
             return parts[1]
     return None
+
+
+def piece_key(key: str, a: int, b: int) -> str:
+    """The key of rows [a, b) of a tensor stored in row blocks."""
+    return f"{key}{ROWS}{a}:{b}"
+
+
+def split_piece(key: str) -> Tuple[str, Optional[Tuple[int, int]]]:
+    """(the whole tensor's key, (first row, end row)) of a row-block key; (key, None) for any other key."""
+    m = _PIECE.match(key)
+    if m is None:
+        return key, None
+    return m.group(1), (int(m.group(2)), int(m.group(3)))
+
+
+def row_pieces(blocks: Dict[str, Any], key: str) -> List[Tuple[str, int, int]]:
+    """(block key, first row, end row) of every block of a tensor stored in row blocks."""
+    return [(piece_key(key, a, b), a, b) for a, b in blocks[key]["rows"]]
 
 
 def is_rng(key: str) -> bool:
@@ -114,6 +136,8 @@ class Manifest:
     progress: Optional[float] = None  # the model's progress over the last interval, in the same unit
     loss: Optional[float] = None  # the training loss passed to save()
     name: Optional[str] = None  # a name given at save(), e.g. LayerCheckpoint's templated filename
+    #: tensors stored as row blocks (see ``_blocks``): key -> {"dtype", "shape", "rows": [[a, b], ...]}
+    blocks: Optional[Dict[str, Any]] = None
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -138,6 +162,20 @@ class Manifest:
         if self.cost is None or not self.loss:
             return None
         return self.cost / abs(self.loss)
+
+    def logical_keys(self) -> List[str]:
+        """Every tensor key, a tensor stored in row blocks named once by its own key."""
+        blocks = self.blocks or {}
+        parts = {pk for k in blocks for pk, _, _ in row_pieces(blocks, k)}
+        return [k for k in self.tensors if k not in parts] + list(blocks)
+
+    def describe(self, key: str) -> Optional[Tuple[str, List[int]]]:
+        """(dtype code, shape) of a tensor key, whole or in row blocks; None if there is no such tensor."""
+        if self.blocks and key in self.blocks:
+            b = self.blocks[key]
+            return b["dtype"], list(b["shape"])
+        e = self.tensors.get(key)
+        return None if e is None else (e.dtype, list(e.shape))
 
     def steps_behind(self) -> Dict[str, int]:
         """Each layer's staleness in steps: how far its persisted version trails this composite."""
@@ -204,6 +242,7 @@ class Manifest:
             known.setdefault("nbytes", 0)
             layers[name] = LayerEntry(**known)
         rest = {k: m[k] for k in _OTHER_FIELDS if k in m}
+        _check_blocks(rest.get("blocks"), tensors, path)
         return cls(step=m["step"], world_size=m["world_size"], files=files, tensors=tensors, layers=layers,
                    model=m["model"], **rest)
 
@@ -214,6 +253,31 @@ _TENSOR_FIELDS = [f.name for f in dataclasses.fields(TensorEntry)]
 _LAYER_FIELDS = [f.name for f in dataclasses.fields(LayerEntry)]
 _OTHER_FIELDS = [f.name for f in dataclasses.fields(Manifest)
                  if f.name not in ("step", "world_size", "files", "tensors", "layers", "model")]
+
+
+def _check_blocks(blocks: Any, tensors: Dict[str, TensorEntry], path: str) -> None:
+    """Each tensor stored in row blocks: its blocks cover its rows in order, each one listed with the
+    dtype and shape of those rows."""
+    if blocks is None:
+        return
+    if not isinstance(blocks, dict):
+        raise CheckpointCorruptError(f"manifest {path}: 'blocks' is not a mapping", path=path)
+    for key, b in blocks.items():
+        ok = (isinstance(b, dict) and b.get("dtype") in CODES and isinstance(b.get("shape"), list)
+              and len(b["shape"]) >= 1 and all(isinstance(s, int) and s >= 0 for s in b["shape"])
+              and isinstance(b.get("rows"), list)
+              and all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) for r in b["rows"]))
+        edges = [0] + [x for r in (b["rows"] if ok else []) for x in r] + [b["shape"][0] if ok else 0]
+        if not ok or any(edges[i] != edges[i + 1] for i in range(0, len(edges), 2)) or any(
+                r[0] >= r[1] for r in b["rows"]):
+            raise CheckpointCorruptError(f"manifest {path}: the row blocks of tensor {key!r} are malformed",
+                                         path=path, tensor=key)
+        for pk, a, z in row_pieces(blocks, key):
+            e = tensors.get(pk)
+            if e is None or e.dtype != b["dtype"] or e.shape != [z - a] + b["shape"][1:]:
+                raise CheckpointCorruptError(
+                    f"manifest {path}: block {pk!r} of tensor {key!r} is missing or has the wrong dtype or shape",
+                    path=path, tensor=pk)
 
 
 def load_manifest(path: str) -> Manifest:

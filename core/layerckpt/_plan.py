@@ -19,7 +19,8 @@ from . import _policy as policy
 from ._codec import Entries
 from ._layers import LayerSpec, group_layers
 from ._layout import CODES
-from ._manifest import FileEntry, LayerEntry, Manifest, TensorEntry, is_rng, model_name, param_of
+from ._manifest import (FileEntry, LayerEntry, Manifest, TensorEntry, is_rng, model_name, param_of, piece_key,
+                        split_piece)
 from ._track import DriftTracker, Views
 from .config import Config
 
@@ -114,22 +115,26 @@ class Selector:
         return self._owner[1]
 
     def _key_layers(self, keys: Tuple[str, ...]) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
-        """Each entry key's layer, and each layer's keys (cached while the keys and layers stay the same)."""
-        owner = self.owners(tuple(n for n in map(model_name, keys) if n is not None))
+        """Each entry key's layer, and each layer's keys (cached while the keys and layers stay the same).
+        A row block of an embedding table is a layer of its own, ``<layer>#rows=<a>:<b>``."""
+        split = [split_piece(k) for k in keys]
+        owner = self.owners(tuple(dict.fromkeys(n for n in (model_name(b) for b, _ in split) if n is not None)))
         if self._keys is None or self._keys[0] != (keys, id(owner)):
             key_layer: Dict[str, str] = {}
             layer_keys: Dict[str, List[str]] = {}
-            for k in keys:
-                p = param_of(k)
+            for k, (base, rows) in zip(keys, split):
+                p = param_of(base)
                 layer = owner.get(p) if p is not None else None
                 if layer is not None:
+                    layer = layer if rows is None else piece_key(layer, *rows)
                     key_layer[k] = layer
                     layer_keys.setdefault(layer, []).append(k)
             self._keys = ((keys, id(owner)), key_layer, layer_keys)
         return self._keys[1], self._keys[2]
 
     def _by_layer(self, entries: Entries):
-        """(key -> layer, layer -> keys, layer -> {name: weight}, layer -> {name: gradient average}, layer -> bytes)."""
+        """(key -> layer, layer -> keys, layer -> {name: weight}, layer -> {name: gradient average}, layer -> bytes).
+        A row block's weight and gradient average are named ``<parameter>#rows=<a>:<b>``."""
         key_layer, layer_keys = self._key_layers(tuple(k for k, _ in entries))
         weights: Dict[str, Dict[str, torch.Tensor]] = {}
         grads: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -139,11 +144,13 @@ class Selector:
             if layer is None:
                 continue
             nbytes[layer] = nbytes.get(layer, 0) + t.numel() * t.element_size()
-            name = model_name(k)
+            base, rows = split_piece(k)
+            name = model_name(base)
             if name is not None:
-                weights.setdefault(layer, {})[name] = t
-            elif k.rsplit("/", 1)[-1] in GRAD_AVERAGE:
-                grads.setdefault(layer, {})[param_of(k)] = t
+                weights.setdefault(layer, {})[name if rows is None else piece_key(name, *rows)] = t
+            elif base.rsplit("/", 1)[-1] in GRAD_AVERAGE:
+                p = param_of(base)
+                grads.setdefault(layer, {})[p if rows is None else piece_key(p, *rows)] = t
         return key_layer, layer_keys, weights, grads, nbytes
 
     def plan(self, step: int, fname: str, entries: Entries, rank: int = 0, world: int = 1,

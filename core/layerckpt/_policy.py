@@ -2,7 +2,8 @@
 
 Always written: every layer at the first save and when a base (full) checkpoint
 is due; a frozen layer only when it changed; any other layer when skipping it
-would let it lag more than ``max_staleness`` checkpoints.
+would let it lag more than ``max_staleness`` checkpoints, unless not one of its
+sampled elements moved since it was persisted (its persisted version is current).
 
 The rest is chosen by one of two rules:
 
@@ -30,6 +31,7 @@ from typing import Dict, List, Optional
 
 FIRST, BASE, COST, DRIFT, STALE, CHANGED = "first", "base", "cost", "drift", "stale", "frozen-changed"
 SKIP_BUDGET, SKIP_DRIFT, SKIP_FROZEN, SKIP_BYTES = "within-budget", "below-threshold", "frozen", "over-budget"
+UNCHANGED = "unchanged"  # not one sampled element moved since it was persisted: not stale, however old
 WRITE = frozenset({FIRST, BASE, COST, DRIFT, STALE, CHANGED})
 NO_LOSS_INTERVALS = 0.25  # without a loss: the composite may give up this much of one interval's progress
 
@@ -56,6 +58,8 @@ def decide(layers: Dict[str, LayerState], *, first: bool, base_due: bool, max_st
     for name, s in layers.items():
         if s.frozen:
             out[name] = CHANGED if s.drift > 0 else SKIP_FROZEN
+        elif s.drift == 0.0:  # e.g. a block of embedding rows no batch touched
+            out[name] = UNCHANGED
         elif s.age + 1 > max_staleness:
             out[name] = STALE
         else:

@@ -15,13 +15,15 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
 from . import _dist, _retain, _store
 from ._backend import make_backend
 from ._flush import FlushJob, Flusher, PendingSave
+from ._blocks import split, table_names
+from ._codec import Entries
 from ._gather import gather
 from ._layers import LayerSpec
 from ._layout import LayoutCache
@@ -169,7 +171,7 @@ class Checkpointer:
         with self._lock:
             if self._pending or self.selector.composite is not None:
                 raise CheckpointError("adopt() must come before the first save() of this Checkpointer")
-            entries, _ = gather(self.model, self.optimizer, None, self.rank)
+            entries, _ = self._gather(None)
             self.selector.adopt(m, entries)
 
     def check(self) -> None:
@@ -232,10 +234,17 @@ class Checkpointer:
                 p._reported = True
                 raise p.error
 
+    def _gather(self, extra: Optional[Dict[str, Any]]) -> Tuple[Entries, Dict[str, Any]]:
+        """What a save holds, embedding tables cut into row blocks (selective saves only)."""
+        entries, meta = gather(self.model, self.optimizer, extra, self.rank)
+        tables = {} if self.selector.full else table_names(self.model, self.config.row_block_bytes)
+        entries, meta["blocks"] = split(entries, tables)
+        return entries, meta
+
     def _save(self, step: int, extra: Optional[Dict[str, Any]], loss: Optional[float],
               name: Optional[str]) -> PendingSave:
         t0 = time.perf_counter()
-        entries, meta = gather(self.model, self.optimizer, extra, self.rank)
+        entries, meta = self._gather(extra)
         fname = self._fresh_name(step)
         if self.group.world > 1 and not self.selector.full:
             # every rank must take the same decisions: the ranks' mean loss (or none if one lacks it)
@@ -249,7 +258,7 @@ class Checkpointer:
             config=self.config.to_dict(), files=dict(plan.files), tensors=dict(plan.carried), layers=plan.layers,
             model=meta["model"], optimizer=meta["optimizer"], rng=meta["rng"], extra=meta["extra"],
             cost=None if self.selector.full else plan.cost, progress=None if self.selector.full else plan.progress,
-            loss=loss, name=name)
+            loss=loss, name=name, blocks=meta["blocks"] or None)
         pending = PendingSave(step, os.path.join(self.dirpath, _store.DATA_DIR, fname))
         job = FlushJob(pending=pending, layout=layout, fname=fname, manifest=manifest, t0=t0,
                        on_commit=functools.partial(self.selector.committed, samples=plan.samples))

@@ -101,7 +101,7 @@ def cmd_export(args) -> int:
         print(f"wrote the Lightning checkpoint of step {load_manifest(path).step} to {args.output}")
         return 0
     m = load_manifest(path)
-    keys = [k for k in m.tensors if model_name(k) is not None]
+    keys = [k for k in m.logical_keys() if model_name(k) is not None]
     ts = _read_tensors(root, m, keys)
     out = {model_name(k): t for k, t in ts.items()}
     for alias, canon in m.aliases.items():

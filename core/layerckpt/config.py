@@ -72,6 +72,10 @@ class Config:
     """Optional cap on the bytes one checkpoint writes: drifted layers go most-drifted first; forced ones always."""
     drift_sample: int = 16384
     """Elements per layer sampled to estimate drift (0: every element; exact, but keeps a copy of the weights)."""
+    row_block_bytes: int = 1 * MiB
+    """Embedding tables (``nn.Embedding``/``nn.EmbeddingBag`` weights, tied heads too) at least twice this big
+    are selected in blocks of this many bytes of rows, each block with the same rows of its optimizer state,
+    so a checkpoint writes only the blocks that moved; 0 keeps every table whole."""
     layers: Optional[Dict[str, str]] = None
     """Glob patterns of state_dict names -> layer name, overriding the automatic grouping (first match wins)."""
 
@@ -82,6 +86,8 @@ class Config:
             self.budget_bytes = parse_size(self.budget_bytes, "budget_bytes")
             _number(self, "budget_bytes", int, lo=0)
         _number(self, "drift_sample", int, lo=0)
+        self.row_block_bytes = parse_size(self.row_block_bytes, "row_block_bytes")
+        _number(self, "row_block_bytes", int, lo=0)
         if self.layers is not None and not (isinstance(self.layers, dict) and all(
                 isinstance(k, str) and isinstance(v, str) and v for k, v in self.layers.items())):
             raise ConfigError(f"Config.layers must map name patterns to layer names, got {self.layers!r}")

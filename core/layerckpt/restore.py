@@ -9,13 +9,13 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _dist, _store
+from . import _dist, _policy as policy, _store
 from ._backend import checksum_function, make_backend
 from ._codec import decode, tensor_refs
 from ._flush import wait_for_saves
 from ._gather import model_state, optimizer_params, param_names, set_rng_state
-from ._layout import DTYPES
-from ._manifest import Manifest, is_rng, load_manifest, model_key, model_name
+from ._layout import CODES, DTYPES
+from ._manifest import Manifest, is_rng, load_manifest, model_key, model_name, row_pieces, split_piece
 from ._read import Want, read_into, read_views
 from ._stage import BufferPool
 from .config import Config
@@ -109,7 +109,8 @@ def restore(
         set_rng_state(rng, tensors)
     layers = {name: e.step for name, e in m.layers.items()}
     ages = {name: e.age for name, e in m.layers.items()}
-    layer_bytes = {name: sum(m.tensors[k].nbytes for k in e.tensors if k in needed) for name, e in m.layers.items()}
+    layer_bytes = {name: sum(m.tensors[k].nbytes for k in e.tensors if split_piece(k)[0] in needed)
+                   for name, e in m.layers.items()}
     return RestoreReport(
         step=m.step, layers=layers, staleness=ages, max_staleness=max(ages.values(), default=0),
         bytes_read=total, extra=decode(m.extra or {}, tensors), manifest=mpath,
@@ -161,7 +162,7 @@ def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *
     _check_staleness(m, config.max_staleness if config is not None else None, strict)
     rng = _rng_for_this_rank(m)
     saved_opt = m.optimizer
-    keys = {k for k in m.tensors if not is_rng(k)}
+    keys = {k for k in m.logical_keys() if not is_rng(k)}
     keys |= set(tensor_refs(rng or {}))
     check = checksum_function(m.checksum) if cfg.verify_checksums else None
     backend = make_backend(cfg.backend, cfg.queue_depth)
@@ -199,32 +200,71 @@ def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *
 
 def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, check, cfg: Config
                  ) -> Tuple[Dict[str, torch.Tensor], int]:
-    """Read the named tensors of manifest ``m`` (file by file, checksums verified)."""
+    """Read the named tensors of manifest ``m`` (file by file, checksums verified); a tensor stored in
+    row blocks comes back whole."""
     by_file: Dict[str, List[Want]] = {}
+    blocks = m.blocks or {}
+    whole: Dict[str, torch.Tensor] = {}
+    sinks: Dict[str, torch.Tensor] = {}
     for k in keys:
-        e = m.tensors.get(k)
-        if e is None:
-            raise CheckpointCorruptError(f"manifest {mpath} refers to tensor {k!r} but has no entry for it",
-                                         path=mpath, tensor=k)
-        by_file.setdefault(e.file, []).append(Want.from_entry(k, e))
+        if k in blocks:  # read each block straight into its rows of one fresh tensor
+            dtype, shape = m.describe(k)
+            whole[k] = t = torch.empty(shape, dtype=CODES[dtype])
+            flat, row = t.reshape(-1).view(torch.uint8), t[0].numel() * t.element_size() if t.shape[0] else 0
+            for pk, a, b in row_pieces(blocks, k):
+                sinks[pk] = flat[a * row:b * row]
+                by_file.setdefault(_entry(m, mpath, pk).file, []).append(Want.from_entry(pk, m.tensors[pk]))
+            continue
+        by_file.setdefault(_entry(m, mpath, k).file, []).append(Want.from_entry(k, m.tensors[k]))
     out: Dict[str, torch.Tensor] = {}
     total = 0
     for fname, wants in sorted(by_file.items()):
         path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
-        views, n = read_views(backend, path, m.files[fname].size, wants, check, cfg.chunk_bytes,
-                              direct=cfg.direct_io)
-        out.update(views)
-        total += n
+        mine = [w for w in wants if w.key not in sinks]
+        if mine:
+            views, n = read_views(backend, path, m.files[fname].size, mine, check, cfg.chunk_bytes,
+                                  direct=cfg.direct_io)
+            out.update(views)
+            total += n
+        if len(mine) < len(wants):
+            total += _read_blocks(path, m.files[fname].size, [w for w in wants if w.key in sinks], sinks, backend,
+                                  check, cfg)
+    out.update(whole)
     return out, total
+
+
+def _entry(m: Manifest, mpath: str, key: str):
+    e = m.tensors.get(key)
+    if e is None:
+        raise CheckpointCorruptError(f"manifest {mpath} refers to tensor {key!r} but has no entry for it",
+                                     path=mpath, tensor=key)
+    return e
+
+
+def _read_blocks(path: str, size: int, wants: List[Want], sinks: Dict[str, torch.Tensor], backend, check,
+                 cfg: Config) -> int:
+    pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * min(4, cfg.queue_depth))  # bounce buffers
+    try:
+        with torch.no_grad():
+            return read_into(backend, pool, path, size, wants, sinks, check, direct=cfg.direct_io)
+    finally:
+        pool.close()
 
 
 def _read_model(root, m, mpath, plan: "_ModelPlan", backend, pool, check, cfg: Config) -> int:
     by_file: Dict[str, List[Want]] = {}
     sinks: Dict[str, torch.Tensor] = {}
+    flats: Dict[str, torch.Tensor] = {}
+    blocks = m.blocks or {}
     for name, key in plan.pairs:
-        e = m.tensors[key]
-        by_file.setdefault(e.file, []).append(Want.from_entry(key, e))
-        sinks[key] = _flat_target(plan.targets[name])
+        t = plan.targets[name]
+        flats[name] = flat = _flat_target(t)
+        parts = row_pieces(blocks, key) if key in blocks else [(key, 0, 1)]
+        row = flat.numel() // max(t.shape[0], 1) if key in blocks else flat.numel()
+        for pk, a, b in parts:  # a tensor in row blocks: each block straight into its rows
+            e = m.tensors[pk]
+            by_file.setdefault(e.file, []).append(Want.from_entry(pk, e))
+            sinks[pk] = flat[a * row:b * row]
     total = 0
     with torch.no_grad():
         for fname, wants in sorted(by_file.items()):
@@ -234,7 +274,7 @@ def _read_model(root, m, mpath, plan: "_ModelPlan", backend, pool, check, cfg: C
         for name, key in plan.pairs:  # targets that could not be written in place
             t = plan.targets[name]
             if not t.is_contiguous():
-                t.copy_(sinks[key].view(t.dtype).reshape(t.shape))
+                t.copy_(flats[name].view(t.dtype).reshape(t.shape))
     return total
 
 
@@ -252,7 +292,7 @@ class _ModelPlan:
         tensors, aliases, _ = model_state(model)
         current = {**{n: t for n, t in tensors.items()}, **{a: tensors[c] for a, c in aliases.items()}}
         saved_alias = m.aliases
-        saved = {n for n in map(model_name, m.tensors) if n is not None} | set(saved_alias)
+        saved = {n for n in map(model_name, m.logical_keys()) if n is not None} | set(saved_alias)
 
         def key_of(name: str) -> str:
             return model_key(saved_alias.get(name, name))
@@ -264,14 +304,14 @@ class _ModelPlan:
         self.targets = current
         done_storage = set()
         for name in sorted(set(current) & saved):
-            e = m.tensors.get(key_of(name))
+            e = m.describe(key_of(name))
             if e is None:
                 self.unexpected.append(name)
                 continue
             t = current[name]
-            if list(t.shape) != e.shape or DTYPES.get(t.dtype) != e.dtype:
+            if list(t.shape) != e[1] or DTYPES.get(t.dtype) != e[0]:
                 self.mismatched.append(
-                    f"{name}: checkpoint {tuple(e.shape)} {e.dtype}, model {tuple(t.shape)} "
+                    f"{name}: checkpoint {tuple(e[1])} {e[0]}, model {tuple(t.shape)} "
                     f"{DTYPES.get(t.dtype, t.dtype)}")
                 continue
             if name in aliases or (id(t) in done_storage):
@@ -343,12 +383,13 @@ def _with_layer(e: CheckpointCorruptError, m: Manifest) -> CheckpointCorruptErro
 
 def _check_staleness(m: Manifest, bound: Optional[int], strict: bool) -> None:
     """Refuse (strict) or warn about a composite that silently rolls training back: a layer older than the
-    staleness bound (frozen layers are exempt: their old version is their current one), or a composite
+    staleness bound (frozen and unchanged layers are exempt: their old version is their current one), or a composite
     whose estimated fidelity cost exceeds ``MAX_LAG`` checkpoint intervals of progress."""
     if bound is None:
         bound = m.config.get("max_staleness", Config.max_staleness)
     behind = m.steps_behind()
-    old = sorted((n, e.age) for n, e in m.layers.items() if e.age > bound and not e.frozen)
+    old = sorted((n, e.age) for n, e in m.layers.items()
+                 if e.age > bound and not e.frozen and e.reason != policy.UNCHANGED)
     problems = []
     if old:
         problems.append(f"{len(old)} layer(s) older than max_staleness={bound} checkpoints: "
