@@ -57,7 +57,7 @@ def test_split_cuts_the_table_and_its_optimizer_state_into_row_views():
     keys = [k for k, _ in out]
     assert keys[0] == "model/emb.weight#rows=0:256" and keys[15] == "model/emb.weight#rows=3840:4096"
     assert "optim/emb.weight/step" in keys and "model/mlp.weight" in keys and "model/emb.weight" not in keys
-    assert blocks["model/emb.weight"]["rows"][1] == [256, 512] and blocks["model/emb.weight"]["dtype"] == "F32"
+    assert blocks["model/emb.weight"].rows[1] == [256, 512] and blocks["model/emb.weight"].dtype == "F32"
     assert set(blocks) == {"model/emb.weight", "optim/emb.weight/exp_avg"}
     piece = dict(out)["model/emb.weight#rows=256:512"]
     assert piece.data_ptr() == w[256].data_ptr() and piece.shape == (256, DIM)  # a view: no copy

@@ -14,13 +14,13 @@ rows.  The optimizer state and model metadata keep referring to the whole tensor
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from ._codec import Entries
 from ._layout import DTYPES
-from ._manifest import MODEL, OPTIM, piece_key
+from ._manifest import MODEL, OPTIM, RowBlocks, piece_key
 
 def table_names(model: torch.nn.Module, block_bytes: int) -> Dict[str, int]:
     """State_dict names of the embedding tables worth cutting -> rows per block.  Every name of a tied
@@ -39,7 +39,7 @@ def table_names(model: torch.nn.Module, block_bytes: int) -> Dict[str, int]:
     return out
 
 
-def split(entries: Entries, tables: Dict[str, int]) -> Tuple[Entries, Dict[str, Any]]:
+def split(entries: Entries, tables: Dict[str, int]) -> Tuple[Entries, Dict[str, RowBlocks]]:
     """Cut the tables' weights, and their optimizer state of the same shape, into row blocks.
     Returns the new entries and the manifest's ``blocks`` record."""
     if not tables:
@@ -49,7 +49,7 @@ def split(entries: Entries, tables: Dict[str, int]) -> Tuple[Entries, Dict[str, 
         if k.startswith(MODEL) and k[len(MODEL):] in tables:
             shapes[k[len(MODEL):]] = tuple(t.shape)
     out: Entries = []
-    blocks: Dict[str, Any] = {}
+    blocks: Dict[str, RowBlocks] = {}
     for k, t in entries:
         name = _table_of(k)
         rows = tables.get(name) if name is not None else None
@@ -57,7 +57,7 @@ def split(entries: Entries, tables: Dict[str, int]) -> Tuple[Entries, Dict[str, 
             out.append((k, t))
             continue
         ranges = [[a, min(a + rows, t.shape[0])] for a in range(0, t.shape[0], rows)]
-        blocks[k] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "rows": ranges}
+        blocks[k] = RowBlocks(dtype=DTYPES[t.dtype], shape=list(t.shape), rows=ranges)
         out.extend((piece_key(k, a, b), t[a:b]) for a, b in ranges)
     return out, blocks
 

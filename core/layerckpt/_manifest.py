@@ -69,9 +69,9 @@ def split_piece(key: str) -> Tuple[str, Optional[Tuple[int, int]]]:
     return m.group(1), (int(m.group(2)), int(m.group(3)))
 
 
-def row_pieces(blocks: Dict[str, Any], key: str) -> List[Tuple[str, int, int]]:
+def row_pieces(blocks: Dict[str, "RowBlocks"], key: str) -> List[Tuple[str, int, int]]:
     """(block key, first row, end row) of every block of a tensor stored in row blocks."""
-    return [(piece_key(key, a, b), a, b) for a, b in blocks[key]["rows"]]
+    return [(piece_key(key, a, b), a, b) for a, b in blocks[key].rows]
 
 
 def is_rng(key: str) -> bool:
@@ -116,6 +116,14 @@ class LayerEntry:
 
 
 @dataclass
+class RowBlocks:
+    """A tensor stored as row blocks: each block ``[a, b)`` is the tensor entry ``<key>#rows=<a>:<b>``."""
+    dtype: str  # safetensors dtype code
+    shape: List[int]  # the whole tensor's
+    rows: List[List[int]]  # [first row, end row] of every block, in order, covering every row
+
+
+@dataclass
 class Manifest:
     step: int
     world_size: int
@@ -136,8 +144,7 @@ class Manifest:
     progress: Optional[float] = None  # the model's progress over the last interval, in the same unit
     loss: Optional[float] = None  # the training loss passed to save()
     name: Optional[str] = None  # a name given at save(), e.g. LayerCheckpoint's templated filename
-    #: tensors stored as row blocks (see ``_blocks``): key -> {"dtype", "shape", "rows": [[a, b], ...]}
-    blocks: Optional[Dict[str, Any]] = None
+    blocks: Optional[Dict[str, RowBlocks]] = None  # tensors stored as row blocks (see ``_blocks``), by key
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -173,7 +180,7 @@ class Manifest:
         """(dtype code, shape) of a tensor key, whole or in row blocks; None if there is no such tensor."""
         if self.blocks and key in self.blocks:
             b = self.blocks[key]
-            return b["dtype"], list(b["shape"])
+            return b.dtype, list(b.shape)
         e = self.tensors.get(key)
         return None if e is None else (e.dtype, list(e.shape))
 
@@ -242,7 +249,8 @@ class Manifest:
             known.setdefault("nbytes", 0)
             layers[name] = LayerEntry(**known)
         rest = {k: m[k] for k in _OTHER_FIELDS if k in m}
-        _check_blocks(rest.get("blocks"), tensors, path)
+        if rest.get("blocks") is not None:
+            rest["blocks"] = _read_blocks(rest["blocks"], tensors, path)
         return cls(step=m["step"], world_size=m["world_size"], files=files, tensors=tensors, layers=layers,
                    model=m["model"], **rest)
 
@@ -255,13 +263,12 @@ _OTHER_FIELDS = [f.name for f in dataclasses.fields(Manifest)
                  if f.name not in ("step", "world_size", "files", "tensors", "layers", "model")]
 
 
-def _check_blocks(blocks: Any, tensors: Dict[str, TensorEntry], path: str) -> None:
+def _read_blocks(blocks: Any, tensors: Dict[str, TensorEntry], path: str) -> Dict[str, RowBlocks]:
     """Each tensor stored in row blocks: its blocks cover its rows in order, each one listed with the
     dtype and shape of those rows."""
-    if blocks is None:
-        return
     if not isinstance(blocks, dict):
         raise CheckpointCorruptError(f"manifest {path}: 'blocks' is not a mapping", path=path)
+    out = {}
     for key, b in blocks.items():
         ok = (isinstance(b, dict) and b.get("dtype") in CODES and isinstance(b.get("shape"), list)
               and len(b["shape"]) >= 1 and all(isinstance(s, int) and s >= 0 for s in b["shape"])
@@ -272,12 +279,14 @@ def _check_blocks(blocks: Any, tensors: Dict[str, TensorEntry], path: str) -> No
                 r[0] >= r[1] for r in b["rows"]):
             raise CheckpointCorruptError(f"manifest {path}: the row blocks of tensor {key!r} are malformed",
                                          path=path, tensor=key)
-        for pk, a, z in row_pieces(blocks, key):
+        out[key] = RowBlocks(dtype=b["dtype"], shape=list(b["shape"]), rows=[list(r) for r in b["rows"]])
+        for pk, a, z in row_pieces(out, key):
             e = tensors.get(pk)
             if e is None or e.dtype != b["dtype"] or e.shape != [z - a] + b["shape"][1:]:
                 raise CheckpointCorruptError(
                     f"manifest {path}: block {pk!r} of tensor {key!r} is missing or has the wrong dtype or shape",
                     path=path, tensor=pk)
+    return out
 
 
 def load_manifest(path: str) -> Manifest:
