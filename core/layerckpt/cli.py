@@ -54,6 +54,9 @@ def cmd_inspect(args) -> int:
         drift = f"  drift {e.drift:.4g}" if e.drift is not None else ""
         cost = f"{e.cost:.3g}" if e.cost is not None else "-"
         print(f"{name:<32}{e.step:>10}{behind[name]:>8}{e.age:>5}{mb:>10.2f}{cost:>10}  {e.reason}{drift}")
+    for key, b in (m.blocks or {}).items():
+        print(f"row blocks: {key} {tuple(b.shape)} {b.dtype} in {len(b.rows)} blocks of up to "
+              f"{max(z - a for a, z in b.rows)} rows")
     committed = [s for s, _ in _store.list_manifests(root)]
     print(f"committed steps: {committed}")
     return 0
