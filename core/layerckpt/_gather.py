@@ -8,13 +8,15 @@ through ``_codec``, which never pickles.
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ._codec import Entries, decode, encode
-from ._manifest import EXTRA, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, rng_prefix
+from ._layout import DTYPES
+from ._manifest import EXTRA, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RowBlocks, piece_key, rng_prefix
 from .errors import CheckpointError
 
 
@@ -22,6 +24,8 @@ from .errors import CheckpointError
 # ------------------------------------------------------------------ model
 
 def _storage_key(t: torch.Tensor) -> Tuple:
+    if hasattr(t, "to_local"):  # a DTensor: its shard's storage tells ties apart
+        t = t.to_local()
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
@@ -114,6 +118,50 @@ def set_rng_state(st: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
         states = decode(st["cuda"], tensors)
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
+
+
+# ------------------------------------------------------------------ sharded tensors
+
+def shard_rows(n: int, world: int, i: int) -> Tuple[int, int]:
+    """Rows [a, b) of an n-row tensor that shard ``i`` of ``world`` holds under ``Shard(0)``: torch.chunk's
+    split, which FSDP2 uses (the last shards may be short or empty)."""
+    per = -(-n // world) if world else n
+    return min(i * per, n), min((i + 1) * per, n)
+
+
+def shard_entries(entries: Entries) -> Tuple[Entries, Dict[str, RowBlocks]]:
+    """DTensors (FSDP2's parameters and their optimizer state) become this rank's shard, keyed as the row
+    block it is of the whole tensor; returns the entries and every sharded tensor's blocks on all ranks."""
+    dt = sys.modules.get("torch.distributed.tensor")
+    if dt is None:  # nothing imported it, so no tensor is a DTensor (and its import is slow)
+        return entries, {}
+    DTensor, Replicate, Shard = dt.DTensor, dt.Replicate, dt.Shard
+    out: Entries = []
+    shards: Dict[str, RowBlocks] = {}
+    for k, t in entries:
+        if not isinstance(t, DTensor):
+            out.append((k, t))
+            continue
+        mesh, placements = t.device_mesh, t.placements
+        if mesh.ndim == 1 and isinstance(placements[0], Replicate):
+            out.append((k, t.to_local()))  # the same on every rank: saved once, as any other tensor
+            continue
+        if mesh.ndim != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0 or t.dim() == 0:
+            raise CheckpointError(
+                f"{k} is a DTensor with placements {placements} on a {mesh.ndim}-D mesh; layerckpt saves "
+                f"DTensors sharded on dim 0 of a 1-D mesh (FSDP2's fully_shard) or replicated")
+        world, me = mesh.size(), mesh.get_local_rank()
+        local = t.to_local()
+        a, b = shard_rows(t.shape[0], world, me)
+        if tuple(local.shape) != (b - a, *t.shape[1:]):
+            raise CheckpointError(
+                f"{k}: this rank's shard has shape {tuple(local.shape)}, not rows {a}:{b} of {tuple(t.shape)} as "
+                f"torch.chunk would split it (padded or uneven sharding is not supported)")
+        rows = [list(r) for r in (shard_rows(t.shape[0], world, i) for i in range(world)) if r[0] < r[1]]
+        shards[k] = RowBlocks(dtype=DTYPES[t.dtype], shape=list(t.shape), rows=rows)
+        if a < b:
+            out.append((piece_key(k, a, b), local))
+    return out, shards
 
 
 def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Optional[dict],

@@ -18,10 +18,11 @@ import torch
 from . import _policy as policy
 from ._codec import Entries
 from ._layers import LayerSpec, group_layers
-from ._layout import CODES
-from ._manifest import (FileEntry, LayerEntry, Manifest, TensorEntry, is_rng, model_name, param_of, piece_key,
-                        split_piece)
-from ._track import DriftTracker, Views
+from ._layout import CODES, ITEMSIZE
+from ._manifest import (FileEntry, LayerEntry, Manifest, RowBlocks, TensorEntry, is_rng, model_name, param_of,
+                        piece_key, row_pieces, split_piece)
+from ._dist import Group
+from ._track import DriftTracker, Measure, Views, combine
 from .config import Config
 
 NEW = "new"  # the layer's tensors changed since the last composite (added, reshaped, new optimizer state)
@@ -77,8 +78,12 @@ def _finite(x: float) -> Optional[float]:
 
 
 class Selector:
-    def __init__(self, model: torch.nn.Module, config: Config, layers: LayerSpec = None):
+    def __init__(self, model: torch.nn.Module, config: Config, layers: LayerSpec = None,
+                 group: Optional[Group] = None):
         self.model = model
+        self.group = group if group is not None else Group(enabled=False)
+        #: tensors sharded over the ranks (DTensors), as row blocks: every rank's shard, by key (set per save)
+        self.shards: Dict[str, RowBlocks] = {}
         self.config = config
         self.spec = layers if layers is not None else config.layers
         self.tracker = DriftTracker(config.drift_sample)
@@ -116,7 +121,8 @@ class Selector:
 
     def _key_layers(self, keys: Tuple[str, ...]) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
         """Each entry key's layer, and each layer's keys (cached while the keys and layers stay the same).
-        A row block of an embedding table is a layer of its own, ``<layer>#rows=<a>:<b>``."""
+        A row block of an embedding table is a layer of its own, ``<layer>#rows=<a>:<b>``; the shards of a
+        sharded tensor belong to its layer."""
         split = [split_piece(k) for k in keys]
         owner = self.owners(tuple(dict.fromkeys(n for n in (model_name(b) for b, _ in split) if n is not None)))
         if self._keys is None or self._keys[0] != (keys, id(owner)):
@@ -126,7 +132,8 @@ class Selector:
                 p = param_of(base)
                 layer = owner.get(p) if p is not None else None
                 if layer is not None:
-                    layer = layer if rows is None else piece_key(layer, *rows)
+                    # a row block of a table is a layer of its own; a rank's shard is part of its layer
+                    layer = layer if rows is None or base in self.shards else piece_key(layer, *rows)
                     key_layer[k] = layer
                     layer_keys.setdefault(layer, []).append(k)
             self._keys = ((keys, id(owner)), key_layer, layer_keys)
@@ -135,15 +142,22 @@ class Selector:
     def _by_layer(self, entries: Entries):
         """(key -> layer, layer -> keys, layer -> {name: weight}, layer -> {name: gradient average}, layer -> bytes).
         A row block's weight and gradient average are named ``<parameter>#rows=<a>:<b>``."""
-        key_layer, layer_keys = self._key_layers(tuple(k for k, _ in entries))
+        local = tuple(k for k, _ in entries)
+        key_layer, layer_keys = self._key_layers(local + self._remote_shards(set(local)))
         weights: Dict[str, Dict[str, torch.Tensor]] = {}
         grads: Dict[str, Dict[str, torch.Tensor]] = {}
         nbytes: Dict[str, int] = {}
+        for key, b in self.shards.items():  # a sharded layer's bytes are every rank's shards
+            row = math.prod(b.shape[1:]) * ITEMSIZE[b.dtype]
+            for pk, a, z in row_pieces(self.shards, key):
+                if pk in key_layer:
+                    nbytes[key_layer[pk]] = nbytes.get(key_layer[pk], 0) + (z - a) * row
         for k, t in entries:
             layer = key_layer.get(k)
             if layer is None:
                 continue
-            nbytes[layer] = nbytes.get(layer, 0) + t.numel() * t.element_size()
+            if split_piece(k)[0] not in self.shards:
+                nbytes[layer] = nbytes.get(layer, 0) + t.numel() * t.element_size()
             base, rows = split_piece(k)
             name = model_name(base)
             if name is not None:
@@ -153,14 +167,33 @@ class Selector:
                 grads.setdefault(layer, {})[p if rows is None else piece_key(p, *rows)] = t
         return key_layer, layer_keys, weights, grads, nbytes
 
+    def _remote_shards(self, local: Set[str]) -> Tuple[str, ...]:
+        """The keys of the other ranks' shards: every rank sees the same layers, with the same keys."""
+        return tuple(pk for key in self.shards for pk, _, _ in row_pieces(self.shards, key) if pk not in local)
+
+    def _shapes(self, entries: Entries) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]:
+        shapes = {k: (t.dtype, tuple(t.shape)) for k, t in entries}
+        for key, b in self.shards.items():
+            for pk, a, z in row_pieces(self.shards, key):
+                shapes.setdefault(pk, (CODES[b.dtype], (z - a, *b.shape[1:])))
+        return shapes
+
+    def _measure_across_ranks(self, layers, measures: Dict[str, Measure]) -> Dict[str, Measure]:
+        """A sharded model's layers measured on every rank's shard, summed: every rank decides alike."""
+        if not self.shards or self.group.world == 1:
+            return measures
+        mine = {layer: list(m.parts) if m.parts is not None else None for layer, m in measures.items()}
+        ranks = self.group.exchange(mine)
+        return {layer: combine([r[layer] for r in ranks if layer in r]) for layer in layers}
+
     def plan(self, step: int, fname: str, entries: Entries, rank: int = 0, world: int = 1,
              loss: Optional[float] = None) -> SavePlan:
-        """With several ranks each persisted layer is written by one rank (balanced by bytes); its
-        ``file`` is filled in when the ranks' results are merged."""
+        """With several ranks each persisted layer is written by one rank (balanced by bytes), or, sharded,
+        by every rank that holds a shard of it; ``file`` is filled in when the ranks' results are merged."""
         cfg = self.config
         key_layer, layer_keys, weights, grads, nbytes = self._by_layer(entries)
         frozen = self._owner[2]  # layers whose parameters all have requires_grad off
-        shapes = {k: (t.dtype, tuple(t.shape)) for k, t in entries}
+        shapes = self._shapes(entries)
 
         with self._lock:
             prev = self.composite
@@ -168,6 +201,8 @@ class Selector:
             now = {} if self.full else {layer: self.tracker.sample(w, grads.get(layer, {}))
                                         for layer, w in weights.items()}
             measures, snaps = self.tracker.measure(now)
+        if not self.full:
+            measures = self._measure_across_ranks(layer_keys, measures)
         chain = 0 if prev is None else prev.chain + 1
         states, forced = {}, set()
         for layer, keys in layer_keys.items():
@@ -193,7 +228,11 @@ class Selector:
                     reasons[layer] = NEW
         persist = {layer for layer, why in reasons.items() if why in policy.WRITE or why in (NEW, "full")}
 
-        owner_rank = assign(persist, nbytes, world)
+        # a sharded layer is written by every rank, each its own shards (its unsharded tensors, such as
+        # an optimizer's step count, by rank 0); any other layer by one rank, balanced by bytes
+        shard_keys = {pk for key in self.shards for pk, _, _ in row_pieces(self.shards, key)}
+        sharded = {key_layer[pk] for pk in shard_keys if pk in key_layer}
+        owner_rank = assign(persist - sharded, nbytes, world)
         layers: Dict[str, LayerEntry] = {}
         carried: Dict[str, TensorEntry] = {}
         for layer, keys in layer_keys.items():
@@ -201,14 +240,16 @@ class Selector:
             info = dict(reason=reasons[layer], drift=_finite(st.drift), frozen=st.frozen,
                         cost=0.0 if layer in persist else _finite(st.cost))
             if layer in persist:
-                layers[layer] = LayerEntry(step=step, file=fname if world == 1 else None, rank=owner_rank[layer],
+                layers[layer] = LayerEntry(step=step, file=fname if world == 1 else None, rank=owner_rank.get(layer, 0),
                                            age=0, tensors=keys, nbytes=nbytes[layer], **info)
             else:
                 before = prev.layers[layer]
                 layers[layer] = dataclasses.replace(before, age=before.age + 1, **info)
                 carried.update({k: prev.tensors[k] for k in before.tensors})
         files = {e.file: prev.files[e.file] for e in carried.values()} if carried else {}
-        write = [(k, t) for k, t in entries if _mine(k, key_layer.get(k), persist, owner_rank, rank)]
+        write = [(k, t) for k, t in entries
+                 if (key_layer.get(k) in sharded and key_layer[k] in persist and (k in shard_keys or rank == 0))
+                 or (key_layer.get(k) not in sharded and _mine(k, key_layer.get(k), persist, owner_rank, rank))]
         # the persisted layers' samples become their references once this save commits: copy them now
         samples = {layer: snaps[layer][0] for layer in persist if layer in snaps}
         with self._lock:

@@ -47,6 +47,18 @@ class Measure:
     drift: float  # relative to the persisted version; inf where there is none
     progress: float  # over the last interval (>= 0)
     cost: float  # since the layer was persisted (>= 0); inf where unknown
+    #: the sums these come from, which add up over the shards of a layer held by several ranks:
+    #: (||W - W_p||^2, ||W_p||^2, signed cost, signed progress); None where the measure is unknown
+    parts: Optional[Tuple[float, float, float, float]] = None
+
+
+def combine(parts: List[Optional[Tuple[float, float, float, float]]]) -> Measure:
+    """One layer's measure from the parts measured on each rank's shard of it (unknown if any is)."""
+    if not parts or any(p is None for p in parts):
+        return Measure(drift=math.inf, progress=0.0, cost=math.inf)
+    sq, ref, cost, step = (sum(p[i] for p in parts) for i in range(4))
+    drift = math.sqrt(sq / ref) if ref > 0 else (0.0 if sq == 0 else math.inf)
+    return Measure(drift=drift, progress=abs(step), cost=abs(cost), parts=(sq, ref, cost, step))
 
 
 class DriftTracker:
@@ -97,8 +109,9 @@ class DriftTracker:
         """Copies of sampled values (float32), to keep once the save that took them is planned."""
         return [v.to(dtype=torch.float32, copy=True) for v in views]
 
-    def drifts(self, now: Dict[str, Views]) -> Dict[str, float]:
-        """Relative drift of every layer against its reference; inf where there is none (or it changed shape)."""
+    def drifts(self, now: Dict[str, Views]) -> Tuple[Dict[str, float], Dict[str, float]]:
+        """Relative drift of every layer against its reference (inf where there is none, or it changed
+        shape), and the squared distance it comes from."""
         out = {layer: math.inf for layer in now}
         pairs: Dict[torch.device, Tuple[List[str], Views, Views]] = {}
         for layer, vs in now.items():
@@ -123,12 +136,13 @@ class DriftTracker:
             ref = self._ref.get(layer)
             if ref is not None and ref[1] == 0.0 and _same_shapes(ref[0], vs):
                 out[layer] = 0.0 if all(not bool(v.any()) for v in vs) else math.inf
-        return out
+                sq[layer] = 0.0 if out[layer] == 0.0 else float(sum(float(v.float().square().sum()) for v in vs))
+        return out, sq
 
     def measure(self, now: Dict[str, LayerSample]) -> Tuple[Dict[str, Measure], Dict[str, "Snap"]]:
         """Drift, progress and cost of every layer; plus the float32 snapshots this save leaves behind
         (hand them to :meth:`advance` once the decision is taken)."""
-        drift = self.drifts({layer: s.w for layer, s in now.items()})
+        drift, sq = self.drifts({layer: s.w for layer, s in now.items()})
         use_grad = any(s.g is not None for s in now.values())
         out: Dict[str, Measure] = {}
         snaps: Dict[str, Snap] = {}
@@ -144,13 +158,13 @@ class DriftTracker:
             if use_grad:
                 step = -_scaled_dot(_mean(prev[1], g), _sub(w, prev[0]), s.scale)
                 cost = self._cost.get(layer, 0.0) + step
-                out[layer] = Measure(drift=drift[layer], progress=abs(step), cost=abs(cost))
                 snaps[layer] = (w, g, cost)
             else:
                 d = _sub(w, prev[0])
                 u = _sub(w, ref[0])
-                out[layer] = Measure(drift=drift[layer], progress=_scaled_dot(d, d, s.scale),
-                                     cost=_scaled_dot(u, u, s.scale))
+                step, cost = _scaled_dot(d, d, s.scale), _scaled_dot(u, u, s.scale)
+            out[layer] = Measure(drift=drift[layer], progress=abs(step), cost=abs(cost),
+                                 parts=(sq.get(layer, math.inf), ref[1], cost, step))
         return out, snaps
 
     def advance(self, snaps: Dict[str, "Snap"]) -> None:

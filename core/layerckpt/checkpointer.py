@@ -19,12 +19,12 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from . import _dist, _retain, _store
+from . import _dist, _retain, _store, _tiers
 from ._backend import make_backend
 from ._flush import FlushJob, Flusher, PendingSave
 from ._blocks import split, table_names
 from ._codec import Entries
-from ._gather import gather
+from ._gather import gather, shard_entries
 from ._layers import LayerSpec
 from ._layout import LayoutCache
 from ._manifest import Manifest, load_manifest
@@ -80,6 +80,7 @@ class Checkpointer:
         # one writer per store: rank 0 holds the lock for the Checkpointer's life, and only the holder
         # may clean up, so no opener ever deletes what another one is still writing
         self._writer: Optional[_store.WriterLock] = None
+        self._tiers: Optional[_tiers.Tiers] = None
         refused: Optional[str] = None
         if self.rank == 0:
             try:
@@ -88,6 +89,7 @@ class Checkpointer:
                 removed = _retain.cleanup(self.dirpath)
                 if removed:
                     log.info("layerckpt: removed %d leftover file(s) of interrupted saves", len(removed))
+                self._tiers = _tiers.open_tiers(self.dirpath, config)  # memory/remote: a bad URL fails here
             except (CheckpointError, OSError) as e:
                 refused = str(e)
         if self.group.world > 1:  # no rank writes before the leftovers are gone, or all refuse together
@@ -99,6 +101,8 @@ class Checkpointer:
         try:
             good, _ = _store.read_all(self.dirpath)
             self._seq = max((m.seq for m in good.values()), default=0)
+            if self._tiers is not None:  # commit order continues past what the tiers hold
+                self._seq = max(self._seq, self._tiers.seq)
             self.backend = make_backend(config.backend, config.queue_depth)
             self.pool = BufferPool(config.chunk_bytes, config.staging_bytes)
         except BaseException:
@@ -106,10 +110,13 @@ class Checkpointer:
                 self._writer.release()
             raise
         self._flusher = Flusher(self.backend, self.pool, config, self.dirpath, self.group)
+        if self._tiers is not None:
+            self._tiers.attach(self._flusher)
         self._pending: List[PendingSave] = []
         self._closed = False
         # dropped without close(): the flusher finishes what it has, then thread, ring, pool and lock go
-        self._release = weakref.finalize(self, _shutdown, self._flusher, self.backend, self.pool, self._writer)
+        self._release = weakref.finalize(self, _shutdown, self._flusher, self.backend, self.pool, self._writer,
+                                         self._tiers)
         # A flush in flight completes before a normal interpreter exit, even without close().  It
         # must run before thread pools refuse new work at shutdown, hence threading's exit hooks
         # (run newest first, before concurrent.futures' own) where this Python has them.
@@ -118,7 +125,7 @@ class Checkpointer:
             lambda: ref() is not None and ref()._finish_at_exit())
         self._lock = threading.Lock()  # one save() at a time
         self._layout_cache = LayoutCache()
-        self.selector = Selector(model, config, layers)
+        self.selector = Selector(model, config, layers, self.group)
 
     # ------------------------------------------------------------ public
 
@@ -182,6 +189,8 @@ class Checkpointer:
         """Wait for every flush in flight; raises the first unreported error."""
         self._throttle(0)
         self._raise_unreported()
+        if self._tiers is not None:  # and every copy to the memory and remote tiers
+            self._tiers.wait()
 
     def close(self, wait: bool = True) -> None:
         """Wait for in-flight work, then free the thread, the buffers, the ring and the store's lock.
@@ -205,6 +214,11 @@ class Checkpointer:
             p._done.wait()
             if p.error is not None and not p._reported:
                 log.error("layerckpt: the checkpoint of step %d was not committed: %s", p.step, p.error)
+        if self._tiers is not None:
+            try:
+                self._tiers.wait()
+            except CheckpointError as e:
+                log.error("layerckpt: %s", e)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -237,8 +251,10 @@ class Checkpointer:
     def _gather(self, extra: Optional[Dict[str, Any]]) -> Tuple[Entries, Dict[str, Any]]:
         """What a save holds, embedding tables cut into row blocks (selective saves only)."""
         entries, meta = gather(self.model, self.optimizer, extra, self.rank)
+        entries, self.selector.shards = shard_entries(entries)  # FSDP2: this rank's shards only
         tables = {} if self.selector.full else table_names(self.model, self.config.row_block_bytes)
-        entries, meta["blocks"] = split(entries, tables)
+        entries, blocks = split(entries, tables)
+        meta["blocks"] = {**blocks, **self.selector.shards}
         return entries, meta
 
     def _save(self, step: int, extra: Optional[Dict[str, Any]], loss: Optional[float],
@@ -255,7 +271,7 @@ class Checkpointer:
         self._seq += 1
         manifest = Manifest(
             step=step, seq=self._seq, chain=plan.chain, world_size=self.group.world, created=time.time(),
-            config=self.config.to_dict(), files=dict(plan.files), tensors=dict(plan.carried), layers=plan.layers,
+            config=self.config.recorded(), files=dict(plan.files), tensors=dict(plan.carried), layers=plan.layers,
             model=meta["model"], optimizer=meta["optimizer"], rng=meta["rng"], extra=meta["extra"],
             cost=None if self.selector.full else plan.cost, progress=None if self.selector.full else plan.progress,
             loss=loss, name=name, blocks=meta["blocks"] or None)
@@ -286,8 +302,11 @@ class Checkpointer:
         return _store.data_name(step, self.rank, v)
 
 
-def _shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_store.WriterLock]) -> None:
+def _shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_store.WriterLock],
+              tiers: Optional[_tiers.Tiers] = None) -> None:
     flusher.stop()
+    if tiers is not None:  # after the flusher: no more copies are queued
+        tiers.close()
     backend.close()
     pool.close()
     if writer is not None:

@@ -9,11 +9,11 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _dist, _policy as policy, _store
+from . import _dist, _fetch, _policy as policy, _store
 from ._backend import checksum_function, make_backend
 from ._codec import decode, tensor_refs
 from ._flush import wait_for_saves
-from ._gather import model_state, optimizer_params, param_names, set_rng_state
+from ._gather import model_state, optimizer_params, param_names, set_rng_state, shard_rows
 from ._layout import CODES, DTYPES
 from ._manifest import Manifest, is_rng, load_manifest, model_key, model_name, row_pieces, split_piece
 from ._read import Want, read_into, read_views
@@ -65,6 +65,9 @@ def restore(
     checksum failure inside the model's own tensors can leave them partly
     loaded (restore another step).  Never unpickles.
     """
+    src = _fetch.source(dirpath, step, config)  # a URL, or a fresher composite on the memory or remote tier
+    if src is not None:
+        return src.read(lambda root, s: restore(root, model, optimizer, s, strict, config=config))
     t0 = time.perf_counter()
     cfg = config or Config()
     root = _store.local_path(dirpath)
@@ -92,7 +95,8 @@ def restore(
     backend = make_backend(cfg.backend, cfg.queue_depth)
     pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * min(4, cfg.queue_depth))  # bounce buffers
     try:
-        tensors, total = read_tensors(root, m, mpath, sorted(needed - set(plan.keys)), backend, check, cfg)
+        tensors, total = read_tensors(root, m, mpath, sorted(needed - set(plan.keys)), backend, check, cfg,
+                                      windows=_shard_windows(model, m) if optimizer is not None else None)
         total += _read_model(root, m, mpath, plan, backend, pool, check, cfg)
     except CheckpointCorruptError as e:
         raise _with_layer(e, m) from None
@@ -151,6 +155,9 @@ def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *
     as a state dict and the optimizer state in ``Optimizer.state_dict()`` form.
     Checksums are verified; nothing is unpickled.
     """
+    src = _fetch.source(path, step, config)  # a URL, or a fresher composite on the memory or remote tier
+    if src is not None:
+        return src.read(lambda root, s: read_checkpoint(root, s, config=config, strict=strict))
     t0 = time.perf_counter()
     cfg = config or Config()
     root, located = _store.locate(path)
@@ -198,47 +205,81 @@ def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *
     )
 
 
-def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, check, cfg: Config
-                 ) -> Tuple[Dict[str, torch.Tensor], int]:
+def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, check, cfg: Config,
+                 windows: Optional[Dict[str, Tuple[int, int]]] = None) -> Tuple[Dict[str, torch.Tensor], int]:
     """Read the named tensors of manifest ``m`` (file by file, checksums verified); a tensor stored in
-    row blocks comes back whole."""
-    by_file: Dict[str, List[Want]] = {}
-    blocks = m.blocks or {}
-    whole: Dict[str, torch.Tensor] = {}
-    sinks: Dict[str, torch.Tensor] = {}
-    for k in keys:
-        if k in blocks:  # read each block straight into its rows of one fresh tensor
-            dtype, shape = m.describe(k)
-            whole[k] = t = torch.empty(shape, dtype=CODES[dtype])
-            flat, row = t.reshape(-1).view(torch.uint8), t[0].numel() * t.element_size() if t.shape[0] else 0
-            for pk, a, b in row_pieces(blocks, k):
-                sinks[pk] = flat[a * row:b * row]
-                by_file.setdefault(_entry(m, mpath, pk).file, []).append(Want.from_entry(pk, m.tensors[pk]))
-            continue
-        by_file.setdefault(_entry(m, mpath, k).file, []).append(Want.from_entry(k, m.tensors[k]))
+    row blocks comes back whole, or, for a key in ``windows``, only its rows [a, b) (e.g. this rank's
+    shard), read from the blocks that hold them."""
+    windows = windows or {}
     out: Dict[str, torch.Tensor] = {}
+    targets: List[Tuple[str, torch.Tensor, int, int]] = []
+    plain: List[str] = []
+    for k in keys:
+        desc = m.describe(k)
+        if desc is None:
+            raise CheckpointCorruptError(f"manifest {mpath} refers to tensor {k!r} but has no entry for it",
+                                         path=mpath, tensor=k)
+        if k in (m.blocks or {}) or k in windows:
+            a, b = windows.get(k, (0, desc[1][0] if desc[1] else 1))
+            out[k] = t = torch.empty([b - a, *desc[1][1:]], dtype=CODES[desc[0]])
+            targets.append((k, t, a, b))
+        else:
+            plain.append(k)
+    direct, partial = _route(m, targets)
     total = 0
+    by_file: Dict[str, List[Want]] = {}
+    for k in plain + sorted({src for src, _, _, _ in partial}):
+        by_file.setdefault(m.tensors[k].file, []).append(Want.from_entry(k, m.tensors[k]))
+    for w in direct:
+        by_file.setdefault(m.tensors[w].file, []).append(Want.from_entry(w, m.tensors[w]))
+    read: Dict[str, torch.Tensor] = {}
     for fname, wants in sorted(by_file.items()):
         path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
-        mine = [w for w in wants if w.key not in sinks]
+        mine = [w for w in wants if w.key not in direct]
         if mine:
             views, n = read_views(backend, path, m.files[fname].size, mine, check, cfg.chunk_bytes,
                                   direct=cfg.direct_io)
-            out.update(views)
+            read.update(views)
             total += n
         if len(mine) < len(wants):
-            total += _read_blocks(path, m.files[fname].size, [w for w in wants if w.key in sinks], sinks, backend,
+            total += _read_blocks(path, m.files[fname].size, [w for w in wants if w.key in direct], direct, backend,
                                   check, cfg)
-    out.update(whole)
+    _copy_partial(partial, read)
+    out.update({k: read[k] for k in plain})
     return out, total
 
 
-def _entry(m: Manifest, mpath: str, key: str):
-    e = m.tensors.get(key)
-    if e is None:
-        raise CheckpointCorruptError(f"manifest {mpath} refers to tensor {key!r} but has no entry for it",
-                                     path=mpath, tensor=key)
-    return e
+def _route(m: Manifest, targets) -> Tuple[Dict[str, torch.Tensor], List[Tuple[str, torch.Tensor, int, int]]]:
+    """Where each stored block of the targets goes: straight into the target's rows where the block lies
+    inside them (``direct``: block key -> byte view), else read whole and its overlap copied
+    (``partial``: (stored key, target rows view, first stored row, end stored row))."""
+    direct: Dict[str, torch.Tensor] = {}
+    partial: List[Tuple[str, torch.Tensor, int, int]] = []
+    blocks = m.blocks or {}
+    for key, t, a, b in targets:
+        flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else None
+        if key in blocks:
+            parts = row_pieces(blocks, key)
+        else:
+            n = m.tensors[key].shape[0] if m.tensors[key].shape else 1
+            parts = [(key, 0, n)]
+        row = (t.numel() // max(b - a, 1)) * t.element_size()
+        for pk, pa, pb in parts:
+            lo, hi = max(a, pa), min(b, pb)
+            if lo >= hi:
+                continue
+            if flat is not None and pa >= a and pb <= b:
+                direct[pk] = flat[(pa - a) * row:(pb - a) * row]
+            else:
+                partial.append((pk, t[lo - a:hi - a], lo - pa, hi - pa))
+    return direct, partial
+
+
+def _copy_partial(partial, read: Dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for src, dst, a, b in partial:
+            v = read[src]
+            dst.copy_(v.reshape(dst.shape) if v.dim() == 0 else v[a:b])
 
 
 def _read_blocks(path: str, size: int, wants: List[Want], sinks: Dict[str, torch.Tensor], backend, check,
@@ -252,30 +293,53 @@ def _read_blocks(path: str, size: int, wants: List[Want], sinks: Dict[str, torch
 
 
 def _read_model(root, m, mpath, plan: "_ModelPlan", backend, pool, check, cfg: Config) -> int:
-    by_file: Dict[str, List[Want]] = {}
-    sinks: Dict[str, torch.Tensor] = {}
+    """Model tensors read straight into their memory (a DTensor's: its shard's rows)."""
+    targets = []
     flats: Dict[str, torch.Tensor] = {}
-    blocks = m.blocks or {}
     for name, key in plan.pairs:
-        t = plan.targets[name]
+        t, a, b = _local_rows(plan.targets[name])
         flats[name] = flat = _flat_target(t)
-        parts = row_pieces(blocks, key) if key in blocks else [(key, 0, 1)]
-        row = flat.numel() // max(t.shape[0], 1) if key in blocks else flat.numel()
-        for pk, a, b in parts:  # a tensor in row blocks: each block straight into its rows
-            e = m.tensors[pk]
-            by_file.setdefault(e.file, []).append(Want.from_entry(pk, e))
-            sinks[pk] = flat[a * row:b * row]
+        targets.append((key, flat.view(t.dtype).reshape(t.shape), a, b))
+    direct, partial = _route(m, targets)
+    by_file: Dict[str, List[Want]] = {}
+    for k in list(direct) + sorted({src for src, _, _, _ in partial}):
+        by_file.setdefault(m.tensors[k].file, []).append(Want.from_entry(k, m.tensors[k]))
     total = 0
+    read: Dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for fname, wants in sorted(by_file.items()):
             path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
-            total += read_into(backend, pool, path, m.files[fname].size, wants, sinks, check,
-                               direct=cfg.direct_io)
+            ins = [w for w in wants if w.key in direct]
+            if ins:
+                total += read_into(backend, pool, path, m.files[fname].size, ins, direct, check, direct=cfg.direct_io)
+            rest = [w for w in wants if w.key not in direct]
+            if rest:
+                views, n = read_views(backend, path, m.files[fname].size, rest, check, cfg.chunk_bytes,
+                                      direct=cfg.direct_io)
+                read.update(views)
+                total += n
+        _copy_partial(partial, read)
         for name, key in plan.pairs:  # targets that could not be written in place
-            t = plan.targets[name]
+            t, _, _ = _local_rows(plan.targets[name])
             if not t.is_contiguous():
                 t.copy_(flats[name].view(t.dtype).reshape(t.shape))
     return total
+
+
+def _local_rows(t: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
+    """The tensor a restore writes into, and the rows of the saved tensor it takes: a DTensor sharded on
+    dim 0 takes its shard's rows, into its local tensor; anything else every row."""
+    if hasattr(t, "to_local"):
+        mesh = t.device_mesh
+        a, b = shard_rows(t.shape[0], mesh.size(), mesh.get_local_rank()) if _is_row_sharded(t) else (0, t.shape[0])
+        return t.to_local().detach(), a, b
+    return t.detach(), 0, t.shape[0] if t.dim() else 1
+
+
+def _is_row_sharded(t) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return t.device_mesh.ndim == 1 and isinstance(t.placements[0], Shard) and t.placements[0].dim == 0
 
 
 def _flat_target(t: torch.Tensor) -> torch.Tensor:
@@ -348,11 +412,39 @@ def _optimizer_keys(optimizer, model, m, strict) -> List[str]:
     return sorted(set(tensor_refs(saved["state"])))
 
 
+def _shard_windows(model: torch.nn.Module, m: Manifest) -> Dict[str, Tuple[int, int]]:
+    """The optimizer-state keys of the model's sharded parameters -> the rows of this rank's shard."""
+    out: Dict[str, Tuple[int, int]] = {}
+    saved = (m.optimizer or {}).get("state", {})
+    for name, p in model.named_parameters():
+        if hasattr(p, "to_local") and _is_row_sharded(p):
+            _, a, b = _local_rows(p)
+            for k in tensor_refs(saved.get(name, {})):
+                d = m.describe(k)
+                if d is not None and d[1] == list(p.shape):
+                    out[k] = (a, b)
+    return out
+
+
+def _as_shards(state: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
+    """A sharded parameter's optimizer state, read as its shard's rows, made DTensors like the parameter."""
+    if not (hasattr(p, "to_local") and _is_row_sharded(p)):
+        return state
+    from torch.distributed.tensor import DTensor
+
+    local = tuple(p.to_local().shape)
+    return {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == local and v.dim() > 0 else v
+            for k, v in state.items()}
+
+
 def _optimizer_state_dict(optimizer, model, m, tensors) -> Dict[str, Any]:
     saved = m.optimizer
     names = param_names(model)
-    index = {names[id(p)]: i for i, p in enumerate(optimizer_params(optimizer))}
-    state = {index[n]: decode(st, tensors) for n, st in saved["state"].items() if n in index}
+    params = optimizer_params(optimizer)
+    index = {names[id(p)]: i for i, p in enumerate(params)}
+    state = {index[n]: _as_shards(decode(st, tensors), params[index[n]])
+             for n, st in saved["state"].items() if n in index}
     groups = []
     for g, cur in zip(saved["param_groups"], optimizer.param_groups):
         d = {k: decode(v, tensors) for k, v in g.items() if k != "params"}

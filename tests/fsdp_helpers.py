@@ -1,0 +1,111 @@
+"""FSDP2 (fully_shard, DTensor) runs for the sharded tests: ``python -m torch.distributed.run --nproc_per_node N
+tests/fsdp_helpers.py MODE ROOT [THRESHOLD]``, or, for one process, the functions below from the test itself.
+
+Modes: ``save`` trains a sharded model, saves at steps 2, 4 and 6, writes the full state of step 6 to
+``ROOT/ref.<world>.pt``, trains on, restores step 6 into the same model and checks it bit for bit;
+``load`` restores the newest composite of ``ROOT/store`` into a fresh sharded model and checks every
+rank's shard against ``ROOT/ref.pt``.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import layerckpt
+
+VOCAB, DIM, OUT = 101, 8, 5  # uneven shards: 101 rows over 2 ranks are 51 + 50, over 4 ranks 26 * 3 + 23
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, DIM), torch.nn.Linear(DIM, OUT), torch.nn.LayerNorm(OUT))
+
+
+def shard(m: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in m:
+        fully_shard(layer)
+    return fully_shard(m)
+
+
+def train(m, opt, steps: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, VOCAB, (4, 3), generator=g)
+        loss = m(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return loss.detach()
+
+
+def full_state(m, opt) -> dict:
+    """Every tensor whole (DTensors gathered): model by name, optimizer state by parameter name."""
+    whole = (lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t.clone())
+    names = {id(p): n for n, p in m.named_parameters()}
+    state = {f"model/{n}": whole(t) for n, t in m.state_dict().items()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            state[f"optim/{names[id(p)]}/{k}"] = whole(v)
+    return state
+
+
+def local_rows(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """The rows of ``whole`` that the (sharded) tensor ``t`` holds."""
+    if not hasattr(t, "to_local"):
+        return whole
+    n, world, me = whole.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
+    per = -(-n // world)
+    return whole[min(me * per, n):min((me + 1) * per, n)]
+
+
+def check(m, opt, ref: dict) -> None:
+    """Every tensor of this rank (its shards) equal, bit for bit, to the same rows of the reference."""
+    names = {id(p): n for n, p in m.named_parameters()}
+    for n, t in m.state_dict().items():
+        mine = t.to_local() if hasattr(t, "to_local") else t
+        want = local_rows(t, ref[f"model/{n}"])
+        assert torch.equal(mine, want), f"model/{n} differs on rank {dist.get_rank() if dist.is_initialized() else 0}"
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            mine = v.to_local() if hasattr(v, "to_local") else v
+            want = local_rows(v, ref[f"optim/{names[id(p)]}/{k}"])
+            assert torch.equal(mine, want), f"optim/{names[id(p)]}/{k} differs"
+
+
+def main(mode: str, root: str, threshold: float) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = shard(model())
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    store = os.path.join(root, "store")
+    cfg = layerckpt.Config(threshold=threshold, keep_last=0) if threshold >= 0 else layerckpt.Config(keep_last=0)
+    if mode == "save":
+        with layerckpt.Checkpointer(store, m, opt, cfg) as ck:
+            for step in (2, 4, 6):
+                loss = train(m, opt, 2, seed=step)
+                ck.save(step, extra={"world": world}, loss=loss).wait()
+        ref = full_state(m, opt)
+        if rank == 0:
+            torch.save(ref, os.path.join(root, f"ref.{world}.pt"))
+        r = torch.rand(3)  # each rank's RNG after the save
+        train(m, opt, 3, seed=99)
+        report = layerckpt.restore(store, m, opt, strict=False)
+        assert report.step == 6 and report.extra == {"world": world}
+        if threshold == 0.0:
+            check(m, opt, ref)
+            assert torch.equal(torch.rand(3), r), "each rank's RNG comes back"
+        train(m, opt, 1, seed=7)  # and training goes on from the restored shards
+    elif mode == "load":
+        ref = torch.load(os.path.join(root, "ref.pt"), weights_only=True)
+        layerckpt.restore(store, m, opt, strict=False)
+        check(m, opt, ref)
+        train(m, opt, 1, seed=7)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else -1.0)
