@@ -6,7 +6,9 @@ installed a hook for that name (in its own process) with :func:`install`.
 Points: ``"flush.checksum"`` (before each chunk is checksummed),
 ``"flush.written"`` (this rank's data file is durable, before the ranks agree),
 ``"commit.before"`` (before the manifest is written), ``"retain.manifests-dropped"``
-(old manifests deleted and made durable, their data files not yet).
+(old manifests deleted and made durable, their data files not yet).  Tier copies (``_tiers``):
+``"tier.file-copied"`` (after each data file), ``"tier.data-copied"`` (the composite's data is on the
+tier, its manifest not yet), ``"tier.committed"``, ``"tier.manifests-dropped"``.
 """
 from __future__ import annotations
 

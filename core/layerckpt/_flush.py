@@ -103,6 +103,10 @@ class Flusher:
         self._thread: Optional[threading.Thread] = None
         #: manifest file names retention keeps whatever their age (set by Checkpointer.keep())
         self.pinned: AbstractSet[str] = frozenset()
+        #: the memory and remote tiers (_tiers): told of each commit (rank 0), and the manifest names they
+        #: still copy from, which retention keeps too
+        self.after_commit: Optional[Callable[[Manifest], None]] = None
+        self.held: AbstractSet[str] = frozenset()
 
     def submit(self, job: FlushJob) -> None:
         _in_flight.add(job.pending)
@@ -170,8 +174,10 @@ class Flusher:
         job.pending.bytes_written = job.layout.size
         job.pending.bytes_all_ranks = sum(r["size"] for r in ranks)
         if self.group.rank == 0:
+            if self.after_commit is not None:
+                self.after_commit(m)
             try:
-                _retain.retain(self.root, self.config.keep_last, self.pinned)
+                _retain.retain(self.root, self.config.keep_last, self.pinned | self.held)
             except OSError as e:  # retention failing must not fail a committed save
                 log.warning("layerckpt: retention after step %d failed: %s", m.step, e)
 

@@ -122,8 +122,8 @@ def local_path(path: Union[str, "os.PathLike[str]"], what: str = "checkpoint dir
     p = os.fspath(path)
     if isinstance(p, str) and "://" in p:
         raise CheckpointError(
-            f"{what} {p!r} is a URL: layerckpt writes to and reads from a local directory (a remote tier is "
-            f"not configured); pass a local path")
+            f"{what} {p!r} is a URL: layerckpt writes to a local directory; pass a local path, and the URL as "
+            f"Config(remote=...) to copy the checkpoints there (restore() and the CLI read URLs)")
     return os.path.abspath(p)
 
 

@@ -153,12 +153,28 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="instead: the selection defaults on the workload family (bytes, loss after restore)")
     a.add_argument("--workloads", nargs="+", help="with --policy: which workloads (default: all)")
     a.set_defaults(fn=_bench)
+    for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"]):
+        a.add_argument("--remote-options", metavar="JSON",
+                       help="when DIR is a URL (s3://bucket/prefix): fsspec options, e.g. credentials")
     args = p.parse_args(argv)
     try:
-        return args.fn(args)
+        return _on_local_view(args)
     except CheckpointError as e:
         print(f"layerckpt {args.cmd}: {e}", file=sys.stderr)
         return 2
+
+
+def _on_local_view(args) -> int:
+    """Run the command; a URL as DIR is read through a temporary local copy of what the command reads."""
+    from ._fetch import cli_options, local_view
+    from ._remote import is_url
+
+    if not is_url(getattr(args, "dir", None)) or getattr(args, "accelerate", False):
+        return args.fn(args)
+    what = {"inspect": "manifests", "verify": "all"}.get(args.cmd, "one")
+    with local_view(args.dir, cli_options(args.remote_options), getattr(args, "step", None), what) as local:
+        args.dir = local
+        return args.fn(args)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Mapping, Optional, Union
 
 from .errors import ConfigError
@@ -78,6 +78,19 @@ class Config:
     so a checkpoint writes only the blocks that moved; 0 keeps every table whole."""
     layers: Optional[Dict[str, str]] = None
     """Glob patterns of state_dict names -> layer name, overriding the automatic grouping (first match wins)."""
+    memory_tier: bool = False
+    """Also keep the newest composite in shared memory (/dev/shm/layerckpt-<hash of the directory>/, same format):
+    a restart after a process crash restores from there; after a node restart it is gone and the disk is read."""
+    remote: Optional[str] = None
+    """An fsspec URL ('s3://bucket/prefix', 'gs://...', 'file:///mnt/nfs/run1', 'memory://run1') the committed
+    composites are copied to in the background, data first and the manifest last (the remote commit point).
+    restore() and the CLI take the URL.  Needs ``pip install 'layerckpt[remote]'`` (fsspec, s3fs)."""
+    remote_options: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the fsspec file system (key/secret, client_kwargs={'endpoint_url': ...}, ...);
+    never written into a manifest."""
+    remote_every: int = 1
+    """Copy every N-th composite to the remote tier (the first, then each N-th); a failed copy is retried with
+    the next composite."""
 
     def __post_init__(self) -> None:
         self.staging_bytes = parse_size(self.staging_bytes, "staging_bytes")
@@ -109,7 +122,14 @@ class Config:
         _number(self, "staging_bytes", int, lo=self.chunk_bytes)
         if self.backend not in ("auto", "uring", "threads"):
             raise ConfigError(f"Config.backend must be 'auto', 'uring' or 'threads', got {self.backend!r}")
-        for name in ("direct_io", "verify_checksums", "restore_rng"):
+        _number(self, "remote_every", int, lo=1)
+        if self.remote_options is None:
+            self.remote_options = {}
+        if self.remote is not None or self.remote_options:  # fsspec is needed only with a remote tier
+            from ._remote import check_config
+
+            check_config(self.remote, self.remote_options)
+        for name in ("direct_io", "verify_checksums", "restore_rng", "memory_tier"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Config.{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -145,6 +165,10 @@ class Config:
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def recorded(self) -> Dict[str, Any]:
+        """What a manifest records: every field but ``remote_options`` (it may hold credentials)."""
+        return dataclasses.asdict(dataclasses.replace(self, remote_options={}))
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)

@@ -64,6 +64,10 @@ def restore(
     optimizer state, RNG and extra are verified before the model is touched; a
     checksum failure inside the model's own tensors can leave them partly
     loaded (restore another step).  Never unpickles.
+
+    ``dirpath`` may be a remote URL (``s3://bucket/prefix``, with ``config=Config(remote=URL,
+    remote_options=...)`` for credentials); for a local directory whose memory or remote tier holds
+    a fresher composite, that one is read (``_fetch``).
     """
     src = _fetch.source(dirpath, step, config)  # a URL, or a fresher composite on the memory or remote tier
     if src is not None:
@@ -153,7 +157,7 @@ def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *
 
     Unlike :func:`restore` this needs no model or optimizer: the model comes back
     as a state dict and the optimizer state in ``Optimizer.state_dict()`` form.
-    Checksums are verified; nothing is unpickled.
+    Checksums are verified; nothing is unpickled.  ``path`` may also be a remote URL, as for :func:`restore`.
     """
     src = _fetch.source(path, step, config)  # a URL, or a fresher composite on the memory or remote tier
     if src is not None:

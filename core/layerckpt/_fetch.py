@@ -1,0 +1,232 @@
+"""Reading across tiers: which tier holds the freshest committed composite, and a local view of it.
+
+``restore``/``read_checkpoint`` ask :func:`source` first.  For a remote URL, or
+a local directory whose memory or remote tier holds a fresher composite, it
+returns a :class:`Source`; the normal reader then runs on a local folder: the
+memory tier's own, or a temporary folder the remote composite's manifest and
+referenced data files were downloaded into (checksums are verified by the
+reader as always).  Freshness is commit order (``seq``, which a Checkpointer
+continues past what its tiers hold), then the commit time (two runs that forked
+from one remote composite), so an older tier never shadows a newer one; copies of
+one composite tie, and the faster tier is read.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+from . import _store
+from ._flush import wait_for_saves
+from ._manifest import Manifest, load_manifest
+from ._memtier import memory_path
+from ._remote import DATA, MANIFESTS, FsspecStore, is_url
+from ._tiers import COPIES_IN_FLIGHT, read_all, wait_for_tiers
+from .config import Config
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+
+log = logging.getLogger("layerckpt")
+
+_local_only = contextvars.ContextVar("layerckpt_local_only", default=False)
+_SPEED = {"memory": 2, "local": 1, "remote": 0}  # on a tie in freshness, the faster tier is read
+
+
+def split_url(url: str) -> Tuple[str, Optional[int]]:
+    """(store URL, step or None) of a store URL or of one of its manifests' URLs."""
+    url = url.rstrip("/")
+    head, _, name = url.rpartition("/")
+    step = _store.manifest_step(name)
+    if step is not None and head.endswith("/" + MANIFESTS):
+        return head[: -len(MANIFESTS) - 1], step
+    return url, None
+
+
+def pick(store, step: Optional[int]) -> Tuple[str, Manifest]:
+    """The tier's manifest for ``step``, else its newest committed one (never past a newer damaged one)."""
+    good, bad = read_all(store)
+    if step is not None:
+        name = _store.manifest_name(step)
+        if name in good:
+            return name, good[name]
+        if name in bad:
+            raise CheckpointCorruptError(f"manifest {store.where(MANIFESTS, name)} is damaged",
+                                         path=store.where(MANIFESTS, name))
+        have = sorted(m.step for m in good.values())
+        raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {store.url}; committed steps: {have}")
+    name = _store.newest(good)
+    if name is None:
+        hint = f" ({len(bad)} damaged manifest(s): {', '.join(bad)})" if bad else ""
+        raise CheckpointNotFoundError(f"no committed checkpoint in {store.url}{hint}")
+    newer = [b for b in bad if _store.manifest_step(b) > good[name].step]
+    if newer:  # never fall back silently past a newer checkpoint that was committed and then damaged
+        raise CheckpointCorruptError(f"manifest {store.where(MANIFESTS, newer[-1])} is truncated or malformed; it "
+                                     f"is newer than the newest readable one ({name})",
+                                     path=store.where(MANIFESTS, newer[-1]))
+    return name, good[name]
+
+
+def download(store, manifests: Mapping[str, Manifest], dest: str, data: bool = True, strict: bool = True) -> None:
+    """Make ``dest`` a layerckpt directory holding ``manifests`` (and the data files they reference).
+    ``strict=False`` (for ``verify``) leaves a missing or mis-sized file to the reader to report."""
+    _store.ensure_layout(dest)
+    files: Dict[str, int] = {}
+    for name, m in manifests.items():
+        with open(os.path.join(dest, _store.MANIFEST_DIR, name), "wb") as f:
+            f.write(store.read(MANIFESTS, name))
+        for fname, fe in m.files.items():
+            _store.safe_join(dest, _store.DATA_DIR, fname, f"manifest {store.where(MANIFESTS, name)}")
+            files[fname] = fe.size
+    if not data or not files:
+        return
+
+    def get(fname: str) -> None:
+        dst = os.path.join(dest, _store.DATA_DIR, fname)
+        try:
+            store.get_file(DATA, fname, dst)
+        except FileNotFoundError:
+            if not strict:
+                return
+            raise CheckpointCorruptError(f"{store.where(DATA, fname)}, which a committed manifest references, is "
+                                         f"missing", path=store.where(DATA, fname)) from None
+        if strict and os.path.getsize(dst) != files[fname]:
+            raise CheckpointCorruptError(
+                f"{store.where(DATA, fname)} has {os.path.getsize(dst)} bytes, its manifest says {files[fname]}",
+                path=store.where(DATA, fname))
+
+    with ThreadPoolExecutor(min(COPIES_IN_FLIGHT, len(files)), thread_name_prefix="layerckpt-fetch") as ex:
+        for fut in [ex.submit(get, f) for f in sorted(files)]:
+            fut.result()
+
+
+class Source:
+    """A committed composite outside the local directory: on the memory tier, or on a remote one."""
+
+    def __init__(self, kind: str, store, name: str, m: Manifest, local: Optional[str] = None):
+        self.kind, self.store, self.name, self.m = kind, store, name, m
+        self.local = local  # the local directory whose tier this is, if any
+
+    def read(self, fn: Callable[[str, int], Any]) -> Any:
+        """``fn(local directory, step)`` on a local view of the composite; its report names the tier's manifest."""
+        t0 = time.perf_counter()
+        token = _local_only.set(True)
+        try:
+            if self.kind == "memory":
+                out = fn(self.store.root, self.m.step)
+                # the same composite in the local directory, so that Checkpointer.adopt(report) continues it
+                mine = os.path.join(self.local or "", _store.MANIFEST_DIR, self.name)
+                if self.local and os.path.exists(mine) and load_manifest(mine).seq == self.m.seq:
+                    out.manifest = mine
+                return out
+            with tempfile.TemporaryDirectory(prefix="layerckpt-fetch-") as tmp:
+                try:
+                    download(self.store, {self.name: self.m}, tmp)
+                except CheckpointError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    raise CheckpointError(f"downloading the composite of step {self.m.step} from {self.store.url} "
+                                          f"failed: {type(e).__name__}: {e}") from None
+                out = fn(tmp, self.m.step)
+            out.manifest = self.store.where(MANIFESTS, self.name)
+            out.seconds = time.perf_counter() - t0
+            return out
+        finally:
+            _local_only.reset(token)
+
+
+def remote_store(url: str, config: Optional[Config]) -> FsspecStore:
+    wait_for_tiers(url)  # read your writes: this process's copies into it land first
+    return FsspecStore(url, config.remote_options if config is not None else None)
+
+
+def source(path: Any, step: Optional[int], config: Optional[Config]) -> Optional[Source]:
+    """Where to read from when it is not simply the local directory ``path``; None to read it as before."""
+    if _local_only.get():
+        return None
+    if is_url(path):
+        url, located = split_url(path)
+        if step is not None and located is not None and step != located:
+            raise CheckpointError(f"{path} is the checkpoint of step {located}, but step={step} was asked for")
+        try:
+            store = remote_store(url, config)
+            return Source("remote", store, *pick(store, located if step is None else step))
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - fsspec implementations raise their own types
+            raise CheckpointError(f"{url} cannot be read: {type(e).__name__}: {e}; pass its options as "
+                                  f"config=Config(remote=URL, remote_options={{...}})") from None
+    root = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(root) and os.path.exists(root):
+        return None  # a manifest file: that one is read
+    wait_for_saves(root)
+    found: List[Tuple[Tuple[int, float, int], str, Optional[Source]]] = []
+    recorded: Dict[str, Any] = {}
+    try:
+        m = load_manifest(_store.resolve(root, step))
+        found.append(((m.seq, m.created, _SPEED["local"]), "local", None))
+        recorded = m.config
+    except CheckpointNotFoundError:
+        pass
+    mem = memory_path(root)
+    if os.path.isdir(os.path.join(mem, _store.MANIFEST_DIR)):
+        from ._remote import LocalStore
+
+        try:
+            name, mm = pick(LocalStore(mem), step)
+            src = Source("memory", LocalStore(mem), name, mm, root)
+            found.append(((mm.seq, mm.created, _SPEED["memory"]), "memory", src))
+        except CheckpointError as e:  # a stale or damaged memory tier: the disk is read
+            log.info("layerckpt: memory tier %s not used: %s", mem, e)
+    url = config.remote if config is not None and config.remote else recorded.get("remote")
+    if url:
+        try:
+            store = remote_store(url, config)
+            name, rm = pick(store, step)
+            found.append(((rm.seq, rm.created, _SPEED["remote"]), "remote", Source("remote", store, name, rm)))
+        except CheckpointNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001 - an unreachable remote must not hide a local checkpoint
+            if not found:
+                raise
+            log.warning("layerckpt: the remote tier %s could not be read (%s: %s); restoring from %s",
+                        url, type(e).__name__, e, "memory" if found[-1][1] == "memory" else root)
+    if not found:
+        return None  # the local reader says what is missing
+    best = max(found, key=lambda f: f[0])
+    return best[2]
+
+
+@contextlib.contextmanager
+def local_view(url: str, options: Optional[Mapping[str, Any]], step: Optional[int], what: str) -> Iterator[str]:
+    """A temporary local directory of a remote store for the CLI: its manifests only (``what='manifests'``),
+    plus the data of the composite the command reads (``'one'``), or of every composite (``'all'``)."""
+    base, located = split_url(url)
+    store = FsspecStore(base, options)
+    good, bad = read_all(store)
+    with tempfile.TemporaryDirectory(prefix="layerckpt-view-") as tmp:
+        download(store, good, tmp, data=what == "all", strict=False)
+        for n in bad:
+            with open(os.path.join(tmp, _store.MANIFEST_DIR, n), "wb") as f:
+                f.write(store.read(MANIFESTS, n))
+        if what == "one":
+            name, m = pick(store, located if step is None else step)
+            download(store, {name: m}, tmp)
+        yield tmp if located is None else os.path.join(tmp, _store.MANIFEST_DIR, _store.manifest_name(located))
+
+
+def cli_options(text: Optional[str]) -> Dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        out = json.loads(text)
+    except ValueError as e:
+        raise CheckpointError(f"--remote-options must be a JSON object, got {text!r} ({e})") from None
+    if not isinstance(out, dict):
+        raise CheckpointError(f"--remote-options must be a JSON object, got {text!r}")
+    return out
+

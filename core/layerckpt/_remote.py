@@ -1,0 +1,201 @@
+"""Stores a tier copies composites into: any fsspec URL (the remote tier) or a local folder (the memory tier).
+
+A tier holds the same layout as the checkpoint directory, ``data/<file>`` and
+``manifests/step-N.json`` (no ``latest``), so what it holds is a layerckpt
+directory.  Object stores have no rename: a data file is put whole, the manifest
+goes last and is the tier's commit point, and a reader believes manifests only,
+never a listing of data.  Both stores offer the same few calls; ``_tiers``
+decides what to copy and what to delete.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+from typing import Any, Dict, List, Mapping, Optional
+
+from ._store import write_atomic
+from .errors import CheckpointError, ConfigError
+
+log = logging.getLogger("layerckpt")
+
+DATA, MANIFESTS = "data", "manifests"
+PART_BYTES_MIN = 5 << 20  # S3's smallest multipart part
+# Object stores whose PUT makes an object appear whole or not at all: a manifest is put directly; on any
+# other file system it is put under a temporary name and moved into place.
+_ATOMIC_PUT = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"}
+
+
+def is_url(path: Any) -> bool:
+    return isinstance(path, str) and "://" in path
+
+
+def _fsspec():
+    try:
+        import fsspec
+    except ImportError:
+        raise ConfigError("Config.remote needs fsspec: pip install 'layerckpt[remote]'") from None
+    return fsspec
+
+
+def check_config(remote: Any, options: Any) -> None:
+    """Config-time checks of ``Config.remote`` and ``Config.remote_options``: no I/O, only the URL's shape,
+    its protocol and the package that implements it."""
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ConfigError(f"Config.remote_options must map option names to values (passed to fsspec), "
+                          f"got {options!r}")
+    if remote is None:
+        if options:
+            raise ConfigError("Config.remote_options is set but Config.remote is not; set remote to a URL "
+                              "such as 's3://bucket/prefix'")
+        return
+    if not isinstance(remote, str) or not is_url(remote):
+        raise ConfigError(f"Config.remote must be a URL such as 's3://bucket/prefix' or 'file:///mnt/ckpt', "
+                          f"got {remote!r}")
+    proto = remote.split("://", 1)[0]
+    if not remote.split("://", 1)[1].strip("/"):
+        raise ConfigError(f"Config.remote {remote!r} names no bucket or folder; use e.g. '{proto}://bucket/prefix'")
+    fsspec = _fsspec()
+    if proto not in fsspec.available_protocols():
+        raise ConfigError(f"Config.remote {remote!r}: fsspec knows no protocol {proto!r} (known: s3, gs, az, "
+                          f"file, memory, ...); check the URL's scheme")
+    try:
+        fsspec.get_filesystem_class(proto)
+    except ImportError as e:
+        raise ConfigError(f"Config.remote {remote!r} needs the package that implements {proto}:// ({e})") from None
+
+
+def _name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+class FsspecStore:
+    """A tier on any fsspec file system; ``url`` names it in messages and reports."""
+
+    def __init__(self, url: str, options: Optional[Mapping[str, Any]] = None, part_bytes: int = 16 << 20):
+        fsspec = _fsspec()
+        self.url = url.rstrip("/")
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **dict(options or {}))
+        except (TypeError, ValueError, ImportError) as e:
+            raise CheckpointError(f"remote tier {url}: fsspec refused the URL or Config.remote_options ({e})") from None
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        self.local = type(self.fs).__name__ == "LocalFileSystem"
+        self.atomic_put = bool(set(protocols) & _ATOMIC_PUT) and not self.local
+        self._put_kw: Dict[str, Any] = {}
+        if set(protocols) & {"s3", "s3a"}:  # multipart in parts of this size, a few in flight
+            self._put_kw = {"chunksize": max(PART_BYTES_MIN, part_bytes), "max_concurrency": 4}
+
+    def _path(self, sub: str, name: str = "") -> str:
+        return "/".join(p for p in (self.root.rstrip("/"), sub, name) if p)
+
+    def where(self, sub: str, name: str) -> str:
+        return f"{self.url}/{sub}/{name}"
+
+    def prepare(self) -> None:
+        """Make the layout where the file system has folders, and prove the store takes writes."""
+        if self.local:
+            for sub in (DATA, MANIFESTS):
+                self.fs.makedirs(self._path(sub), exist_ok=True)
+        probe = self._path(".layerckpt-probe")
+        self.fs.pipe_file(probe, b"layerckpt\n")
+        self.fs.rm_file(probe)
+
+    def names(self, sub: str) -> List[str]:
+        path = self._path(sub)
+        self.fs.invalidate_cache(path)  # never a cached listing: another process may have written since
+        try:
+            return sorted(_name(p) for p in self.fs.ls(path, detail=False))
+        except FileNotFoundError:
+            return []
+
+    def read(self, sub: str, name: str) -> bytes:
+        return self.fs.cat_file(self._path(sub, name))
+
+    def size(self, sub: str, name: str) -> int:
+        return int(self.fs.size(self._path(sub, name)))
+
+    def put_file(self, src: str, sub: str, name: str) -> None:
+        dst = self._path(sub, name)
+        self.fs.put_file(src, dst, **self._put_kw)
+        want, got = os.path.getsize(src), self.size(sub, name)
+        if got != want:
+            raise OSError(errno.EIO, f"uploaded {got} of {want} bytes", self.where(sub, name))
+
+    def put_bytes(self, sub: str, name: str, data: bytes) -> None:
+        dst = self._path(sub, name)
+        if self.atomic_put:
+            self.fs.pipe_file(dst, data)
+        else:  # no atomic put here: a reader must never see half a manifest
+            tmp = self._path(sub, "." + name + ".tmp")
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, dst)
+
+    def get_file(self, sub: str, name: str, dst: str) -> None:
+        self.fs.get_file(self._path(sub, name), dst)
+
+    def delete(self, sub: str, names: List[str]) -> List[str]:
+        gone = []
+        for n in names:
+            try:
+                self.fs.rm_file(self._path(sub, n))
+                gone.append(n)
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # one failed delete must not stop the rest
+                log.warning("layerckpt: could not delete %s: %s", self.where(sub, n), e)
+        return gone
+
+
+class LocalStore:
+    """A tier in a local folder (the memory tier's ``/dev/shm/...``): plain files, manifests renamed into place."""
+
+    def __init__(self, path: str):
+        self.root = path
+        self.url = path
+        self.local = True
+
+    def where(self, sub: str, name: str) -> str:
+        return os.path.join(self.root, sub, name)
+
+    def prepare(self) -> None:
+        for sub in (DATA, MANIFESTS):
+            os.makedirs(os.path.join(self.root, sub), exist_ok=True)
+
+    def names(self, sub: str) -> List[str]:
+        try:
+            return sorted(os.listdir(os.path.join(self.root, sub)))
+        except FileNotFoundError:
+            return []
+
+    def read(self, sub: str, name: str) -> bytes:
+        with open(self.where(sub, name), "rb") as f:
+            return f.read()
+
+    def size(self, sub: str, name: str) -> int:
+        return os.path.getsize(self.where(sub, name))
+
+    def put_file(self, src: str, sub: str, name: str) -> None:
+        dst = self.where(sub, name)
+        tmp = dst + ".tmp"
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+
+    def put_bytes(self, sub: str, name: str, data: bytes) -> None:
+        write_atomic(self.where(sub, name), data)
+
+    def get_file(self, sub: str, name: str, dst: str) -> None:
+        shutil.copyfile(self.where(sub, name), dst)
+
+    def delete(self, sub: str, names: List[str]) -> List[str]:
+        gone = []
+        for n in names:
+            try:
+                os.unlink(self.where(sub, n))
+                gone.append(n)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("layerckpt: could not delete %s: %s", self.where(sub, n), e)
+        return gone

@@ -1,0 +1,366 @@
+"""Tiers beyond the local directory: after each local commit, a copy of the composite in shared memory
+(``Config.memory_tier``) and on remote storage (``Config.remote``), made in the background.
+
+One thread per tier copies the newest composite it was offered: first the data
+files the tier does not hold yet, then the manifest, the tier's commit point,
+then the tier's own retention by reference (manifests first, then data no kept
+manifest references, leftovers of interrupted copies included).  Copies never
+block training: the flusher only queues the composite (``Tiers.committed``),
+and while a tier copies from a composite the local retention keeps it
+(``Flusher.held``).  When copies fall behind, a queued composite is replaced by
+a newer one.  A failed copy is logged and retried with the next composite;
+``wait()``/``close()`` of the Checkpointer raise it if the tier is still
+behind.  One writer per tier, as per directory: the tier's retention deletes
+what its manifests do not reference.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import AbstractSet, Dict, List, Optional, Tuple
+
+from . import _faults, _retain, _store
+from ._manifest import Manifest
+from ._memtier import memory_path
+from ._remote import DATA, MANIFESTS, FsspecStore, LocalStore
+from .config import Config
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+
+log = logging.getLogger("layerckpt")
+
+COPIES_IN_FLIGHT = 4  # files copied at once by one tier
+_open: "weakref.WeakSet[Tier]" = weakref.WeakSet()  # this process's tiers, for read-your-writes
+
+
+def read_all(store) -> Tuple[Dict[str, Manifest], List[str]]:
+    """A tier's committed manifests that parse, by name, and the names of those that do not."""
+    good: Dict[str, Manifest] = {}
+    bad: List[str] = []
+    for n in store.names(MANIFESTS):
+        if _store.manifest_step(n) is None:
+            continue
+        try:
+            good[n] = Manifest.from_dict(json.loads(store.read(MANIFESTS, n)), store.where(MANIFESTS, n))
+        except FileNotFoundError:  # retention removed it since the listing
+            continue
+        except (ValueError, UnicodeDecodeError, CheckpointCorruptError):
+            bad.append(n)
+    return good, bad
+
+
+def _entries(m: Manifest) -> Dict[str, Dict[str, tuple]]:
+    """file -> {tensor key: where its bytes are and their checksum}, for the files ``m`` references."""
+    out: Dict[str, Dict[str, tuple]] = {f: {} for f in m.files}
+    for k, t in m.tensors.items():
+        out.setdefault(t.file, {})[k] = (t.offset, t.nbytes, t.crc, t.dtype, tuple(t.shape))
+    return out
+
+
+def place(m: Manifest, good: Dict[str, Manifest], listed: List[str]) -> Tuple[Dict[str, str], List[str]]:
+    """Where each file of ``m`` lives on the tier, and which to copy.
+
+    A committed tier file serves a local one when it has its size and, for every tensor ``m`` reads from
+    it, the same offset, length and checksum (recorded by a tier manifest); such a file is never copied
+    again.  A name a tier manifest uses for other bytes is never overwritten: the copy gets a fresh name.
+    Returns ({local name: tier name}, [local names to copy])."""
+    known: Dict[str, Dict[str, tuple]] = {}  # tier file -> every tensor entry tier manifests record for it
+    size: Dict[str, Tuple[int, str]] = {}
+    for tm in good.values():
+        for f, ents in _entries(tm).items():
+            known.setdefault(f, {}).update(ents)
+            size[f] = (tm.files[f].size, tm.checksum)
+    taken = set(listed) | set(known)
+    where: Dict[str, str] = {}
+    copy: List[str] = []
+    for f, ents in sorted(_entries(m).items()):
+        want = (m.files[f].size, m.checksum)
+        same = [r for r in [f] + sorted(known) if size.get(r) == want and all(
+            known[r].get(k) == e for k, e in ents.items()) and (ents or r == f)]
+        if same:
+            where[f] = same[0]
+            continue
+        name = f
+        if f in known:  # another file of this name is committed on the tier
+            fe, v = m.files[f], 1
+            while _store.data_name(fe.step, fe.rank, v) in taken:
+                v += 1
+            name = _store.data_name(fe.step, fe.rank, v)
+        taken.add(name)
+        where[f] = name
+        copy.append(f)
+    return where, copy
+
+
+def renamed(m: Manifest, where: Dict[str, str]) -> dict:
+    """The manifest as the tier holds it: its files under their tier names."""
+    d = m.to_dict()
+    d["files"] = {where[f]: e for f, e in d["files"].items()}
+    for e in d["tensors"].values():
+        e["file"] = where[e["file"]]
+    for e in d["layers"].values():
+        if e.get("file") is not None:
+            e["file"] = where.get(e["file"], e["file"])
+    return d
+
+
+def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: AbstractSet[str]) -> Tuple[int, int]:
+    """Copy the composite ``m`` (committed in ``root`` as ``name``) to the tier, commit it there, apply the
+    tier's retention.  Returns (files copied, files the tier already held)."""
+    good, bad = read_all(store)
+    where, todo = place(m, good, store.names(DATA))
+
+    def put(f: str) -> None:
+        store.put_file(os.path.join(root, _store.DATA_DIR, f), DATA, where[f])
+        _faults.point("tier.file-copied")
+
+    if todo:
+        with ThreadPoolExecutor(min(COPIES_IN_FLIGHT, len(todo)), thread_name_prefix="layerckpt-copy") as ex:
+            for fut in [ex.submit(put, f) for f in todo]:
+                fut.result()
+    _faults.point("tier.data-copied")
+    d = renamed(m, where)
+    body = json.dumps(d, separators=(",", ":"), allow_nan=True).encode()
+    store.put_bytes(MANIFESTS, name, body)  # the tier's commit point: every file it names is whole
+    _faults.point("tier.committed")
+    good[name] = Manifest.from_dict(d, store.where(MANIFESTS, name))
+    retain(store, good, bad, keep_last, pinned)
+    return len(todo), len(where) - len(todo)
+
+
+def retain(store, good: Dict[str, Manifest], bad: List[str], keep_last: int, pinned: AbstractSet[str]) -> None:
+    """The tier's retention, by reference as the local one: the ``keep_last`` newest composites and the
+    pinned ones stay; other manifests go first, then every data object no kept manifest references."""
+    order = sorted(good, key=_store.recency(good), reverse=True)
+    drop = [n for n in order[keep_last:] if n not in pinned] if keep_last > 0 else []
+    store.delete(MANIFESTS, drop)
+    if drop:
+        _faults.point("tier.manifests-dropped")
+    store.delete(MANIFESTS, [n for n in store.names(MANIFESTS) if n.endswith(".tmp")])
+    if bad:  # what a damaged manifest references is unknown: keep every data object
+        log.warning("layerckpt: damaged manifest(s) %s in %s; no data object is deleted", bad, store.url)
+        return
+    keep = _retain.referenced_files({n: good[n] for n in good if n not in drop})
+    store.delete(DATA, [n for n in store.names(DATA)
+                        if n not in keep and (_store.is_data_name(n) or n.endswith(".tmp"))])
+
+
+class Tier:
+    """One tier's background copier.  ``offer`` (flusher thread) queues a committed composite; one thread
+    copies it; ``wait``/``close`` (caller) wait for the copies."""
+
+    def __init__(self, kind: str, store, root: str, keep_last: int, every: int, tiers: "Tiers", pins: bool = True):
+        self.kind = kind
+        self.pins = pins  # whether Checkpointer.keep() composites stay here too
+        self.store = store
+        self.root = root
+        self.keep_last = keep_last
+        self.every = every
+        self._tiers = tiers
+        self._cv = threading.Condition()
+        self._queued: Optional[Tuple[str, Manifest]] = None
+        self._busy: Optional[str] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stop = False
+        self.offered = 0  # composites committed locally since this tier opened
+        self.error: Optional[BaseException] = None  # the newest copy's failure; None once one succeeds
+        self._reported = True
+        self.files_copied = 0
+        self.files_reused = 0
+        self.seq = 0  # the newest committed composite on the tier (seq, step) at open
+        self.newest: Optional[Tuple[int, int]] = None
+        _open.add(self)
+
+    def open(self) -> None:
+        """Reach the store (a bad URL, credentials or bucket fail here) and read what it holds."""
+        try:
+            self.store.prepare()
+            good, _ = read_all(self.store)
+        except Exception as e:  # noqa: BLE001 - fsspec implementations raise their own types
+            raise CheckpointError(
+                f"the {self.kind} tier {self.store.url} cannot be written: {type(e).__name__}: {e}; check "
+                + ("Config.remote and Config.remote_options (bucket, credentials, endpoint_url)"
+                   if self.kind == "remote" else "that /dev/shm is writable")) from None
+        if good:
+            n = _store.newest(good)
+            self.newest = (good[n].seq, good[n].step)
+            self.seq = max(tm.seq for tm in good.values())
+
+    def held(self) -> AbstractSet[str]:
+        with self._cv:
+            return {n for n in (self._busy, self._queued[0] if self._queued else None) if n}
+
+    def offer(self, m: Manifest, force: bool = False) -> None:
+        due = force or self.error is not None or self.offered % self.every == 0
+        self.offered += 1
+        if not due:
+            return
+        snapshot = Manifest.from_dict(m.to_dict(), "manifest")  # the flusher's object lives on
+        with self._cv:
+            self._queued = (_store.manifest_name(m.step), snapshot)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"layerckpt-{self.kind}-tier", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._queued is None and not self._stop:
+                    self._cv.wait()
+                if self._queued is None:
+                    return
+                (name, m), self._queued = self._queued, None
+                self._busy = name
+            try:
+                pinned = self._tiers.pinned() if self.pins else frozenset()
+                copied, reused = push(self.store, self.root, name, m, self.keep_last, pinned)
+                self.files_copied += copied
+                self.files_reused += reused
+                self.error = None
+                log.debug("layerckpt: step %d is committed on the %s tier %s (%d file(s) copied, %d held)",
+                          m.step, self.kind, self.store.url, copied, reused)
+            except BaseException as e:  # noqa: BLE001 - logged, retried with the next composite, raised at wait()
+                self.error = _as_write_error(e, self, m.step)
+                self._reported = False
+                log.warning("layerckpt: %s", self.error)
+            finally:
+                with self._cv:
+                    self._busy = None
+                    self._cv.notify_all()
+                self._tiers.released()
+
+    def idle(self) -> bool:
+        with self._cv:
+            return self._queued is None and self._busy is None
+
+    def wait(self) -> None:
+        """Until nothing is queued or copying; raises the newest copy's failure once."""
+        with self._cv:
+            while self._queued is not None or self._busy is not None:
+                self._cv.wait()
+        if self.error is not None and not self._reported:
+            self._reported = True
+            raise self.error
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+            t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
+
+
+class Tiers:
+    """The memory and remote tiers of one Checkpointer (rank 0)."""
+
+    def __init__(self, root: str, config: Config):
+        self.root = root
+        self.config = config
+        self.flusher = None
+        self._lock = threading.Lock()
+        self.tiers: List[Tier] = []
+        if config.memory_tier:
+            # the newest composite only: memory is dear, and a crash restarts from the newest
+            self.tiers.append(Tier("memory", LocalStore(memory_path(root)), root, 1, 1, self, pins=False))
+        if config.remote is not None:
+            store = FsspecStore(config.remote, config.remote_options, config.chunk_bytes)
+            if store.local and os.path.abspath(store.root) == root:
+                raise CheckpointError(f"Config.remote {config.remote} is the checkpoint directory itself; "
+                                      f"name another place")
+            self.tiers.append(Tier("remote", store, root, config.keep_last, config.remote_every, self))
+        for t in self.tiers:
+            t.open()
+        self.seq = max(t.seq for t in self.tiers)
+
+    def attach(self, flusher) -> None:
+        """Receive the flusher's commits; queue a copy of the newest local composite where a tier lacks it
+        (a run that was killed while copying resumes here)."""
+        self.flusher = flusher
+        flusher.after_commit = self.committed
+        good, _ = _store.read_all(self.root)
+        name = _store.newest(good)
+        if name is None:
+            return
+        m = good[name]
+        for t in self.tiers:
+            if t.newest is None or t.newest < (m.seq, m.step):
+                t.offer(m, force=True)
+                t.offered = 0  # the count of remote_every starts with this run's saves
+        self._hold()
+
+    def committed(self, m: Manifest) -> None:
+        """On the flusher thread, after the local commit and before the local retention."""
+        for t in self.tiers:
+            try:
+                t.offer(m)
+            except Exception as e:  # noqa: BLE001 - a tier must never fail the local commit
+                log.warning("layerckpt: step %d not queued for the %s tier: %s", m.step, t.kind, e)
+        self._hold()
+
+    def pinned(self) -> AbstractSet[str]:
+        return self.flusher.pinned if self.flusher is not None else frozenset()
+
+    def _hold(self) -> None:
+        """What the local retention keeps for the tiers: the composites they copy or have queued."""
+        with self._lock:
+            if self.flusher is not None:
+                self.flusher.held = frozenset(n for t in self.tiers for n in t.held())
+
+    def released(self) -> None:
+        """A copy ended: what it held may go, by the local retention, on the flusher thread."""
+        self._hold()
+        f = self.flusher
+        if f is None or self.config.keep_last <= 0:
+            return
+
+        def retain() -> None:
+            try:
+                _retain.retain(self.root, self.config.keep_last, f.pinned | f.held)
+            except OSError as e:
+                log.warning("layerckpt: retention in %s failed: %s", self.root, e)
+
+        f.then(retain)
+
+    def wait(self) -> None:
+        errors = []
+        for t in self.tiers:
+            try:
+                t.wait()
+            except CheckpointError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        for t in self.tiers:
+            t.close()
+
+
+def open_tiers(root: str, config: Config) -> Optional[Tiers]:
+    if not config.memory_tier and config.remote is None:
+        return None
+    return Tiers(root, config)
+
+
+def wait_for_tiers(where: str) -> None:
+    """Read your writes: wait for this process's copies into the tier at ``where`` (URL or folder)."""
+    for t in list(_open):
+        if t.store.url.rstrip("/") == where.rstrip("/"):
+            with t._cv:
+                while t._queued is not None or t._busy is not None:
+                    t._cv.wait()
+
+
+def _as_write_error(e: BaseException, tier: Tier, step: int) -> CheckpointWriteError:
+    where = getattr(e, "filename", None) or tier.store.url
+    return CheckpointWriteError(
+        getattr(e, "errno", None) or errno.EIO, str(where),
+        detail=f"copying the composite of step {step} to the {tier.kind} tier {tier.store.url} failed "
+               f"({type(e).__name__}: {e}); the local checkpoint is committed and intact, and the next save "
+               f"retries the copy")

@@ -1,0 +1,421 @@
+"""Tiers: the remote tier (a real S3-compatible server on loopback, memory://, file://) and the memory tier."""
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+
+import pytest
+import torch
+
+import layerckpt
+from conftest import assert_same_optimizer, assert_same_state, assert_same_tensors, run_py, trained
+from layerckpt import _faults
+from layerckpt._memtier import memory_path
+
+pytest.importorskip("fsspec")
+
+LAYERS, WIDTH = 6, 256
+FULL = layerckpt.Config(threshold=0.0, keep_last=2)  # every layer at every save: restores equal the live model
+SELECTIVE = layerckpt.Config(threshold=0.05, keep_last=2)  # only the layer a step moved is written
+
+
+# ------------------------------------------------------------------ an S3 server on loopback
+
+class S3:
+    """moto's S3 server on a free loopback port, with every request it answered."""
+
+    def __init__(self):
+        from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+        app = DomainDispatcherApplication(create_backend_app)
+        self.requests = []
+
+        def logged(environ, start_response):
+            self.requests.append((environ["REQUEST_METHOD"], environ["PATH_INFO"], environ.get("QUERY_STRING", "")))
+            return app(environ, start_response)
+
+        self._server = make_server("127.0.0.1", 0, logged, threaded=True, request_handler=MotoRequestHandler)
+        self.endpoint = "http://127.0.0.1:%d" % self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.options = {"key": "testing", "secret": "testing",
+                        "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
+
+    def bucket(self) -> str:
+        import boto3
+
+        name = "ckpt-" + uuid.uuid4().hex[:12]
+        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                     region_name="us-east-1").create_bucket(Bucket=name)
+        return name
+
+    def written(self, prefix: str):
+        """Object keys under ``prefix`` that got a PUT (whole objects and multipart parts)."""
+        return {p.split(prefix, 1)[1].lstrip("/") for meth, p, _ in self.requests
+                if meth == "PUT" and prefix in p}
+
+    def stop(self):
+        self._server.shutdown()
+        self._thread.join()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    server = S3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["s3", "memory", "file"])
+def remote(request, tmp_path):
+    """(url, options) of a fresh remote of each kind."""
+    if request.param == "s3":
+        s3 = request.getfixturevalue("s3")
+        return f"s3://{s3.bucket()}/run", s3.options
+    if request.param == "memory":
+        return f"memory://ckpt-{uuid.uuid4().hex[:12]}/run", {}
+    return "file://" + str(tmp_path / "remote" / "run"), {}
+
+
+def _fs(url, options):
+    import fsspec
+
+    return fsspec.core.url_to_fs(url, **options)
+
+
+def _remote_names(url, options, sub):
+    fs, path = _fs(url, options)
+    fs.invalidate_cache()
+    try:
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{path}/{sub}", detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def _referenced(url, options):
+    fs, path = _fs(url, options)
+    out = set()
+    for n in _remote_names(url, options, "manifests"):
+        out |= set(json.loads(fs.cat_file(f"{path}/manifests/{n}"))["files"])
+    return out
+
+
+# ------------------------------------------------------------------ a model whose layers move one at a time
+
+def stack() -> torch.nn.Module:
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    with torch.no_grad():
+        for i, m in enumerate(model):
+            m.weight.fill_(i + 1)
+            m.bias.fill_(-(i + 1))
+    return model
+
+
+def move(model: torch.nn.Module, step: int) -> None:
+    """Step ``step`` changes one layer, so a selective save writes one layer and carries the rest."""
+    with torch.no_grad():
+        m = model[step % LAYERS]
+        m.weight.fill_(step * 10 + step % LAYERS)
+        m.bias.fill_(-step)
+
+
+def at(step: int) -> torch.nn.Module:
+    model = stack()
+    for s in range(1, step + 1):
+        move(model, s)
+    return model
+
+
+def _threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("layerckpt")]
+
+
+# ------------------------------------------------------------------ remote tier
+
+def test_local_dir_deleted_restores_from_remote(remote, tmp_path):
+    url, options = remote
+    root = tmp_path / "ck"
+    model, opt = trained()
+    cfg = FULL.replace(remote=url, remote_options=options)
+    with layerckpt.Checkpointer(root, model, opt, config=cfg) as ck:
+        for step in range(1, 5):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.01)
+            ck.save(step, extra={"step": step})
+    assert _threads() == []
+    shutil.rmtree(root)
+
+    m2, _ = trained(seed=1)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3)
+    r = layerckpt.restore(url, m2, o2, config=cfg)
+    assert r.step == 4 and r.extra == {"step": 4} and r.manifest.startswith(url)
+    assert_same_state(model, m2)
+    assert_same_optimizer(opt, o2)
+    # the local directory, gone, with the Config that names its remote: the same composite
+    m3, _ = trained(seed=2)
+    assert layerckpt.restore(root, m3, config=cfg).step == 4
+    assert_same_state(model, m3)
+    loaded = layerckpt.read_checkpoint(url, config=cfg)
+    assert_same_tensors(loaded.model, model.state_dict())
+    # a manifest URL names one composite (uploads that fell behind skip to the newest: step 3 may be absent)
+    assert layerckpt.read_checkpoint(url + "/manifests/step-00000004.json", config=cfg).step == 4
+    assert not os.path.exists(root), "a reader never recreates the local directory"
+
+
+def test_remote_retention_follows_local_and_reuses_committed_files(s3, tmp_path):
+    url, options = f"s3://{s3.bucket()}/run", s3.options
+    root = tmp_path / "ck"
+    model = stack()
+    fs, path = _fs(url, options)
+    fs.pipe_file(f"{path}/data/step-00000099.rank0.safetensors", b"left by an interrupted upload")
+    cfg = SELECTIVE.replace(remote=url, remote_options=options)
+    with layerckpt.Checkpointer(root, model, config=cfg) as ck:
+        for step in range(1, 9):
+            move(model, step)
+            ck.save(step).wait()
+            ck.wait()  # the remote copy too
+            local_m = sorted(os.listdir(root / "manifests"))
+            local_d = sorted(os.listdir(root / "data"))
+            assert _remote_names(url, options, "manifests") == local_m
+            assert _remote_names(url, options, "data") == local_d == sorted(_referenced(url, options))
+    # every data object was put once: a composite's older files were reused, not uploaded again
+    puts = [p for meth, p, q in s3.requests if meth == "PUT" and f"{path}/data/step-0000000" in p]
+    assert len(puts) == len(set(puts)) == 8
+    m2 = stack()
+    shutil.rmtree(root)
+    assert layerckpt.restore(url, m2, config=cfg).step == 8
+    assert_same_state(at(8), m2)
+
+
+KILLED = r"""
+import json, os, sys, torch, layerckpt
+sys.path.insert(0, sys.argv[5])
+from test_tiers import SELECTIVE, move, stack
+from layerckpt import _faults
+root, url, options, kill_at = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+copies = [0]
+def die():
+    copies[0] += 1
+    if copies[0] == kill_at:  # this composite's data is on the remote, its manifest not yet
+        os.kill(os.getpid(), 9)
+_faults.install("tier.data-copied", die)
+model = stack()
+ck = layerckpt.Checkpointer(root, model, config=SELECTIVE.replace(remote=url, remote_options=options,
+                                                                 chunk_bytes="1MiB"))
+for step in range(1, 10):
+    move(model, step)
+    ck.save(step).wait()
+    print("LOCAL", step, flush=True)
+    ck.wait()
+    print("REMOTE", step, flush=True)
+"""
+
+
+def test_upload_killed_midway_keeps_previous_and_resumes_without_reuploading(s3, tmp_path):
+    url, options = f"s3://{s3.bucket()}/run", s3.options
+    root = str(tmp_path / "ck")
+    p = subprocess.run([sys.executable, "-c", KILLED, root, url, json.dumps(options), "3",
+                        os.path.dirname(__file__)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert p.stdout.split() == ["LOCAL", "1", "REMOTE", "1", "LOCAL", "2", "REMOTE", "2", "LOCAL", "3"]
+    _, path = _fs(url, options)
+    assert f"/{path}/data/step-00000003.rank0.safetensors" in [x[1] for x in s3.requests], "killed before its data"
+
+    # the remote's previous committed composite restores, bit for bit; the torn one is not believed
+    cfg = SELECTIVE.replace(remote=url, remote_options=options)
+    m = stack()
+    assert layerckpt.restore(url, m, config=cfg).step == 2
+    assert_same_state(at(2), m)
+
+    # a resumed run copies the composite the killed one left behind, and only what the remote lacks
+    s3.requests.clear()
+    with layerckpt.Checkpointer(root, at(3), config=cfg) as ck:
+        ck.wait()
+    referenced = _referenced(url, options)
+    assert referenced == {f"step-{s:08d}.rank0.safetensors" for s in (1, 2, 3)}
+    assert s3.written(f"{path}/data/") == {"step-00000003.rank0.safetensors"}
+    m = stack()
+    assert layerckpt.restore(url, m, config=cfg).step == 3
+    assert_same_state(at(3), m)
+
+
+def test_failed_upload_is_retried_and_reported(tmp_path):
+    url = f"memory://ckpt-{uuid.uuid4().hex[:12]}/run"
+    model = stack()
+    cfg = FULL.replace(remote=url)
+
+    def broken():
+        raise OSError(5, "injected upload failure")
+
+    ck = layerckpt.Checkpointer(tmp_path / "ck", model, config=cfg)
+    try:
+        _faults.install("tier.file-copied", broken)
+        move(model, 1)
+        ck.save(1).wait()  # the local checkpoint commits whatever the remote does
+        with pytest.raises(layerckpt.CheckpointWriteError, match="remote tier .* failed .*injected upload failure"):
+            ck.wait()
+        ck.wait()  # reported once
+        _faults.remove("tier.file-copied")
+        move(model, 2)
+        ck.save(2).wait()
+        ck.wait()
+    finally:
+        _faults.remove("tier.file-copied")
+        ck.close()
+    assert _remote_names(url, {}, "manifests") == ["step-00000002.json"]  # step 1 never made it
+    m = stack()
+    assert layerckpt.restore(url, m).step == 2
+    assert_same_state(at(2), m)
+
+
+def test_remote_every_and_freshest_tier_wins(tmp_path):
+    url = f"memory://ckpt-{uuid.uuid4().hex[:12]}/run"
+    root = tmp_path / "ck"
+    model = stack()
+    cfg = FULL.replace(remote=url, remote_every=2, keep_last=0)
+    with layerckpt.Checkpointer(root, model, config=cfg) as ck:
+        for step in range(1, 7):
+            move(model, step)
+            ck.save(step).wait()
+            ck.wait()
+    assert _remote_names(url, {}, "manifests") == [f"step-{s:08d}.json" for s in (1, 3, 5)]
+    # the local directory is newer than its remote: the local composite, not the remote's step 5
+    m = stack()
+    r = layerckpt.restore(root, m)  # the remote is found through the manifest's recorded Config
+    assert r.step == 6 and r.manifest.startswith(str(root))
+    old = tmp_path / "old"
+    shutil.copytree(root, old)
+
+    # a new run on another machine continues from the remote; the old directory must not shadow it
+    shutil.rmtree(root)
+    m = stack()
+    assert layerckpt.restore(url, m).step == 5
+    with layerckpt.Checkpointer(tmp_path / "new", m, config=cfg.replace(remote_every=1)) as ck:
+        move(m, 7)
+        ck.save(3)  # a lower step, and the same commit number as the old directory's step 6: still newer
+    for where in (old, tmp_path / "new", url):
+        m2 = stack()
+        r = layerckpt.restore(where, m2, config=cfg)
+        assert r.step == 3 and r.manifest.startswith(url if where == old else str(where)), where
+        assert_same_state(m, m2)
+
+
+def test_bad_remote_is_refused_up_front(s3, tmp_path):
+    with pytest.raises(layerckpt.ConfigError, match="no protocol 'nosuch'"):
+        layerckpt.Config(remote="nosuch://bucket/x")
+    with pytest.raises(layerckpt.ConfigError, match="must be a URL"):
+        layerckpt.Config(remote="/local/folder")
+    with pytest.raises(layerckpt.ConfigError, match="names no bucket"):
+        layerckpt.Config(remote="s3://")
+    with pytest.raises(layerckpt.ConfigError, match="remote_options must map"):
+        layerckpt.Config(remote="s3://b/x", remote_options=["key"])
+    with pytest.raises(layerckpt.ConfigError, match="remote_options is set but Config.remote is not"):
+        layerckpt.Config(remote_options={"key": "k"})
+    with pytest.raises(layerckpt.ConfigError, match="remote_every must be >= 1"):
+        layerckpt.Config(remote="memory://b/x", remote_every=0)
+    missing = layerckpt.Config(remote="s3://no-such-bucket-here/run", remote_options=s3.options)
+    with pytest.raises(layerckpt.CheckpointError, match="remote tier s3://no-such-bucket-here/run cannot be written"):
+        layerckpt.Checkpointer(tmp_path / "ck", stack(), config=missing)
+    assert _threads() == []
+    layerckpt.Checkpointer(tmp_path / "ck", stack()).close()  # the refused one left no lock behind
+    with pytest.raises(layerckpt.CheckpointError, match="is a URL"):
+        layerckpt.Checkpointer("s3://bucket/run", stack())
+    with pytest.raises(layerckpt.CheckpointNotFoundError, match="no committed checkpoint"):
+        layerckpt.restore(f"s3://{s3.bucket()}/empty", stack(), config=missing)
+
+
+def test_cli_reads_urls(s3, tmp_path):
+    from layerckpt.cli import main
+
+    url, options = f"s3://{s3.bucket()}/run", s3.options
+    model = stack()
+    with layerckpt.Checkpointer(tmp_path / "ck", model, config=FULL.replace(remote=url, remote_options=options)) as ck:
+        for step in (1, 2):
+            move(model, step)
+            ck.save(step)
+    opts = ["--remote-options", json.dumps(options)]
+    assert main(["inspect", url] + opts) == 0
+    assert main(["verify", url] + opts) == 0
+    out = tmp_path / "w.safetensors"
+    assert main(["export", url + "/manifests/step-00000001.json", "-o", str(out)] + opts) == 0
+    from safetensors.torch import load_file
+
+    assert_same_tensors(load_file(out), at(1).state_dict())
+    fs, path = _fs(url, options)
+    fs.pipe_file(f"{path}/data/step-00000002.rank0.safetensors", b"\0" * 4096)
+    assert main(["verify", url] + opts) == 1
+
+
+# ------------------------------------------------------------------ memory tier
+
+@pytest.fixture
+def shm_root(tmp_path):
+    root = tmp_path / "ck"
+    yield root
+    shutil.rmtree(memory_path(str(root)), ignore_errors=True)
+
+
+CRASHED = r"""
+import os, sys, layerckpt
+sys.path.insert(0, sys.argv[2])
+from test_tiers import FULL, move, stack
+model = stack()
+ck = layerckpt.Checkpointer(sys.argv[1], model, config=FULL.replace(memory_tier=True))
+for step in range(1, 4):
+    move(model, step)
+    ck.save(step)
+ck.wait()
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_memory_tier_after_a_crash_then_disk_when_gone_or_stale(shm_root):
+    p = run_py(CRASHED, str(shm_root), os.path.dirname(__file__))
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    mem = memory_path(str(shm_root))
+    assert sorted(os.listdir(os.path.join(mem, "manifests"))) == ["step-00000003.json"]
+    m = stack()
+    r = layerckpt.restore(shm_root, m)
+    assert r.step == 3
+    assert_same_state(at(3), m)
+    # read from memory, reported as the local composite (so adopt() can continue it)
+    assert r.manifest == str(shm_root / "manifests" / "step-00000003.json")
+
+    # stale: a run without the memory tier committed a newer composite on disk
+    with layerckpt.Checkpointer(shm_root, m) as ck:
+        move(m, 4)
+        ck.save(4)
+    m2 = stack()
+    assert layerckpt.restore(shm_root, m2).step == 4
+    assert_same_state(m, m2)
+    # gone (a node restart): the disk
+    shutil.rmtree(mem)
+    m3 = stack()
+    assert layerckpt.restore(shm_root, m3).step == 4
+    assert_same_state(m, m3)
+
+
+def test_memory_tier_holds_the_newest_composite_only(shm_root):
+    model = stack()
+    with layerckpt.Checkpointer(shm_root, model, config=SELECTIVE.replace(memory_tier=True)) as ck:
+        for step in range(1, 8):
+            move(model, step)
+            ck.save(step)
+    mem = memory_path(str(shm_root))
+    names = json.loads(open(os.path.join(mem, "manifests", "step-00000007.json")).read())["files"]
+    assert sorted(os.listdir(os.path.join(mem, "manifests"))) == ["step-00000007.json"]
+    assert sorted(os.listdir(os.path.join(mem, "data"))) == sorted(names)
+    m = stack()
+    r = layerckpt.restore(shm_root, m)
+    assert r.step == 7
+    assert_same_state(model, m)
