@@ -17,7 +17,7 @@ from layerckpt import _store as store
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
 
-from ._state import LOADED_KEY, to_extra
+from ._state import EXTRA_KEY, LOADED_KEY, to_extra
 from .checkpoint_io import LayerCheckpointIO
 
 log = logging.getLogger("layerckpt")
@@ -190,6 +190,38 @@ class LayerCheckpoint(ModelCheckpoint):
         self.restored, self._pending_rng = None, None  # set again if this fit resumes
         self.dirpath = trainer.strategy.broadcast(self._resolve_dir(trainer))
         self._install_io(trainer)
+        if _is_model_parallel(trainer.strategy):
+            self._route_sharded_load(trainer.strategy)
+
+    def _route_sharded_load(self, strategy: Any) -> None:
+        """ModelParallelStrategy loads a checkpoint itself (with DCP), not through CheckpointIO: a layerckpt
+        store or manifest is restored here instead, straight into each rank's shards of the module and
+        optimizer (which that strategy has set up before it loads)."""
+        if "load_checkpoint" in vars(strategy):
+            return
+        dcp_load = strategy.load_checkpoint
+
+        def load_checkpoint(checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+            path = strategy.broadcast(os.fspath(checkpoint_path))
+            if not store.is_checkpoint(path):
+                return dcp_load(path, weights_only=weights_only)
+            return self._restore_sharded(strategy, path)
+
+        strategy.load_checkpoint = load_checkpoint
+
+    def _restore_sharded(self, strategy: Any, path: str) -> Dict[str, Any]:
+        optimizers = strategy.optimizers
+        report = layerckpt.restore(path, strategy.lightning_module, optimizers[0] if optimizers else None,
+                                   strict=False, config=self.layer_config)  # each rank's RNG too
+        rest = (report.extra or {}).get(EXTRA_KEY)
+        if not isinstance(rest, dict):
+            raise CheckpointError(f"{report.manifest} was not written by LayerCheckpoint (no Lightning state in it)")
+        ckpt = dict(rest)  # the strategy loads no model or optimizer state from the dict: both are in place
+        ckpt[LOADED_KEY] = {"step": report.step, "manifest": report.manifest, "layers": report.layers,
+                            "staleness": report.staleness, "max_staleness": report.max_staleness,
+                            "bytes_read": report.bytes_read, "seconds": report.seconds,
+                            "rng": _RngStates() if self.layer_config.restore_rng else None}
+        return ckpt
 
     def _install_io(self, trainer: Any) -> None:
         current = trainer.strategy.checkpoint_io
@@ -399,6 +431,7 @@ class LayerCheckpoint(ModelCheckpoint):
 
     @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        vars(trainer.strategy).pop("load_checkpoint", None)  # the strategy's own loader again
         self._close(quiet=False)
         super().teardown(trainer, pl_module, stage)
 
@@ -439,12 +472,44 @@ class LayerCheckpoint(ModelCheckpoint):
                 logger.log_metrics(metrics, step=p.step)
 
 
+class _RngStates:
+    """The RNG states as a restore just set them (the checkpoint's), to put back at the start of training:
+    Lightning draws from them between loading a checkpoint and its first step."""
+
+    def __init__(self) -> None:
+        import random
+
+        import numpy as np
+
+        self.states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                       torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized()
+                       else None)
+
+    def restore_rng(self) -> None:
+        import random
+
+        import numpy as np
+
+        py, npy, cpu, cuda = self.states
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _is_model_parallel(strategy: Any) -> bool:
+    return any(c.__name__ == "ModelParallelStrategy" for c in type(strategy).__mro__)
+
+
 def _refuse_sharded(strategy: Any) -> None:
-    """FSDP, DeepSpeed and model-parallel strategies save and load around CheckpointIO; refuse them."""
+    """FSDP1, DeepSpeed and XLA strategies save sharded state their own way, around CheckpointIO; refuse
+    them, naming the sharded strategy that works (ModelParallelStrategy: FSDP2's fully_shard)."""
     names = {c.__name__ for c in type(strategy).__mro__}
-    bad = names & {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy", "XLAFSDPStrategy"}
+    bad = names & {"FSDPStrategy", "DeepSpeedStrategy", "XLAStrategy", "XLAFSDPStrategy"}
     if bad:
         raise CheckpointError(
             f"LayerCheckpoint does not support {type(strategy).__name__}: it saves sharded state outside "
-            f"Lightning's CheckpointIO. Use ModelCheckpoint with this strategy, or DDP / single-device with "
-            f"LayerCheckpoint")
+            f"Lightning's CheckpointIO. For sharded training use ModelParallelStrategy (FSDP2's fully_shard in "
+            f"configure_model), whose shards LayerCheckpoint saves and restores; otherwise DDP or a single device, "
+            f"or Lightning's ModelCheckpoint with this strategy")

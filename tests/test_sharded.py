@@ -80,3 +80,33 @@ def test_selective_saves_decide_alike_on_every_rank(tmp_path):
     r = subprocess.run([sys.executable, "-m", "layerckpt.cli", "verify", store], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "3 of 3 checkpoint(s) verified" in r.stdout, r.stdout + r.stderr
+
+
+def test_lightning_model_parallel_strategy_resumes_bit_for_bit(tmp_path):
+    """ModelParallelStrategy (FSDP2 in configure_model) on 2 CPU processes: LayerCheckpoint saves each rank's
+    shards; a run stopped at step 14 and resumed from "last" ends bit for bit as the uninterrupted run
+    (model, optimizer, each rank's RNG: the model has dropout)."""
+    script = os.path.join(os.path.dirname(HELPER), "lit_fsdp_helpers.py")
+    for mode in ("ref", "crash", "resume"):
+        r = subprocess.run([sys.executable, script, str(tmp_path), mode], capture_output=True, text=True,
+                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = load_manifest(os.path.join(str(tmp_path / "run"), "manifests", "step-00000020.json"))
+    assert m.world_size == 2 and len(m.files) == 2 and "model/net.h.0.c_attn.weight" in m.blocks
+    for rank in (0, 1):
+        ref = torch.load(tmp_path / f"ref.rank{rank}.pt", weights_only=True)
+        got = torch.load(tmp_path / f"resume.rank{rank}.pt", weights_only=True)
+        assert int(got.pop("restored_step")) == 12 and int(ref.pop("restored_step")) == -1
+        for k, v in ref.items():
+            assert torch.equal(got[k], v), (rank, k)
+
+
+def test_lightning_fsdp1_and_deepspeed_are_refused_naming_the_strategy_that_works(tmp_path):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_layerckpt import LayerCheckpoint
+    from lightning_layerckpt.callback import _refuse_sharded
+
+    with pytest.raises(layerckpt.CheckpointError, match="does not support FSDPStrategy.*use ModelParallelStrategy"):
+        _refuse_sharded(FSDPStrategy())
+    assert LayerCheckpoint(dirpath=str(tmp_path)).enabled  # constructing is fine; setup refuses
