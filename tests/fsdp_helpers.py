@@ -4,7 +4,8 @@ tests/fsdp_helpers.py MODE ROOT [THRESHOLD]``, or, for one process, the function
 Modes: ``save`` trains a sharded model, saves at steps 2, 4 and 6, writes the full state of step 6 to
 ``ROOT/ref.<world>.pt``, trains on, restores step 6 into the same model and checks it bit for bit;
 ``load`` restores the newest composite of ``ROOT/store`` into a fresh sharded model and checks every
-rank's shard against ``ROOT/ref.pt``.
+rank's shard against ``ROOT/ref.pt``; ``kill`` commits steps 2 and 4, then rank 1 is killed by SIGKILL
+while step 6 is flushing, before the ranks agree to commit it.
 """
 import os
 import sys
@@ -98,6 +99,22 @@ def main(mode: str, root: str, threshold: float) -> None:
             check(m, opt, ref)
             assert torch.equal(torch.rand(3), r), "each rank's RNG comes back"
         train(m, opt, 1, seed=7)  # and training goes on from the restored shards
+    elif mode == "kill":  # rank 1 dies once its shards of step 6 are durable, before the ranks agree
+        ck = layerckpt.Checkpointer(store, m, opt, cfg)
+        for step in (2, 4):
+            ck.save(step, loss=train(m, opt, 2, seed=step)).wait()
+        ref = full_state(m, opt)
+        if rank == 0:
+            torch.save(ref, os.path.join(root, "ref.pt"))
+        dist.barrier()
+        if rank == 1:
+            import signal
+
+            from layerckpt import _faults
+
+            _faults.install("flush.written", lambda: os.kill(os.getpid(), signal.SIGKILL))
+        ck.save(6, loss=train(m, opt, 2, seed=6)).wait()  # rank 0 waits for rank 1 until torchrun stops it
+        raise SystemExit("rank 1 should have died before step 6 committed")
     elif mode == "load":
         ref = torch.load(os.path.join(root, "ref.pt"), weights_only=True)
         layerckpt.restore(store, m, opt, strict=False)

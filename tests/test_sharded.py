@@ -110,3 +110,19 @@ def test_lightning_fsdp1_and_deepspeed_are_refused_naming_the_strategy_that_work
     with pytest.raises(layerckpt.CheckpointError, match="does not support FSDPStrategy.*use ModelParallelStrategy"):
         _refuse_sharded(FSDPStrategy())
     assert LayerCheckpoint(dirpath=str(tmp_path)).enabled  # constructing is fine; setup refuses
+
+
+def test_a_rank_killed_before_the_commit_leaves_the_previous_composite(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", HELPER, "kill",
+           str(tmp_path), "0.0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode != 0 and "SIGKILL" in r.stdout + r.stderr, r.stderr[-2000:]
+    store = str(tmp_path / "store")
+    data = set(os.listdir(os.path.join(store, "data")))
+    assert "step-00000006.rank1.safetensors" in data  # its shards were durable: only the commit was missing
+    model = h.model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert layerckpt.restore(store, model, opt).step == 4  # resharded 2 -> 1 too
+    h.check(model, opt, torch.load(tmp_path / "ref.pt", weights_only=True))
+    layerckpt.Checkpointer(store, model, opt).close()  # the next open removes the torn save's files
+    assert not any(n.startswith("step-00000006") for n in os.listdir(os.path.join(store, "data")))
