@@ -145,9 +145,11 @@ class LayerCheckpointPlugin:
             raise CheckpointError("this Accelerator already has a LayerCheckpointPlugin registered; register one only")
         kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
         if kind in _UNSUPPORTED:
+            hint = (" For FSDP2 (fully_shard) models, layerckpt.Checkpointer(dir, model, optimizer) on every rank "
+                    "saves and restores each rank's shards" if kind == "FSDP" else "")
             raise CheckpointError(
                 f"LayerCheckpointPlugin does not handle {_UNSUPPORTED[kind]} (distributed_type {kind}): their "
-                f"state is saved by their own engine; do not register the plugin for this run")
+                f"state is saved by their own engine; do not register the plugin for this run.{hint}")
         self.accelerator = accelerator
         self.enabled = True
         _registered[accelerator] = self
