@@ -18,4 +18,5 @@ def test_bench_tiny_json(tmp_path):
     for key in ("durable_vs_odirect_write", "stall_vs_memcpy", "restore_vs_odirect_read", "dcp_durable_over_ours"):
         assert res["ratios"][key] > 0
     assert res["disk"]["write_s"] > 0 and res["memcpy_s"] > 0
+    assert res["tiers"]["restore_bit_exact"] and res["tiers"]["restore_memory_s"] > 0  # memory vs disk vs remote
     assert not list(tmp_path.iterdir())  # the bench cleans up after itself

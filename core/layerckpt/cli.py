@@ -148,12 +148,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.add_argument("--config", help="a layerckpt YAML config")
     a.add_argument("--chunk-bytes", type=int)
     a.add_argument("--queue-depth", type=int)
-    a.add_argument("--only", nargs="+", choices=["layerckpt", "selective", "torch.save", "safetensors", "dcp"])
+    a.add_argument("--only", nargs="+",
+                   choices=["layerckpt", "selective", "torch.save", "safetensors", "dcp", "tiers"])
+    a.add_argument("--remote", metavar="URL", help="the remote tier for 'tiers' (default: a folder beside --dir)")
     a.add_argument("--policy", action="store_true",
                    help="instead: the selection defaults on the workload family (bytes, loss after restore)")
     a.add_argument("--workloads", nargs="+", help="with --policy: which workloads (default: all)")
     a.set_defaults(fn=_bench)
-    for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"]):
+    for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"], sub.choices["bench"]):
         a.add_argument("--remote-options", metavar="JSON",
                        help="when DIR is a URL (s3://bucket/prefix): fsspec options, e.g. credentials")
     args = p.parse_args(argv)

@@ -23,7 +23,8 @@ from ..config import Config
 
 
 def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3,
-        config: Optional[Config] = None, only: Optional[List[str]] = None) -> Dict[str, Any]:
+        config: Optional[Config] = None, only: Optional[List[str]] = None, remote: Optional[str] = None,
+        remote_options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     cfg = config or Config()
     if dirpath:
         os.makedirs(dirpath, exist_ok=True)
@@ -42,7 +43,7 @@ def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3
         res["checksum_gbps"] = checksum_rate()
         res["compression"] = compression_rate(tensors)
         disk = DiskLimits(os.path.join(root, "limit.bin"), nbytes, cfg.chunk_bytes, cfg.queue_depth)
-        want = set(only or ["layerckpt", "selective", "torch.save", "safetensors", "dcp"])
+        want = set(only or ["layerckpt", "selective", "torch.save", "safetensors", "dcp", "tiers"])
         runs = {}
         if "layerckpt" in want:
             runs["layerckpt"] = bench_layerckpt(root, model, opt, cfg, reps, disk, preset)
@@ -62,6 +63,10 @@ def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3
             runs["safetensors"] = bench_safetensors(root, model, opt, preset)
         if "dcp" in want:
             runs["dcp"] = bench_dcp(root, model, opt, preset)
+        if "tiers" in want:  # memory and remote tiers (bench/tiers.py)
+            from .tiers import bench_tiers
+
+            res["tiers"] = bench_tiers(root, model, opt, cfg, preset, max(2, reps - 1), remote, remote_options)
         res["runs"] = runs
         res["ratios"] = _ratios(res)
         return res
@@ -147,6 +152,10 @@ def format_table(res: Dict[str, Any]) -> str:
         lines.append(f"fine-tuning workload, default Config, checkpoint every {o['every']} steps: step time "
                      f"{o['overhead'] * 100:+.1f}% against no checkpointing ({o['ckpt_s']:.2f}s vs {o['no_ckpt_s']:.2f}s "
                      f"for {o['steps']} steps), {o['bytes'] / 1e6:.1f} MB written, tracker {o['tracker_bytes'] / 1e3:.0f} kB")
+    if res.get("tiers"):
+        from .tiers import format_tiers
+
+        lines += ["", format_tiers(res["tiers"], gb)]
     lines.append("ratios: " + ", ".join(f"{k}={v:.2f}" for k, v in res["ratios"].items()))
     return "\n".join(lines)
 
@@ -157,6 +166,9 @@ def main(args) -> int:
         cfg = cfg.replace(chunk_bytes=args.chunk_bytes)
     if args.queue_depth:
         cfg = cfg.replace(queue_depth=args.queue_depth)
-    res = run(args.preset, args.dir, args.reps, cfg, args.only)
+    from .._fetch import cli_options
+
+    res = run(args.preset, args.dir, args.reps, cfg, args.only, getattr(args, "remote", None),
+              cli_options(getattr(args, "remote_options", None)))
     print(json.dumps(res, indent=None if args.json else 2) if args.json else format_table(res))
     return 0

@@ -1,0 +1,122 @@
+"""`layerckpt bench --only tiers`: restore from the memory tier against the disk, and the remote tier
+against a plain fsspec upload (and download) of a torch.save file of the same state.
+
+Every restore reads into a fresh model and optimizer, as after a crash; the
+disk's files are dropped from the page cache first.  The remote is any fsspec
+URL (``--remote``); by default a folder beside the checkpoint (``file://``),
+which measures the tier's own cost rather than a network.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+import uuid
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+
+from .._memtier import memory_path
+from ..config import Config
+from .cases import _timed, build_state, drop_cache
+
+
+def bench_tiers(root: str, model, opt, cfg: Config, preset: str, reps: int = 2, remote: Optional[str] = None,
+                remote_options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    from ..checkpointer import Checkpointer
+    from ..restore import restore
+
+    d = os.path.join(root, "tiers")
+    url = (remote.rstrip("/") + "/" if remote else "file://" + os.path.join(root, "remote") + "/") + uuid.uuid4().hex[:8]
+    options = dict(remote_options or {})
+    out: Dict[str, Any] = {"remote": url.split("://", 1)[0] + "://" if remote else "file:// (the same disk)"}
+    full = cfg.replace(threshold=0.0, keep_last=1, memory_tier=True, remote=url, remote_options=options)
+    durable, remote_durable, copies = [], [], []
+    with Checkpointer(d, model, opt, config=full) as ck:
+        ck.save(0).wait()
+        ck.wait()  # the first save allocates the pool; not timed
+        for i in range(reps):
+            with torch.no_grad():  # new bytes: a tier that holds them already would copy nothing
+                for q in model.parameters():
+                    q.add_(1e-3)
+            t0 = time.perf_counter()
+            p = ck.save(i + 1).wait()
+            durable.append(p.durable_s)
+            ck.wait()  # the memory and remote copies
+            remote_durable.append(time.perf_counter() - t0)
+        copies = [t.files_copied for t in ck._tiers.tiers]
+    out.update(durable_s=min(durable), all_tiers_durable_s=min(remote_durable), files_copied=copies)
+
+    def fresh():
+        return build_state(preset, seed=1, step=False)
+
+    def same(m2) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
+
+    mem, disk, ok = [], [], True
+    for _ in range(reps):
+        m2, o2 = fresh()
+        mem.append(_timed(lambda: restore(d, m2, o2)))
+        ok = ok and same(m2)
+    shutil.move(memory_path(d), memory_path(d) + ".aside")  # as after a node restart
+    try:
+        for _ in range(reps):
+            m2, o2 = fresh()
+            drop_cache(d)
+            disk.append(_timed(lambda: restore(d, m2, o2)))
+            ok = ok and same(m2)
+    finally:
+        shutil.rmtree(memory_path(d) + ".aside", ignore_errors=True)
+    rem = []
+    for _ in range(reps):
+        m2, o2 = fresh()
+        rem.append(_timed(lambda: restore(url, m2, o2, config=full)))
+        ok = ok and same(m2)
+    out.update(restore_memory_s=min(mem), restore_disk_s=min(disk), restore_remote_s=min(rem),
+               restore_memory_median_s=statistics.median(mem), restore_disk_median_s=statistics.median(disk),
+               restore_bit_exact=ok)
+    out.update(_plain(root, model, opt, url, options, reps, preset))
+    return out
+
+
+def _plain(root: str, model, opt, url: str, options: Dict[str, Any], reps: int, preset: str) -> Dict[str, Any]:
+    """The baseline: torch.save to a local file (fsync), then one fsspec put; back: get, torch.load."""
+    import fsspec
+
+    fs, base = fsspec.core.url_to_fs(url + "-plain", **options)
+    if type(fs).__name__ == "LocalFileSystem":
+        fs.makedirs(base, exist_ok=True)
+    f = os.path.join(root, "plain.pt")
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    ups, downs = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        with open(f, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        fs.put_file(f, base + "/plain.pt")
+        ups.append(time.perf_counter() - t0)
+        os.unlink(f)
+        m2, o2 = build_state(preset, seed=1, step=False)
+        t0 = time.perf_counter()
+        fs.get_file(base + "/plain.pt", f)
+        got = torch.load(f, weights_only=True)
+        m2.load_state_dict(got["model"])
+        o2.load_state_dict(got["optimizer"])
+        downs.append(time.perf_counter() - t0)
+        os.unlink(f)
+    fs.rm(base, recursive=True)
+    return {"plain_upload_s": min(ups), "plain_restore_s": min(downs)}
+
+
+def format_tiers(t: Dict[str, Any], gb: float) -> str:
+    return "\n".join([
+        f"tiers (full saves, {gb:.2f} GB; remote {t['remote']}):",
+        f"  save() to durable: local {t['durable_s']:.3f}s; every tier (memory + remote) {t['all_tiers_durable_s']:.3f}s; "
+        f"plain torch.save + fsync + fsspec put {t['plain_upload_s']:.3f}s",
+        f"  restore: memory tier {t['restore_memory_s']:.3f}s, disk {t['restore_disk_s']:.3f}s "
+        f"({t['restore_disk_s'] / t['restore_memory_s']:.1f}x), remote {t['restore_remote_s']:.3f}s; "
+        f"plain fsspec get + torch.load {t['plain_restore_s']:.3f}s; bit-exact: {t['restore_bit_exact']}",
+    ])
