@@ -249,6 +249,21 @@ def test_upload_killed_midway_keeps_previous_and_resumes_without_reuploading(s3,
     assert_same_state(at(3), m)
 
 
+def test_large_files_go_up_in_parts(s3, tmp_path):
+    url, options = f"s3://{s3.bucket()}/run", s3.options
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)])  # a 12.6 MB file
+    cfg = FULL.replace(remote=url, remote_options=options, chunk_bytes="1MiB")  # parts of 5 MiB, S3's least
+    with layerckpt.Checkpointer(tmp_path / "ck", model, config=cfg) as ck:
+        ck.save(1)
+    _, path = _fs(url, options)
+    parts = [q for meth, p, q in s3.requests if meth == "PUT" and p.endswith("step-00000001.rank0.safetensors")]
+    assert len(parts) == 3 and all("partNumber" in q for q in parts)
+    m2 = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)])
+    layerckpt.restore(url, m2, config=cfg)
+    assert_same_state(model, m2)
+
+
 def test_failed_upload_is_retried_and_reported(tmp_path):
     url = f"memory://ckpt-{uuid.uuid4().hex[:12]}/run"
     model = stack()
@@ -269,13 +284,20 @@ def test_failed_upload_is_retried_and_reported(tmp_path):
         move(model, 2)
         ck.save(2).wait()
         ck.wait()
+        _faults.install("tier.file-copied", broken)
+        move(model, 3)
+        ck.save(3).wait()
     finally:
+        with pytest.raises(layerckpt.CheckpointWriteError, match="step 3 to the remote tier"):
+            ck.close()  # waits for the copies; the last one failed
         _faults.remove("tier.file-copied")
-        ck.close()
-    assert _remote_names(url, {}, "manifests") == ["step-00000002.json"]  # step 1 never made it
+    assert _threads() == []
+    assert _remote_names(url, {}, "manifests") == ["step-00000002.json"]  # steps 1 and 3 never made it
     m = stack()
     assert layerckpt.restore(url, m).step == 2
     assert_same_state(at(2), m)
+    m = stack()
+    assert layerckpt.restore(tmp_path / "ck", m).step == 3  # the local tier is the newer
 
 
 def test_remote_every_and_freshest_tier_wins(tmp_path):
@@ -391,18 +413,27 @@ def test_memory_tier_after_a_crash_then_disk_when_gone_or_stale(shm_root):
     # read from memory, reported as the local composite (so adopt() can continue it)
     assert r.manifest == str(shm_root / "manifests" / "step-00000003.json")
 
-    # stale: a run without the memory tier committed a newer composite on disk
-    with layerckpt.Checkpointer(shm_root, m) as ck:
+    # stale: the memory tier lags a newer composite on disk
+    shutil.copytree(mem, str(mem) + ".old")
+    with layerckpt.Checkpointer(shm_root, m, config=FULL.replace(memory_tier=True)) as ck:
         move(m, 4)
         ck.save(4)
+    shutil.rmtree(mem)
+    os.rename(str(mem) + ".old", mem)
     m2 = stack()
-    assert layerckpt.restore(shm_root, m2).step == 4
+    r = layerckpt.restore(shm_root, m2)
+    assert r.step == 4 and r.manifest == str(shm_root / "manifests" / "step-00000004.json")
     assert_same_state(m, m2)
     # gone (a node restart): the disk
     shutil.rmtree(mem)
     m3 = stack()
     assert layerckpt.restore(shm_root, m3).step == 4
     assert_same_state(m, m3)
+    # a writer without the memory tier drops a stale one rather than let it shadow its saves
+    layerckpt.Checkpointer(shm_root, m, config=FULL.replace(memory_tier=True)).close()
+    assert os.path.isdir(mem)
+    layerckpt.Checkpointer(shm_root, m).close()
+    assert not os.path.exists(mem)
 
 
 def test_memory_tier_holds_the_newest_composite_only(shm_root):

@@ -19,6 +19,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -343,6 +344,10 @@ class Tiers:
 
 
 def open_tiers(root: str, config: Config) -> Optional[Tiers]:
+    """The tiers of the directory ``root``'s writer (rank 0), or None without any."""
+    if not config.memory_tier:
+        # a memory tier left by an earlier run of this directory would only shadow this run's saves
+        shutil.rmtree(memory_path(root), ignore_errors=True)
     if not config.memory_tier and config.remote is None:
         return None
     return Tiers(root, config)
