@@ -117,7 +117,8 @@ def cmd_export(args) -> int:
 def _bench(args) -> int:
     import importlib
 
-    return importlib.import_module("layerckpt.bench." + ("policy" if args.policy else "run")).main(args)
+    kind = "sharded" if args.sharded else "policy" if args.policy else "run"
+    return importlib.import_module("layerckpt.bench." + kind).main(args)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -154,6 +155,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.add_argument("--policy", action="store_true",
                    help="instead: the selection defaults on the workload family (bytes, loss after restore)")
     a.add_argument("--workloads", nargs="+", help="with --policy: which workloads (default: all)")
+    a.add_argument("--sharded", action="store_true",
+                   help="instead: an FSDP2 model on --nproc processes (launches torchrun itself) against "
+                        "dcp.save, async_save and load")
+    a.add_argument("--size", default="gpt2-small", choices=["gpt2-small", "gpt2-mini", "tiny"],
+                   help="with --sharded: the model")
+    a.add_argument("--nproc", type=int, default=2, help="with --sharded: processes")
     a.set_defaults(fn=_bench)
     for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"], sub.choices["bench"]):
         a.add_argument("--remote-options", metavar="JSON",
