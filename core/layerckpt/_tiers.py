@@ -172,8 +172,8 @@ class Tier:
         self._reported = True
         self.files_copied = 0
         self.files_reused = 0
-        self.seq = 0  # the newest committed composite on the tier (seq, step) at open
-        self.newest: Optional[Tuple[int, int]] = None
+        self.seq = 0  # the highest commit number the tier held at open
+        self.newest: Optional[Tuple[int, int]] = None  # (seq, step) of its newest composite at open
         _open.add(self)
 
     def open(self) -> None:
@@ -235,15 +235,15 @@ class Tier:
                     self._cv.notify_all()
                 self._tiers.released()
 
-    def idle(self) -> bool:
-        with self._cv:
-            return self._queued is None and self._busy is None
-
-    def wait(self) -> None:
-        """Until nothing is queued or copying; raises the newest copy's failure once."""
+    def drain(self) -> None:
+        """Until nothing is queued or copying."""
         with self._cv:
             while self._queued is not None or self._busy is not None:
                 self._cv.wait()
+
+    def wait(self) -> None:
+        """Until nothing is queued or copying; raises the newest copy's failure once."""
+        self.drain()
         if self.error is not None and not self._reported:
             self._reported = True
             raise self.error
@@ -357,9 +357,7 @@ def wait_for_tiers(where: str) -> None:
     """Read your writes: wait for this process's copies into the tier at ``where`` (URL or folder)."""
     for t in list(_open):
         if t.store.url.rstrip("/") == where.rstrip("/"):
-            with t._cv:
-                while t._queued is not None or t._busy is not None:
-                    t._cv.wait()
+            t.drain()
 
 
 def _as_write_error(e: BaseException, tier: Tier, step: int) -> CheckpointWriteError:
