@@ -229,28 +229,39 @@ def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, c
             targets.append((k, t, a, b))
         else:
             plain.append(k)
-    direct, partial = _route(m, targets)
-    total = 0
-    by_file: Dict[str, List[Want]] = {}
-    for k in plain + sorted({src for src, _, _, _ in partial}):
-        by_file.setdefault(m.tensors[k].file, []).append(Want.from_entry(k, m.tensors[k]))
-    for w in direct:
-        by_file.setdefault(m.tensors[w].file, []).append(Want.from_entry(w, m.tensors[w]))
-    read: Dict[str, torch.Tensor] = {}
-    for fname, wants in sorted(by_file.items()):
-        path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
-        mine = [w for w in wants if w.key not in direct]
-        if mine:
-            views, n = read_views(backend, path, m.files[fname].size, mine, check, cfg.chunk_bytes,
-                                  direct=cfg.direct_io)
-            read.update(views)
-            total += n
-        if len(mine) < len(wants):
-            total += _read_blocks(path, m.files[fname].size, [w for w in wants if w.key in direct], direct, backend,
-                                  check, cfg)
-    _copy_partial(partial, read)
+    pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * min(4, cfg.queue_depth))  # bounce buffers
+    try:
+        read, total = _read_targets(root, m, mpath, targets, plain, backend, pool, check, cfg)
+    finally:
+        pool.close()
     out.update({k: read[k] for k in plain})
     return out, total
+
+
+def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str], backend, pool, check,
+                  cfg: Config) -> Tuple[Dict[str, torch.Tensor], int]:
+    """Read the ``plain`` keys into fresh memory, and each target's rows (see :func:`_route`) into the
+    target, file by file; returns the fresh tensors and the bytes read."""
+    direct, partial = _route(m, targets)
+    by_file: Dict[str, List[Want]] = {}
+    for k in list(dict.fromkeys(plain + sorted({src for src, _, _, _ in partial}))) + list(direct):
+        by_file.setdefault(m.tensors[k].file, []).append(Want.from_entry(k, m.tensors[k]))
+    total = 0
+    read: Dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for fname, wants in sorted(by_file.items()):
+            path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
+            ins = [w for w in wants if w.key in direct]
+            if ins:
+                total += read_into(backend, pool, path, m.files[fname].size, ins, direct, check, direct=cfg.direct_io)
+            rest = [w for w in wants if w.key not in direct]
+            if rest:
+                views, n = read_views(backend, path, m.files[fname].size, rest, check, cfg.chunk_bytes,
+                                      direct=cfg.direct_io)
+                read.update(views)
+                total += n
+        _copy_partial(partial, read)
+    return read, total
 
 
 def _route(m: Manifest, targets) -> Tuple[Dict[str, torch.Tensor], List[Tuple[str, torch.Tensor, int, int]]]:
@@ -286,16 +297,6 @@ def _copy_partial(partial, read: Dict[str, torch.Tensor]) -> None:
             dst.copy_(v.reshape(dst.shape) if v.dim() == 0 else v[a:b])
 
 
-def _read_blocks(path: str, size: int, wants: List[Want], sinks: Dict[str, torch.Tensor], backend, check,
-                 cfg: Config) -> int:
-    pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * min(4, cfg.queue_depth))  # bounce buffers
-    try:
-        with torch.no_grad():
-            return read_into(backend, pool, path, size, wants, sinks, check, direct=cfg.direct_io)
-    finally:
-        pool.close()
-
-
 def _read_model(root, m, mpath, plan: "_ModelPlan", backend, pool, check, cfg: Config) -> int:
     """Model tensors read straight into their memory (a DTensor's: its shard's rows)."""
     targets = []
@@ -304,25 +305,8 @@ def _read_model(root, m, mpath, plan: "_ModelPlan", backend, pool, check, cfg: C
         t, a, b = _local_rows(plan.targets[name])
         flats[name] = flat = _flat_target(t)
         targets.append((key, flat.view(t.dtype).reshape(t.shape), a, b))
-    direct, partial = _route(m, targets)
-    by_file: Dict[str, List[Want]] = {}
-    for k in list(direct) + sorted({src for src, _, _, _ in partial}):
-        by_file.setdefault(m.tensors[k].file, []).append(Want.from_entry(k, m.tensors[k]))
-    total = 0
-    read: Dict[str, torch.Tensor] = {}
+    _, total = _read_targets(root, m, mpath, targets, [], backend, pool, check, cfg)
     with torch.no_grad():
-        for fname, wants in sorted(by_file.items()):
-            path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
-            ins = [w for w in wants if w.key in direct]
-            if ins:
-                total += read_into(backend, pool, path, m.files[fname].size, ins, direct, check, direct=cfg.direct_io)
-            rest = [w for w in wants if w.key not in direct]
-            if rest:
-                views, n = read_views(backend, path, m.files[fname].size, rest, check, cfg.chunk_bytes,
-                                      direct=cfg.direct_io)
-                read.update(views)
-                total += n
-        _copy_partial(partial, read)
         for name, key in plan.pairs:  # targets that could not be written in place
             t, _, _ = _local_rows(plan.targets[name])
             if not t.is_contiguous():
