@@ -182,7 +182,8 @@ def source(path: Any, step: Optional[int], config: Optional[Config]) -> Optional
             found.append(((mm.seq, mm.created, _SPEED["memory"]), "memory", src))
         except CheckpointError as e:  # a stale or damaged memory tier: the disk is read
             log.info("layerckpt: memory tier %s not used: %s", mem, e)
-    url = config.remote if config is not None and config.remote else recorded.get("remote")
+    # the Config given decides; without one, the remote the newest local manifest was saved with
+    url = config.remote if config is not None else recorded.get("remote")
     if url:
         try:
             store = remote_store(url, config)

@@ -54,17 +54,18 @@ def bench_tiers(root: str, model, opt, cfg: Config, preset: str, reps: int = 2, 
     def same(m2) -> bool:
         return all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
 
+    local = cfg.replace(remote=None, remote_options={})  # memory vs disk: no remote to ask
     mem, disk, ok = [], [], True
     for _ in range(reps):
         m2, o2 = fresh()
-        mem.append(_timed(lambda: restore(d, m2, o2)))
+        mem.append(_timed(lambda: restore(d, m2, o2, config=local)))
         ok = ok and same(m2)
     shutil.move(memory_path(d), memory_path(d) + ".aside")  # as after a node restart
     try:
         for _ in range(reps):
             m2, o2 = fresh()
             drop_cache(d)
-            disk.append(_timed(lambda: restore(d, m2, o2)))
+            disk.append(_timed(lambda: restore(d, m2, o2, config=local)))
             ok = ok and same(m2)
     finally:
         shutil.rmtree(memory_path(d) + ".aside", ignore_errors=True)
