@@ -1,6 +1,8 @@
-"""LayerCheckpointIO: a Lightning ``CheckpointIO`` whose checkpoints are layerckpt stores (directories)."""
+"""LayerCheckpointIO: a Lightning ``CheckpointIO`` that writes standard ``.ckpt`` files through layerckpt's
+writer (staged, asynchronous, aligned, durable) and also reads layerckpt stores."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
@@ -11,75 +13,85 @@ from typing_extensions import override
 
 import layerckpt
 from layerckpt import _store as store
+from layerckpt._torchfile import TorchFileWriter
 from layerckpt.config import Config
 from layerckpt.errors import ConfigError
 
-from ._state import StateModule, to_extra, to_lightning
+from ._state import to_lightning
 
 if TYPE_CHECKING:
     from .callback import LayerCheckpoint
 
 
 class LayerCheckpointIO(CheckpointIO):
-    """Lightning ``CheckpointIO`` whose checkpoints are layerckpt stores (directories).
+    """Lightning ``CheckpointIO`` whose checkpoints are standard ``torch.save`` files, written by layerckpt.
 
-    - ``save_checkpoint(checkpoint, path)`` writes a full checkpoint into the store ``path`` and
-      returns once it is staged (``wait()``/``teardown()`` make it durable).  Lightning calls it on
-      rank 0 only, so it involves no other rank.
-    - ``load_checkpoint(path)`` takes a store (its newest composite), a store's
-      ``manifests/step-N.json``, or anything the wrapped IO loads (an ordinary ``.ckpt``).
-    - ``remove_checkpoint(path)`` removes a store (or defers to the wrapped IO).
+    - ``save_checkpoint(checkpoint, path)`` writes the file ``torch.save`` would (so
+      ``Model.load_from_checkpoint``, ``torch.load(path, weights_only=True)`` and ``ckpt_path=`` take
+      it; the zip's CRC-32 fields are zero, which torch does not check), but through layerckpt's writer:
+      the tensors are copied into page-aligned staging buffers on the calling thread, then one
+      background thread writes them with O_DIRECT, fsyncs ``<path>.<pid>.tmp`` and renames it into
+      place.  During a fit the call returns once staged; after the Trainer's teardown (a
+      ``trainer.save_checkpoint`` once ``fit`` is over) it returns once the file is durable, so it can
+      be read at once by anyone.  Remote paths (``s3://...``) go to the wrapped IO.
+    - ``load_checkpoint(path)`` first waits for a write of this IO to ``path`` (read your writes);
+      files load with the wrapped IO (Lightning's ``TorchCheckpointIO`` by default, its
+      ``weights_only`` rules), a layerckpt store or one of its ``manifests/step-N.json`` with layerckpt.
+    - ``remove_checkpoint(path)`` waits for a write to ``path`` in flight, then removes the file (or a
+      store directory).
+    - ``wait()``: every write durable; ``teardown()`` also ends the writer thread and frees its buffers.
+      A write that failed in the background is raised by the next ``save_checkpoint``, ``wait()`` or
+      ``teardown()``.
 
-    Used on its own (``Trainer(plugins=[LayerCheckpointIO()])``) with Lightning's ModelCheckpoint,
-    each checkpoint is a full one in its own directory; :class:`LayerCheckpoint` installs it and adds
-    the layer-selective store.
+    Used on its own, ``Trainer(plugins=[LayerCheckpointIO()])`` with Lightning's ModelCheckpoint;
+    :class:`LayerCheckpoint` installs it (wrapping the IO there) beside its layer-selective store.
     """
 
     def __init__(self, config: Optional[Union[Config, str, os.PathLike]] = None,
                  fallback: Optional[CheckpointIO] = None):
         self.config = as_config(config)
         self.fallback = fallback if fallback is not None else TorchCheckpointIO()
-        self._saving: Optional[layerckpt.Checkpointer] = None
+        self._writer = TorchFileWriter(self.config)
+        self._outside_fit = False  # after teardown, until a LayerCheckpoint attaches again: saves wait
         self._callbacks: List["LayerCheckpoint"] = []  # whose saves wait() and teardown() also cover
 
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Union[str, os.PathLike],
                         storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
-            raise TypeError(f"LayerCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
-        self._finish_standalone()
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
+                f" is not supported for `{self.__class__.__name__}`. Please implement your custom `CheckpointIO`"
+                " to define how you'd like to use `storage_options`."
+            )
         path = os.fspath(path)
-        if os.path.isfile(path):  # an earlier ordinary checkpoint of this name
-            os.remove(path)
-        elif os.path.isdir(path) and store.is_checkpoint(path):
-            shutil.rmtree(path)
-        model = StateModule(checkpoint.get("state_dict", {}))
-        ck = layerckpt.Checkpointer(path, model, None, self.config.replace(threshold=0.0, keep_last=1),
-                                    distributed=False)
-        try:
-            ck.save(int(checkpoint.get("global_step", 0)), extra=to_extra(checkpoint, has_optimizer=False))
-        except BaseException:
-            ck.close()
-            raise
-        ck.close(wait=False)  # one save per store: its thread and buffers go once it is durable
-        self._saving = ck  # wait(), teardown() and the next save still raise its error
+        if "://" in path:
+            return self.fallback.save_checkpoint(checkpoint, path)
+        self._writer.check()  # a write that failed since the last call stops this one
+        if os.path.isdir(path) and not store.is_checkpoint(path):
+            raise IsADirectoryError(errno.EISDIR, "cannot save a checkpoint file over a directory", path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        pending = self._writer.save(checkpoint, path)
+        if self._outside_fit:
+            pending.wait()
 
     @override
     def load_checkpoint(self, path: Union[str, os.PathLike], map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        self._writer.wait_for(os.fspath(path))  # a write of ours to path lands first (and raises if it failed)
         if not store.is_checkpoint(path):
             if os.path.isdir(path):
                 store.locate(path)  # raises the clear error: a directory, but not a checkpoint
-            return self.fallback.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            where = {} if map_location is None else {"map_location": map_location}
+            return self.fallback.load_checkpoint(path, weights_only=weights_only, **where)
         self.wait()  # a save of our own to the same place must be durable first
         loaded = layerckpt.read_checkpoint(path, config=self.config, strict=False)
         return to_lightning(loaded)
 
     @override
     def remove_checkpoint(self, path: Union[str, os.PathLike]) -> None:
+        self._writer.wait_for(os.fspath(path), check=False)  # a failure stays for the next save or wait()
         if os.path.isdir(path) and store.is_checkpoint(path):
-            if self._saving is not None and os.path.abspath(self._saving.dirpath) == os.path.abspath(path):
-                self._finish_standalone()
             shutil.rmtree(path)
         else:
             self.fallback.remove_checkpoint(path)
@@ -88,8 +100,7 @@ class LayerCheckpointIO(CheckpointIO):
         """Every save of this IO and of its callbacks durable; raises the first failure."""
         for cb in list(self._callbacks):
             cb.wait()
-        if self._saving is not None:
-            self._saving.wait()
+        self._writer.wait()
 
     @override
     def teardown(self) -> None:
@@ -97,22 +108,21 @@ class LayerCheckpointIO(CheckpointIO):
             for cb in list(self._callbacks):
                 cb._close(quiet=True)
         finally:
-            self._finish_standalone()
-            self.fallback.teardown()
+            self._outside_fit = True
+            try:
+                self._writer.close()
+            finally:
+                self.fallback.teardown()
 
     def _attach(self, callback: "LayerCheckpoint") -> None:
         """``callback`` saves through this IO's strategy: wait() and teardown() cover its saves too."""
+        self._outside_fit = False
         if callback not in self._callbacks:
             self._callbacks.append(callback)
 
     def _detach(self, callback: "LayerCheckpoint") -> None:
         if callback in self._callbacks:
             self._callbacks.remove(callback)
-
-    def _finish_standalone(self) -> None:
-        ck, self._saving = self._saving, None
-        if ck is not None:
-            ck.close()
 
 
 def as_config(config: Optional[Union[Config, str, os.PathLike, Dict[str, Any]]]) -> Config:

@@ -95,22 +95,21 @@ def test_resume_from_a_manifest_path(tmp_path):
     assert_same(state_of(t, m), state_of(t2, m2))
 
 
-def test_trainer_save_checkpoint_goes_through_layerckpt(tmp_path):
+def test_trainer_save_checkpoint_writes_a_standard_file(tmp_path):
     torch.manual_seed(7)
     m = Tiny()
     t = trainer(8, [LayerCheckpoint(dirpath=str(tmp_path / "run"), every_n_train_steps=4)], str(tmp_path))
     t.fit(m)
     gc.collect()
-    assert [th.name for th in threading.enumerate() if th.name == "layerckpt-flusher" and th.is_alive()] == []
+    assert [th.name for th in threading.enumerate() if th.name.startswith("layerckpt") and th.is_alive()] == []
     path = str(tmp_path / "manual.ckpt")
-    t.save_checkpoint(path)
-    t.strategy.checkpoint_io.wait()
-    deadline = time.time() + 30  # once durable, the one-save store lets its flusher go
-    while any(th.name == "layerckpt-flusher" and th.is_alive() for th in threading.enumerate()):
-        assert time.time() < deadline, "a layerckpt-flusher thread outlived trainer.save_checkpoint"
+    t.save_checkpoint(path)  # after fit: returns once durable
+    assert os.path.isfile(path) and torch.load(path, weights_only=True)["global_step"] == 8
+    deadline = time.time() + 30  # once idle, the writer's thread goes
+    while any(th.name.startswith("layerckpt") and th.is_alive() for th in threading.enumerate()):
+        assert time.time() < deadline, "a layerckpt thread outlived trainer.save_checkpoint"
         time.sleep(0.01)
-    assert os.path.isdir(path) and store.is_checkpoint(path)
-    assert not glob.glob(str(tmp_path / "**" / "*.pt"), recursive=True)
+    assert sorted(os.listdir(tmp_path)) == ["manual.ckpt", "run"]  # no temporary file left
     ck = t.strategy.checkpoint_io.load_checkpoint(path)
     assert ck["global_step"] == 8 and ck["pytorch-lightning_version"]
     for k, v in m.state_dict().items():
@@ -233,7 +232,7 @@ def test_sharded_strategies_are_refused():
 
 
 def test_checkpoint_io_on_its_own(tmp_path):
-    """Trainer(plugins=[LayerCheckpointIO()]) with Lightning's ModelCheckpoint: each checkpoint a full store."""
+    """Trainer(plugins=[LayerCheckpointIO()]) with Lightning's ModelCheckpoint: standard files, rotated."""
     d = str(tmp_path / "mc")
 
     def make(steps, extra=()):
@@ -246,7 +245,7 @@ def test_checkpoint_io_on_its_own(tmp_path):
     with pytest.raises(Crash):
         t.fit(m)
     assert sorted(os.listdir(d)) == ["epoch=0-step=8.ckpt", "last.ckpt"]  # top-1 rotation removed step 4
-    assert all(store.is_checkpoint(os.path.join(d, n)) for n in os.listdir(d))
+    assert all(torch.load(os.path.join(d, n), weights_only=True)["global_step"] == 8 for n in os.listdir(d))
     torch.manual_seed(7)
     ref = Tiny(dropout=0.0)
     trainer(12, [], str(tmp_path), enable_checkpointing=False).fit(ref)

@@ -117,7 +117,7 @@ def cmd_export(args) -> int:
 def _bench(args) -> int:
     import importlib
 
-    kind = "sharded" if args.sharded else "policy" if args.policy else "run"
+    kind = "sharded" if args.sharded else "lightning_io" if args.lightning else "policy" if args.policy else "run"
     return importlib.import_module("layerckpt.bench." + kind).main(args)
 
 
@@ -158,8 +158,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.add_argument("--sharded", action="store_true",
                    help="instead: an FSDP2 model on --nproc processes (launches torchrun itself) against "
                         "dcp.save, async_save and load")
+    a.add_argument("--lightning", action="store_true",
+                   help="instead: lightning_layerckpt.LayerCheckpointIO against Lightning's TorchCheckpointIO and "
+                        "AsyncCheckpointIO on a Trainer's checkpoint dict (time blocked, time to durable)")
     a.add_argument("--size", default="gpt2-small", choices=["gpt2-small", "gpt2-mini", "tiny"],
-                   help="with --sharded: the model")
+                   help="with --sharded or --lightning: the model")
     a.add_argument("--nproc", type=int, default=2, help="with --sharded: processes")
     a.set_defaults(fn=_bench)
     for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"], sub.choices["bench"]):
