@@ -84,6 +84,16 @@ def cmd_verify(args) -> int:
 def cmd_export(args) -> int:
     from safetensors.torch import save_file
 
+    if args.dcp is not None:
+        if args.output is not None or args.lightning or args.accelerate:
+            raise CheckpointError("--dcp OUT_DIR is the output: drop -o, --lightning and --accelerate")
+        from .interop import export_dcp
+
+        _, path = _locate(args)
+        print(f"wrote the DCP checkpoint of step {load_manifest(path).step} to {export_dcp(path, args.dcp)}")
+        return 0
+    if args.output is None:
+        raise CheckpointError("name the output: -o FILE, or --dcp OUT_DIR for a torch.distributed.checkpoint")
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise CheckpointError(f"cannot write {args.output}: the directory {out_dir} does not exist; create it first")
@@ -134,7 +144,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = sub.add_parser("export", help="consolidated model weights as one safetensors file")
     a.add_argument("dir")
     a.add_argument("--step", type=int)
-    a.add_argument("-o", "--output", required=True)
+    a.add_argument("-o", "--output")
+    a.add_argument("--dcp", metavar="OUT_DIR",
+                   help="instead of -o: a torch.distributed.checkpoint directory ('model' and 'optim' as DCP's "
+                        "get_model_state_dict / get_optimizer_state_dict give them)")
     a.add_argument("--lightning", action="store_true",
                    help="instead: a standard Lightning .ckpt (Model.load_from_checkpoint, ckpt_path=)")
     a.add_argument("--accelerate", action="store_true",
