@@ -219,15 +219,16 @@ def test_flush_error_stops_training(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)])
 
 
-def test_sharded_strategies_are_refused():
-    """FSDP needs a GPU in Lightning, so its strategy object is checked directly: setup() runs this check."""
+def test_fsdp1_is_refused_naming_the_sharded_strategy_that_works():
+    """FSDP needs a GPU in Lightning, so its strategy object is checked directly: setup() runs this check.
+    ModelParallelStrategy (FSDP2) is supported: tests/test_sharded.py resumes under it on 2 processes."""
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     from lightning_layerckpt.callback import _refuse_sharded
 
-    for strategy in (FSDPStrategy(), ModelParallelStrategy()):
-        with pytest.raises(layerckpt.CheckpointError, match=f"does not support {type(strategy).__name__}"):
-            _refuse_sharded(strategy)
+    with pytest.raises(layerckpt.CheckpointError, match="does not support FSDPStrategy.*use ModelParallelStrategy"):
+        _refuse_sharded(FSDPStrategy())
+    _refuse_sharded(ModelParallelStrategy())  # FSDP2: each rank's shards
     _refuse_sharded(L.strategies.DDPStrategy())  # DDP is fine
 
 

@@ -101,17 +101,6 @@ def test_lightning_model_parallel_strategy_resumes_bit_for_bit(tmp_path):
             assert torch.equal(got[k], v), (rank, k)
 
 
-def test_lightning_fsdp1_and_deepspeed_are_refused_naming_the_strategy_that_works(tmp_path):
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    from lightning_layerckpt import LayerCheckpoint
-    from lightning_layerckpt.callback import _refuse_sharded
-
-    with pytest.raises(layerckpt.CheckpointError, match="does not support FSDPStrategy.*use ModelParallelStrategy"):
-        _refuse_sharded(FSDPStrategy())
-    assert LayerCheckpoint(dirpath=str(tmp_path)).enabled  # constructing is fine; setup refuses
-
-
 def test_a_rank_killed_before_the_commit_leaves_the_previous_composite(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", HELPER, "kill",
            str(tmp_path), "0.0"]
