@@ -84,29 +84,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def local_state(m: torch.nn.Module, opt: torch.optim.Optimizer) -> Dict[str, torch.Tensor]:
-    """This rank's part of the state: each parameter once (tied weights too) and its AdamW moments."""
-    names = {id(p): n for n, p in m.named_parameters()}  # named_parameters lists a tied weight once
-    out = {f"model/{n}": _local(p.detach()) for n, p in m.named_parameters()}
+def _state(m: torch.nn.Module, opt: torch.optim.Optimizer, each) -> Dict[str, torch.Tensor]:
+    """Each parameter once (tied weights too: named_parameters lists one once) and its AdamW moments, as ``each``
+    gives them."""
+    names = {id(p): n for n, p in m.named_parameters()}
+    out = {f"model/{n}": each(p.detach()) for n, p in m.named_parameters()}
     for p, st in opt.state.items():
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
-                out[f"optim/{names[id(p)]}/{k}"] = _local(v)
+                out[f"optim/{names[id(p)]}/{k}"] = each(v)
     return out
+
+
+def local_state(m: torch.nn.Module, opt: torch.optim.Optimizer) -> Dict[str, torch.Tensor]:
+    """This rank's part of the state."""
+    return _state(m, opt, _local)
 
 
 def full_state(m: torch.nn.Module, opt: torch.optim.Optimizer) -> Dict[str, torch.Tensor]:
     """The whole state, DTensors gathered (a collective: every rank calls it)."""
-    def whole(t):
-        return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
-
-    names = {id(p): n for n, p in m.named_parameters()}
-    out = {f"model/{n}": whole(p.detach()) for n, p in m.named_parameters()}
-    for p, st in opt.state.items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                out[f"optim/{names[id(p)]}/{k}"] = whole(v)
-    return out
+    return _state(m, opt, lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone())
 
 
 def same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
