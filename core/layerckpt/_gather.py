@@ -113,11 +113,13 @@ def set_rng_state(st: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
     if "numpy" in st:
         np.random.set_state(decode(st["numpy"], tensors))
     if "torch" in st:
-        torch.set_rng_state(decode(st["torch"], tensors))
+        # a tensor of its own: set_rng_state reads from the start of the storage, and a restored
+        # state can be a view into a shared read buffer
+        torch.set_rng_state(decode(st["torch"], tensors).clone())
     if "cuda" in st and torch.cuda.is_available():
         states = decode(st["cuda"], tensors)
         if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
+            torch.cuda.set_rng_state_all([s.clone() for s in states])
 
 
 # ------------------------------------------------------------------ sharded tensors

@@ -50,35 +50,16 @@ def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Opti
                piece_bytes: int, direct: bool = True) -> Tuple[Dict[str, torch.Tensor], int]:
     """Read every wanted tensor of one data file; returns ({key: tensor}, bytes read)."""
     wants = sorted(wants, key=lambda w: w.offset)
-    small = size <= SMALL_FILE
-    fd, direct = _open_checked(path, size, wants, direct and not small)
+    if size <= SMALL_FILE:
+        return _views_small(path, size, wants, check)
+    fd, direct = _open_checked(path, size, wants, direct)
     try:
         extents = _extents(wants)
         total = sum(e - s for s, e in extents)
-        if small:  # buffered, into plain memory, each tensor checked as it lands
-            buf = bytearray(total)
-            sinks = {}
-            where = {}
-            base = 0
-            for s, e in extents:
-                for w in wants:
-                    if w.nbytes and s <= w.offset < e:
-                        where[w.key] = base + w.offset - s
-                        sinks[w.key] = torch.frombuffer(buf, dtype=torch.uint8, count=w.nbytes,
-                                                        offset=where[w.key]) if w.nbytes else None
-                base += e - s
-            os.close(fd)
-            fd = -1
-            total = _read_small(path, size, [w for w in wants if w.nbytes], sinks, check)
-            for w in wants:
-                if not w.nbytes:
-                    _verify(check, 0, w, path)
-        else:
-            buf = anon_buffer(total)
-            where = _pump(backend, fd, path, buf, extents, piece_bytes, wants, check)
+        buf = anon_buffer(total)
+        where = _pump(backend, fd, path, buf, extents, piece_bytes, wants, check)
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
     out = {}
     for w in wants:
         if w.nbytes == 0:
@@ -86,6 +67,27 @@ def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Opti
         else:
             t = torch.frombuffer(buf, dtype=torch.uint8, count=w.nbytes, offset=where[w.key])
             out[w.key] = t.view(w.dtype).reshape(w.shape)
+    return out, total
+
+
+def _views_small(path: str, size: int, wants: Sequence[Want], check: Optional[Callable]
+                 ) -> Tuple[Dict[str, torch.Tensor], int]:
+    """A small file's tensors, read buffered into one fresh allocation (not zeroed first: the read is
+    the first touch), packed at 64-byte boundaries."""
+    where, end = {}, 0
+    for w in wants:
+        where[w.key] = end
+        end += -(-w.nbytes // 64) * 64
+    buf = torch.empty(end, dtype=torch.uint8)
+    sinks = {w.key: buf[where[w.key]:where[w.key] + w.nbytes] for w in wants if w.nbytes}
+    total = _read_small(path, size, [w for w in wants if w.nbytes], sinks, check)
+    out = {}
+    for w in wants:
+        if w.nbytes == 0:
+            _verify(check, 0, w, path)
+            out[w.key] = torch.empty(w.shape, dtype=w.dtype)
+        else:
+            out[w.key] = sinks[w.key].view(w.dtype).reshape(w.shape)
     return out, total
 
 
