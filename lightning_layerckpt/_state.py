@@ -101,6 +101,18 @@ def to_lightning(loaded: LoadedCheckpoint) -> Dict[str, Any]:
     return ckpt
 
 
+def remote_holds_checkpoint(url: str, config: Any) -> bool:
+    """Whether ``url`` (a remote store or one of its manifests) holds a committed layerckpt checkpoint."""
+    from layerckpt._fetch import pick, remote_store, split_url
+
+    try:
+        root, step = split_url(url)
+        pick(remote_store(root, config), step)
+        return True
+    except Exception:  # noqa: BLE001 - not a layerckpt store (a .ckpt object, nothing there, unreachable)
+        return False
+
+
 class StateModule(torch.nn.Module):
     """A module whose state_dict is a given dict: lets a Checkpointer save a plain state dict."""
 

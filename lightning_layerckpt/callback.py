@@ -17,7 +17,7 @@ from layerckpt import _store as store
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
 
-from ._state import EXTRA_KEY, LOADED_KEY, to_extra
+from ._state import EXTRA_KEY, LOADED_KEY, remote_holds_checkpoint, to_extra
 from .checkpoint_io import LayerCheckpointIO
 
 log = logging.getLogger("layerckpt")
@@ -76,7 +76,9 @@ class LayerCheckpoint(ModelCheckpoint):
             construction.
         log_stats: log each checkpoint's bytes, layers persisted, stall, flush speed and staleness
             through the Trainer's loggers (``layerckpt/*``).
-        fidelity ... layers: layerckpt Config fields (see layerckpt.Config).
+        fidelity ... layers: layerckpt Config fields (see layerckpt.Config), the tiers among them:
+            ``memory_tier=True`` and ``remote="s3://bucket/run"`` (``remote_options``, ``remote_every``) copy
+            each committed composite to shared memory and to object storage in the background.
     """
 
     CHECKPOINT_NAME_LAST = "last"
@@ -118,6 +120,10 @@ class LayerCheckpoint(ModelCheckpoint):
         budget_bytes: Optional[Union[int, str]] = None,
         drift_sample: Optional[int] = None,
         row_block_bytes: Optional[Union[int, str]] = None,
+        memory_tier: Optional[bool] = None,
+        remote: Optional[str] = None,
+        remote_options: Optional[Dict[str, Any]] = None,
+        remote_every: Optional[int] = None,
         layers: Optional[Dict[str, str]] = None,
     ):
         if keep_last is None and config is None:
@@ -131,7 +137,8 @@ class LayerCheckpoint(ModelCheckpoint):
             staging_bytes=staging_bytes, chunk_bytes=chunk_bytes, queue_depth=queue_depth,
             max_inflight=max_inflight, backend=backend, direct_io=direct_io, verify_checksums=verify_checksums,
             restore_rng=restore_rng, budget_bytes=budget_bytes, drift_sample=drift_sample,
-            row_block_bytes=row_block_bytes, layers=layers,
+            row_block_bytes=row_block_bytes, memory_tier=memory_tier, remote=remote, remote_options=remote_options,
+            remote_every=remote_every, layers=layers,
         ).items() if v is not None}
         base = Config.from_yaml(config) if config is not None else Config()
         self.layer_config: Config = base.replace(**fields) if fields else base  # validates, names a bad field
@@ -246,7 +253,8 @@ class LayerCheckpoint(ModelCheckpoint):
     @override
     def _find_last_checkpoints(self, trainer: Any) -> set:
         """Where ``fit(ckpt_path="last")`` looks: the store, if it holds a committed checkpoint.  With no
-        dirpath, a new process's logger has a new version, so earlier versions' stores are candidates too."""
+        dirpath, a new process's logger has a new version, so earlier versions' stores are candidates too.
+        With none of them holding one and a remote tier configured, the remote tier."""
         where = [self._resolve_dir(trainer)]
         if self.dirpath is None and trainer.loggers and trainer.loggers[0].save_dir is not None:
             lg = trainer.loggers[0]
@@ -260,6 +268,9 @@ class LayerCheckpoint(ModelCheckpoint):
                 found.add(os.path.normpath(d))
             except CheckpointError:
                 pass
+        remote = self.layer_config.remote
+        if not found and remote is not None and remote_holds_checkpoint(remote, self.layer_config):
+            found.add(remote)  # the local store lost with its node: resume from the remote tier
         return found
 
     @override

@@ -13,11 +13,12 @@ from typing_extensions import override
 
 import layerckpt
 from layerckpt import _store as store
+from layerckpt._remote import is_url
 from layerckpt._torchfile import TorchFileWriter
 from layerckpt.config import Config
 from layerckpt.errors import ConfigError
 
-from ._state import to_lightning
+from ._state import remote_holds_checkpoint, to_lightning
 
 if TYPE_CHECKING:
     from .callback import LayerCheckpoint
@@ -79,6 +80,9 @@ class LayerCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Union[str, os.PathLike], map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
         self._writer.wait_for(os.fspath(path))  # a write of ours to path lands first (and raises if it failed)
+        if is_url(os.fspath(path)) and remote_holds_checkpoint(os.fspath(path), self.config):
+            self.wait()  # our own copies to it land first
+            return to_lightning(layerckpt.read_checkpoint(os.fspath(path), config=self.config, strict=False))
         if not store.is_checkpoint(path):
             if os.path.isdir(path):
                 store.locate(path)  # raises the clear error: a directory, but not a checkpoint

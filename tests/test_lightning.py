@@ -72,6 +72,28 @@ def test_resume_is_bit_exact_with_threshold_zero(tmp_path):
     assert m.losses[12:] == m2.losses  # dropout draws too: each RNG came back as it was at the save
 
 
+def test_resume_from_the_remote_tier_when_the_local_store_is_gone(tmp_path):
+    """LayerCheckpoint(remote=URL): the node dies with its disk; "last" finds the remote tier's newest
+    composite and the resume is bit for bit."""
+    import shutil
+
+    t, m = reference(tmp_path)
+    remote, d = (tmp_path / "remote").as_uri(), str(tmp_path / "run")
+    torch.manual_seed(7)
+    with pytest.raises(Crash):
+        trainer(20, [LayerCheckpoint(dirpath=d, every_n_train_steps=4, threshold=0.0, remote=remote),
+                     CrashAt(14)], str(tmp_path)).fit(Tiny())
+    shutil.rmtree(d)
+    torch.manual_seed(123)
+    m2 = Tiny(seed=5)
+    cb2 = LayerCheckpoint(dirpath=d, every_n_train_steps=4, threshold=0.0, remote=remote)
+    t2 = trainer(20, [cb2], str(tmp_path))
+    t2.fit(m2, ckpt_path="last")
+    assert cb2.restored["step"] == 12
+    assert_same(state_of(t, m), state_of(t2, m2))
+    assert m.losses[12:] == m2.losses
+
+
 def test_resume_with_defaults_stays_close(tmp_path):
     """The fine-tuning story of the example: pre-trained weights, 240 fine-tuning steps, a checkpoint every 4
     with the default Config, stopped at step 170 and resumed from the composite of step 168."""
