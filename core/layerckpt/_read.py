@@ -27,7 +27,8 @@ from .errors import CheckpointCorruptError
 GAP = 1 << 20  # read through holes smaller than this rather than issue another request
 #: files at most this big are read buffered, straight into the targets: the page cache serves them (a file
 #: read or written through it recently costs a memcpy), and O_DIRECT's per-request latency is not paid
-#: for little data.  Bigger ones go through O_DIRECT at queue depth, where the disk's rate decides.
+#: for little data.  Bigger ones go through O_DIRECT at queue depth, where the disk's rate decides, unless
+#: the file system has no O_DIRECT (tmpfs, where the memory tier lives) or it is turned off: buffered too.
 SMALL_FILE = 64 << 20
 PREFAULT_THREADS = 2
 
@@ -50,9 +51,12 @@ def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Opti
                piece_bytes: int, direct: bool = True) -> Tuple[Dict[str, torch.Tensor], int]:
     """Read every wanted tensor of one data file; returns ({key: tensor}, bytes read)."""
     wants = sorted(wants, key=lambda w: w.offset)
-    if size <= SMALL_FILE:
+    if size <= SMALL_FILE or not direct:
         return _views_small(path, size, wants, check)
     fd, direct = _open_checked(path, size, wants, direct)
+    if not direct:  # the file system refused O_DIRECT (tmpfs: the memory tier): a plain copy is the fastest
+        os.close(fd)
+        return _views_small(path, size, wants, check)
     try:
         extents = _extents(wants)
         total = sum(e - s for s, e in extents)
@@ -97,9 +101,12 @@ def read_into(backend, pool, path: str, size: int, wants: Sequence[Want], sinks:
     a few reused bounce buffers; cheaper than fresh memory where page faults are dear.
     A checksum failure can leave targets partly overwritten."""
     wants = sorted(wants, key=lambda w: w.offset)
-    if size <= SMALL_FILE:
+    if size <= SMALL_FILE or not direct:
         return _read_small(path, size, wants, sinks, check)
     fd, direct = _open_checked(path, size, wants, direct)
+    if not direct:  # no O_DIRECT here (tmpfs): straight into the targets, no bounce buffers
+        os.close(fd)
+        return _read_small(path, size, wants, sinks, check)
     try:
         extents = _extents(wants)
         pieces = [(o, min(pool.chunk_bytes, e - o)) for s, e in extents for o in range(s, e, pool.chunk_bytes)]
