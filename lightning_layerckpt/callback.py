@@ -1,6 +1,7 @@
 """LayerCheckpoint: a ModelCheckpoint whose saves go to one layerckpt store, from every rank at once."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -131,15 +132,8 @@ class LayerCheckpoint(ModelCheckpoint):
                 keep_last = 1  # the k best are kept by score; of the rest, the newest (selective saves build on it)
             elif save_top_k == -1:
                 keep_last = 0
-        fields = {k: v for k, v in dict(
-            fidelity=fidelity, threshold=threshold, max_staleness=max_staleness, base_every=base_every,
-            keep_last=keep_last,
-            staging_bytes=staging_bytes, chunk_bytes=chunk_bytes, queue_depth=queue_depth,
-            max_inflight=max_inflight, backend=backend, direct_io=direct_io, verify_checksums=verify_checksums,
-            restore_rng=restore_rng, budget_bytes=budget_bytes, drift_sample=drift_sample,
-            row_block_bytes=row_block_bytes, memory_tier=memory_tier, remote=remote, remote_options=remote_options,
-            remote_every=remote_every, layers=layers,
-        ).items() if v is not None}
+        given = locals()  # the layerckpt Config fields among the arguments, where given
+        fields = {f.name: given[f.name] for f in dataclasses.fields(Config) if given.get(f.name) is not None}
         base = Config.from_yaml(config) if config is not None else Config()
         self.layer_config: Config = base.replace(**fields) if fields else base  # validates, names a bad field
         if isinstance(enabled, str) or not isinstance(enabled, bool):
