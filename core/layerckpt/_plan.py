@@ -65,9 +65,14 @@ def assign(layers, nbytes: Dict[str, int], world: int) -> Dict[str, int]:
     return out
 
 
-def _mine(key: str, layer: Optional[str], persist, owner_rank: Dict[str, int], rank: int) -> bool:
+def _mine(key: str, layer: Optional[str], persist, owner_rank: Dict[str, int], rank: int,
+          sharded: Set[str], shard_keys: Set[str]) -> bool:
     if layer is not None:
-        return layer in persist and owner_rank[layer] == rank
+        if layer not in persist:
+            return False
+        if layer in sharded:  # every rank its own shards; the layer's unsharded tensors (a step count) once
+            return key in shard_keys or rank == 0
+        return owner_rank[layer] == rank
     if is_rng(key):
         return True  # every rank's own RNG keys (distinct names)
     return rank == 0  # extra, param_groups, non-tensor model state: once
@@ -82,8 +87,8 @@ class Selector:
                  group: Optional[Group] = None):
         self.model = model
         self.group = group if group is not None else Group(enabled=False)
-        #: tensors sharded over the ranks (DTensors), as row blocks: every rank's shard, by key (set per save)
-        self.shards: Dict[str, RowBlocks] = {}
+        self._shards: Dict[str, RowBlocks] = {}
+        self._shard_pieces: List[Tuple[str, str, int, int]] = []
         self.config = config
         self.spec = layers if layers is not None else config.layers
         self.tracker = DriftTracker(config.drift_sample)
@@ -92,6 +97,17 @@ class Selector:
         self._owner: Optional[Tuple[tuple, Dict[str, str], frozenset]] = None  # (sig, owner, frozen layers)
         self._keys: Optional[Tuple[tuple, Dict[str, str], Dict[str, List[str]]]] = None
         self._prev_shapes: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = {}
+
+    @property
+    def shards(self) -> Dict[str, RowBlocks]:
+        """Tensors sharded over the ranks (DTensors), as row blocks: every rank's shard, by key (set per save)."""
+        return self._shards
+
+    @shards.setter
+    def shards(self, shards: Dict[str, RowBlocks]) -> None:
+        self._shards = shards
+        #: (tensor key, shard key, first row, end row) of every rank's shard of every sharded tensor
+        self._shard_pieces = [(key, pk, a, z) for key in shards for pk, a, z in row_pieces(shards, key)]
 
     @property
     def full(self) -> bool:
@@ -133,7 +149,7 @@ class Selector:
                 layer = owner.get(p) if p is not None else None
                 if layer is not None:
                     # a row block of a table is a layer of its own; a rank's shard is part of its layer
-                    layer = layer if rows is None or base in self.shards else piece_key(layer, *rows)
+                    layer = layer if rows is None or base in self._shards else piece_key(layer, *rows)
                     key_layer[k] = layer
                     layer_keys.setdefault(layer, []).append(k)
             self._keys = ((keys, id(owner)), key_layer, layer_keys)
@@ -143,22 +159,25 @@ class Selector:
         """(key -> layer, layer -> keys, layer -> {name: weight}, layer -> {name: gradient average}, layer -> bytes).
         A row block's weight and gradient average are named ``<parameter>#rows=<a>:<b>``."""
         local = tuple(k for k, _ in entries)
-        key_layer, layer_keys = self._key_layers(local + self._remote_shards(set(local)))
+        have = set(local)
+        # every rank sees the same layers, with the same keys: the other ranks' shards too
+        key_layer, layer_keys = self._key_layers(local + tuple(pk for _, pk, _, _ in self._shard_pieces
+                                                               if pk not in have))
         weights: Dict[str, Dict[str, torch.Tensor]] = {}
         grads: Dict[str, Dict[str, torch.Tensor]] = {}
         nbytes: Dict[str, int] = {}
-        for key, b in self.shards.items():  # a sharded layer's bytes are every rank's shards
-            row = math.prod(b.shape[1:]) * ITEMSIZE[b.dtype]
-            for pk, a, z in row_pieces(self.shards, key):
-                if pk in key_layer:
-                    nbytes[key_layer[pk]] = nbytes.get(key_layer[pk], 0) + (z - a) * row
+        for key, pk, a, z in self._shard_pieces:  # a sharded layer's bytes are every rank's shards
+            b = self._shards[key]
+            if pk in key_layer:
+                row = math.prod(b.shape[1:]) * ITEMSIZE[b.dtype]
+                nbytes[key_layer[pk]] = nbytes.get(key_layer[pk], 0) + (z - a) * row
         for k, t in entries:
             layer = key_layer.get(k)
             if layer is None:
                 continue
-            if split_piece(k)[0] not in self.shards:
-                nbytes[layer] = nbytes.get(layer, 0) + t.numel() * t.element_size()
             base, rows = split_piece(k)
+            if base not in self._shards:
+                nbytes[layer] = nbytes.get(layer, 0) + t.numel() * t.element_size()
             name = model_name(base)
             if name is not None:
                 weights.setdefault(layer, {})[name if rows is None else piece_key(name, *rows)] = t
@@ -167,20 +186,16 @@ class Selector:
                 grads.setdefault(layer, {})[p if rows is None else piece_key(p, *rows)] = t
         return key_layer, layer_keys, weights, grads, nbytes
 
-    def _remote_shards(self, local: Set[str]) -> Tuple[str, ...]:
-        """The keys of the other ranks' shards: every rank sees the same layers, with the same keys."""
-        return tuple(pk for key in self.shards for pk, _, _ in row_pieces(self.shards, key) if pk not in local)
-
     def _shapes(self, entries: Entries) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]:
         shapes = {k: (t.dtype, tuple(t.shape)) for k, t in entries}
-        for key, b in self.shards.items():
-            for pk, a, z in row_pieces(self.shards, key):
-                shapes.setdefault(pk, (CODES[b.dtype], (z - a, *b.shape[1:])))
+        for key, pk, a, z in self._shard_pieces:
+            b = self._shards[key]
+            shapes.setdefault(pk, (CODES[b.dtype], (z - a, *b.shape[1:])))
         return shapes
 
     def _measure_across_ranks(self, layers, measures: Dict[str, Measure]) -> Dict[str, Measure]:
         """A sharded model's layers measured on every rank's shard, summed: every rank decides alike."""
-        if not self.shards or self.group.world == 1:
+        if not self._shards or self.group.world == 1:
             return measures
         mine = {layer: list(m.parts) if m.parts is not None else None for layer, m in measures.items()}
         ranks = self.group.exchange(mine)
@@ -230,7 +245,7 @@ class Selector:
 
         # a sharded layer is written by every rank, each its own shards (its unsharded tensors, such as
         # an optimizer's step count, by rank 0); any other layer by one rank, balanced by bytes
-        shard_keys = {pk for key in self.shards for pk, _, _ in row_pieces(self.shards, key)}
+        shard_keys = {pk for _, pk, _, _ in self._shard_pieces}
         sharded = {key_layer[pk] for pk in shard_keys if pk in key_layer}
         owner_rank = assign(persist - sharded, nbytes, world)
         layers: Dict[str, LayerEntry] = {}
@@ -248,8 +263,7 @@ class Selector:
                 carried.update({k: prev.tensors[k] for k in before.tensors})
         files = {e.file: prev.files[e.file] for e in carried.values()} if carried else {}
         write = [(k, t) for k, t in entries
-                 if (key_layer.get(k) in sharded and key_layer[k] in persist and (k in shard_keys or rank == 0))
-                 or (key_layer.get(k) not in sharded and _mine(k, key_layer.get(k), persist, owner_rank, rank))]
+                 if _mine(k, key_layer.get(k), persist, owner_rank, rank, sharded, shard_keys)]
         # the persisted layers' samples become their references once this save commits: copy them now
         samples = {layer: snaps[layer][0] for layer in persist if layer in snaps}
         with self._lock:
