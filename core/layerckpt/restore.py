@@ -300,17 +300,17 @@ def _copy_partial(partial, read: Dict[str, torch.Tensor]) -> None:
 def _read_model(root, m, mpath, plan: "_ModelPlan", backend, pool, check, cfg: Config) -> int:
     """Model tensors read straight into their memory (a DTensor's: its shard's rows)."""
     targets = []
-    flats: Dict[str, torch.Tensor] = {}
+    copy_back = []  # targets that cannot be written in place: read into a flat copy, then copied
     for name, key in plan.pairs:
         t, a, b = _local_rows(plan.targets[name])
-        flats[name] = flat = _flat_target(t)
+        flat = _flat_target(t)
+        if not t.is_contiguous():
+            copy_back.append((t, flat))
         targets.append((key, flat.view(t.dtype).reshape(t.shape), a, b))
     _, total = _read_targets(root, m, mpath, targets, [], backend, pool, check, cfg)
     with torch.no_grad():
-        for name, key in plan.pairs:  # targets that could not be written in place
-            t, _, _ = _local_rows(plan.targets[name])
-            if not t.is_contiguous():
-                t.copy_(flats[name].view(t.dtype).reshape(t.shape))
+        for t, flat in copy_back:
+            t.copy_(flat.view(t.dtype).reshape(t.shape))
     return total
 
 
