@@ -36,14 +36,39 @@ def wait_for_saves(root: str) -> None:
             p._done.wait()
 
 
-class PendingSave:
+class Pending:
+    """Handle of one piece of background work: ``wait()`` returns once it is done and re-raises its error
+    (whoever sees an error through ``wait()`` has had it reported)."""
+
+    def __init__(self) -> None:
+        self.error: Optional[BaseException] = None
+        self._done = threading.Event()
+        self._reported = False
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None):
+        """Block until durable; re-raises the background error (CheckpointWriteError for I/O)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self._what()} not durable after {timeout}s")
+        self._reported = True
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def _what(self) -> str:
+        raise NotImplementedError
+
+
+class PendingSave(Pending):
     """Handle of one save: ``wait()`` returns once it is durable and committed."""
 
     def __init__(self, step: int, path: str):
+        super().__init__()
         self.step = step
         self.path = path
         self.root = os.path.dirname(os.path.dirname(path))  # the checkpoint directory
-        self.error: Optional[BaseException] = None
         self.stall_s: float = 0.0  # save() call to return
         self.durable_s: float = 0.0  # save() call to commit
         self.nbytes: int = 0  # bytes this save writes (known once staged)
@@ -54,20 +79,9 @@ class PendingSave:
         self.max_staleness: int = 0  # the composite's oldest layer, in checkpoints
         self.manifest_path: Optional[str] = None
         self.cancelled = False  # its directory was removed while it flushed: dropped, not failed
-        self._done = threading.Event()
-        self._reported = False
 
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: Optional[float] = None) -> "PendingSave":
-        """Block until committed; re-raises a background error (CheckpointWriteError)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"checkpoint of step {self.step} not durable after {timeout}s")
-        self._reported = True
-        if self.error is not None:
-            raise self.error
-        return self
+    def _what(self) -> str:
+        return f"checkpoint of step {self.step}"
 
     @property
     def flush_gbps(self) -> float:

@@ -34,6 +34,7 @@ from torch.utils.serialization import config as torch_config
 
 from . import _commit, _store
 from ._backend import make_backend, open_file
+from ._flush import Pending
 from ._layout import align_up
 from ._stage import ABORT, BufferPool
 from .config import ALIGN, Config
@@ -44,29 +45,18 @@ log = logging.getLogger("layerckpt")
 _LAYOUT = {"save.storage_alignment": ALIGN, "save.compute_crc32": False}
 
 
-class PendingFile:
+class PendingFile(Pending):
     """Handle of one file being written: ``wait()`` returns once it is durable at ``path``."""
 
     def __init__(self, path: str):
+        super().__init__()
         self.path = path
-        self.error: Optional[BaseException] = None
         self.nbytes = 0  # the file's size (0 when a plain torch.save wrote it)
         self.stall_s = self.durable_s = 0.0  # from the save() call to its return / to durable
         self._t0 = time.perf_counter()
-        self._done = threading.Event()
-        self._reported = False  # its error was raised to someone
 
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: Optional[float] = None) -> "PendingFile":
-        """Block until durable; re-raises the background error (CheckpointWriteError for I/O)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"{self.path} not durable after {timeout}s")
-        self._reported = True
-        if self.error is not None:
-            raise self.error
-        return self
+    def _what(self) -> str:
+        return self.path
 
     def _finish(self, error: Optional[BaseException] = None) -> None:
         self.error, self.durable_s = error, time.perf_counter() - self._t0
