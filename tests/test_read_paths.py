@@ -10,13 +10,17 @@ import layerckpt
 from layerckpt import _read
 from conftest import assert_same_optimizer_state, assert_same_tensors, small_model, trained
 
-PATHS = {"small": (_read.SMALL_FILE, True), "odirect": (0, True), "buffered": (0, False)}
+# (SMALL_FILE, direct_io, whether the page cache is taken to hold the file: None = as it really is)
+PATHS = {"small": (_read.SMALL_FILE, True, None), "odirect": (0, True, False), "buffered": (0, False, None),
+         "cached": (0, True, True)}
 
 
 @pytest.fixture(params=sorted(PATHS))
 def read_path(request, monkeypatch, backend):
-    small, direct = PATHS[request.param]
+    small, direct, cached = PATHS[request.param]
     monkeypatch.setattr(_read, "SMALL_FILE", small)
+    if cached is not None:
+        monkeypatch.setattr(_read, "_cached", lambda path, wants: cached)
     return layerckpt.Config(direct_io=direct)
 
 
@@ -59,3 +63,22 @@ def test_every_read_path_names_a_truncated_file(tmp_path, read_path):
     os.truncate(data, os.path.getsize(data) // 2)
     with pytest.raises(layerckpt.CheckpointCorruptError, match="is truncated"):
         layerckpt.restore(str(tmp_path), small_model(), config=read_path)
+
+
+def test_page_cache_probe(tmp_path):
+    """A big file the page cache holds is read buffered; one it does not, through O_DIRECT."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    wants = [_read.Want("a", 0, 1 << 20, 0, None, ()), _read.Want("b", 2 << 20, 2 << 20, 0, None, ())]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        with open(path, "rb") as f:
+            f.read()
+        assert _read._cached(str(path), wants)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if _read._cached(str(path), wants):
+            pytest.skip("this file system keeps the file cached (tmpfs?)")
+        assert not _read._cached(str(path), wants)
+    finally:
+        os.close(fd)

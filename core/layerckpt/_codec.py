@@ -48,6 +48,8 @@ def encode(value: Any, key: str, out: Entries, where: str) -> Any:
 
 def decode(obj: Any, tensors: Dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, list):
+        if all(type(v) in _PLAIN for v in obj):  # fast path, as in encode
+            return list(obj)
         return [decode(v, tensors) for v in obj]
     if isinstance(obj, dict):
         if len(obj) == 1:
@@ -57,7 +59,7 @@ def decode(obj: Any, tensors: Dict[str, torch.Tensor]) -> Any:
             if tag == "__ndarray__":
                 return tensors[v].numpy()
             if tag == "__tuple__":
-                return tuple(decode(x, tensors) for x in v)
+                return tuple(v) if all(type(x) in _PLAIN for x in v) else tuple(decode(x, tensors) for x in v)
             if tag == "__dict__":
                 return {_hashable(decode(k, tensors)): decode(x, tensors) for k, x in v}
         return {k: decode(v, tensors) for k, v in obj.items()}
@@ -75,7 +77,7 @@ def tensor_refs(obj: Any) -> List[str]:
     while stack:
         o = stack.pop()
         if isinstance(o, list):
-            stack.extend(o)
+            stack.extend(v for v in o if type(v) not in _PLAIN)
         elif isinstance(o, dict):
             if len(o) == 1 and next(iter(o)) in ("__tensor__", "__ndarray__"):
                 out.append(next(iter(o.values())))

@@ -13,9 +13,12 @@ Tensor keys in a checkpoint have fixed prefixes, named here and nowhere else:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -289,10 +292,35 @@ def _read_blocks(blocks: Any, tensors: Dict[str, TensorEntry], path: str) -> Dic
     return out
 
 
+_parsed: "contextvars.ContextVar[Optional[Dict[Tuple[str, int, int, int], Manifest]]]" = contextvars.ContextVar(
+    "layerckpt_parsed_manifests", default=None)
+
+
+@contextlib.contextmanager
+def parse_once():
+    """Inside it (a decorator too) each manifest file is parsed once: a restore reads the same manifests
+    to pick the tier, to find the newest and to load it.  A committed manifest is never rewritten in
+    place (a new one is renamed over it: a new inode), and what is returned must not be changed."""
+    if _parsed.get() is not None:
+        yield
+        return
+    token = _parsed.set({})
+    try:
+        yield
+    finally:
+        _parsed.reset(token)
+
+
 def load_manifest(path: str) -> Manifest:
     """Read, parse and validate the manifest at ``path``."""
+    memo = _parsed.get()
     try:
         with open(path, "rb") as f:
+            if memo is not None:
+                st = os.fstat(f.fileno())
+                key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
+                if key in memo:
+                    return memo[key]
             raw = f.read()
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"manifest {path} does not exist") from None
@@ -300,4 +328,7 @@ def load_manifest(path: str) -> Manifest:
         m = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointCorruptError(f"manifest {path} is truncated or malformed ({e})", path=path) from None
-    return Manifest.from_dict(m, path)
+    out = Manifest.from_dict(m, path)
+    if memo is not None:
+        memo[key] = out
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -28,9 +29,13 @@ GAP = 1 << 20  # read through holes smaller than this rather than issue another 
 #: files at most this big are read buffered, straight into the targets: the page cache serves them (a file
 #: read or written through it recently costs a memcpy), and O_DIRECT's per-request latency is not paid
 #: for little data.  Bigger ones go through O_DIRECT at queue depth, where the disk's rate decides, unless
-#: the file system has no O_DIRECT (tmpfs, where the memory tier lives) or it is turned off: buffered too.
+#: the page cache holds them already, the file system has no O_DIRECT (tmpfs, where the memory tier
+#: lives) or it is turned off: buffered too.
 SMALL_FILE = 64 << 20
 PREFAULT_THREADS = 2
+#: buffered reads go in pieces this big, each checksummed on a helper thread while the next one is read
+#: (still in the CPU's cache); below two pieces the checksum runs inline
+PIECE = 1 << 20
 
 
 @dataclass
@@ -54,7 +59,7 @@ def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Opti
     if size <= SMALL_FILE or not direct:
         return _views_small(path, size, wants, check)
     fd, direct = _open_checked(path, size, wants, direct)
-    if not direct:  # the file system refused O_DIRECT (tmpfs: the memory tier): a plain copy is the fastest
+    if not direct or _cached(path, wants):  # tmpfs (the memory tier), or in the page cache: a plain copy
         os.close(fd)
         return _views_small(path, size, wants, check)
     try:
@@ -82,7 +87,9 @@ def _views_small(path: str, size: int, wants: Sequence[Want], check: Optional[Ca
     for w in wants:
         where[w.key] = end
         end += -(-w.nbytes // 64) * 64
-    buf = torch.empty(end, dtype=torch.uint8)
+    mem = anon_buffer(end)  # huge pages where the kernel gives them, faulted in by one call
+    _backend.populate(memoryview(mem))
+    buf = torch.frombuffer(mem, dtype=torch.uint8, count=end) if end else torch.empty(0, dtype=torch.uint8)
     sinks = {w.key: buf[where[w.key]:where[w.key] + w.nbytes] for w in wants if w.nbytes}
     total = _read_small(path, size, [w for w in wants if w.nbytes], sinks, check)
     out = {}
@@ -104,7 +111,7 @@ def read_into(backend, pool, path: str, size: int, wants: Sequence[Want], sinks:
     if size <= SMALL_FILE or not direct:
         return _read_small(path, size, wants, sinks, check)
     fd, direct = _open_checked(path, size, wants, direct)
-    if not direct:  # no O_DIRECT here (tmpfs): straight into the targets, no bounce buffers
+    if not direct or _cached(path, wants):  # tmpfs, or in the page cache: straight into the targets
         os.close(fd)
         return _read_small(path, size, wants, sinks, check)
     try:
@@ -153,25 +160,118 @@ def read_into(backend, pool, path: str, size: int, wants: Sequence[Want], sinks:
 
 def _read_small(path: str, size: int, wants: Sequence[Want], sinks: Dict[str, torch.Tensor],
                 check: Optional[Callable]) -> int:
-    """A small file: each tensor read buffered straight into its target, then its checksum checked."""
+    """Each tensor read buffered straight into its target, a piece at a time; the checksums run on a
+    helper thread a piece behind the reads (both release the GIL), and are compared at the end."""
     fd, _ = _open_checked(path, size, wants, direct=False)
-    total = 0
+    total = sum(w.nbytes for w in wants)
+    sums = _Checksums(check, len(wants), threaded=total >= 2 * PIECE)
     try:
-        for w in wants:
-            view = memoryview(sinks[w.key].numpy())
-            got = 0
-            while got < w.nbytes:
-                n = os.preadv(fd, [view[got:]], w.offset + got)
-                if n <= 0:
-                    raise OSError(errno.EIO, "short read", path)
-                got += n
-            total += got
-            _verify(check, check(view, 0) if check is not None else 0, w, path)
+        _advise(fd, wants)
+        for i, w in enumerate(wants):
+            view = memoryview(sinks[w.key].numpy()) if w.nbytes else memoryview(b"")
+            for a in range(0, w.nbytes, PIECE):
+                piece = view[a:a + PIECE]
+                got = 0
+                while got < len(piece):
+                    n = os.preadv(fd, [piece[got:]], w.offset + a + got)
+                    if n <= 0:
+                        raise OSError(errno.EIO, "short read", path)
+                    got += n
+                sums.add(i, piece)
+        crcs = sums.result()
     except OSError as e:
         raise _read_failed(path, e) from None
     finally:
+        sums.close()
         os.close(fd)
+    for i, w in enumerate(wants):
+        _verify(check, crcs[i], w, path)
     return total
+
+
+class _Checksums:
+    """Running checksums of the wanted tensors, fed piece by piece; on a helper thread if ``threaded``."""
+
+    def __init__(self, check: Optional[Callable], n: int, threaded: bool):
+        self.check = check
+        self.crcs = [0] * n
+        self._error: Optional[BaseException] = None
+        self._q: Optional["queue.SimpleQueue"] = None
+        self._thread: Optional[threading.Thread] = None
+        if check is not None and threaded:
+            self._q = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, daemon=True, name="layerckpt-checksum")
+            self._thread.start()
+
+    def add(self, i: int, piece: memoryview) -> None:
+        if self.check is None:
+            return
+        if self._q is None:
+            self.crcs[i] = self.check(piece, self.crcs[i])
+        else:
+            self._q.put((i, piece))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self._error is None:
+                try:
+                    self.crcs[item[0]] = self.check(item[1], self.crcs[item[0]])
+                except BaseException as e:  # noqa: BLE001 - handed to the reader
+                    self._error = e
+
+    def result(self) -> List[int]:
+        self.close()
+        if self._error is not None:
+            raise self._error
+        return self.crcs
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None
+
+
+def _advise(fd: int, wants: Sequence[Want]) -> None:
+    """Ask the kernel to read every wanted range ahead at once (many requests in flight, not the
+    readahead window's few); a no-op for what the page cache holds."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for s, e in _extents(wants):
+        try:
+            os.posix_fadvise(fd, s, e - s, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return
+
+
+def _cached(path: str, wants: Sequence[Want], probes: int = 16) -> bool:
+    """Whether the page cache holds the wanted bytes: a page at each of ``probes`` points across them
+    read without waiting (RWF_NOWAIT fails instead of going to the disk)."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    wanted = [w for w in wants if w.nbytes]
+    if flag is None or not wanted:
+        return False
+    total = sum(w.nbytes for w in wanted)
+    step = max(1, total // probes)
+    one = bytearray(1)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        base, j = 0, 0
+        for k in range(0, total, step):
+            while k >= base + wanted[j].nbytes:
+                base += wanted[j].nbytes
+                j += 1
+            try:
+                if os.preadv(fd, [one], wanted[j].offset + k - base, flag) != 1:
+                    return False
+            except (BlockingIOError, OSError):
+                return False
+        return True
+    finally:
+        os.close(fd)
 
 
 def _read_failed(path: str, e: OSError) -> CheckpointCorruptError:

@@ -15,7 +15,7 @@ from ._codec import decode, tensor_refs
 from ._flush import wait_for_saves
 from ._gather import model_state, optimizer_params, param_names, set_rng_state, shard_rows
 from ._layout import CODES, DTYPES
-from ._manifest import Manifest, is_rng, load_manifest, model_key, model_name, row_pieces, split_piece
+from ._manifest import Manifest, is_rng, load_manifest, model_key, model_name, parse_once, row_pieces, split_piece
 from ._read import Want, read_into, read_views
 from ._stage import BufferPool
 from .config import Config
@@ -49,6 +49,7 @@ class RestoreReport:
     loss_increase: Optional[float] = None  # the same as a fraction of the training loss at the save
 
 
+@parse_once()
 def restore(
     dirpath: Union[str, os.PathLike],
     model: torch.nn.Module,
@@ -151,6 +152,7 @@ class LoadedCheckpoint:
             set_rng_state(self.rng, self._rng_tensors)
 
 
+@parse_once()
 def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *,
                     config: Optional[Config] = None, strict: bool = True) -> LoadedCheckpoint:
     """Read the checkpoint at ``path`` (a checkpoint directory, or one of its manifests) into fresh tensors.
