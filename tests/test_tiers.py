@@ -2,11 +2,13 @@
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -450,3 +452,97 @@ def test_memory_tier_holds_the_newest_composite_only(shm_root):
     r = layerckpt.restore(shm_root, m)
     assert r.step == 7
     assert_same_state(model, m)
+
+
+# ------------------------------------------------------------------ bandwidth cap, bases only
+
+def test_bandwidth_cap_is_shared_by_concurrent_uploads(s3, tmp_path):
+    """Four uploads at once under one cap: together they take at least bytes / cap, and arrive whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from layerckpt._remote import CAPPED_BURST, FsspecStore
+
+    cap, size = 2_000_000, 400_000
+    url, options = f"s3://{s3.bucket()}/run", s3.options
+    store = FsspecStore(url, options, bandwidth=cap)
+    store.prepare()
+    payloads = {}
+    for i in range(4):
+        payloads[f"f{i}"] = os.urandom(size)
+        (tmp_path / f"f{i}").write_bytes(payloads[f"f{i}"])
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(4) as ex:
+        for fut in [ex.submit(store.put_file, str(tmp_path / n), "data", n) for n in payloads]:
+            fut.result()
+    elapsed = time.perf_counter() - t0
+    # 0.8 s at the cap, less the 64 KiB an idle bucket lets through at once; uncapped, loopback takes ~0.05 s
+    assert elapsed >= (4 * size - CAPPED_BURST) / cap - 0.02, elapsed
+    for n, data in payloads.items():
+        assert store.read("data", n) == data
+
+
+def test_bandwidth_cap_on_the_remote_tier(s3, tmp_path):
+    url, options = f"s3://{s3.bucket()}/run", s3.options
+    cap = 3_000_000
+    model = stack()
+    cfg = FULL.replace(remote=url, remote_options=options, remote_bandwidth="3MB/s")
+    assert cfg.remote_bandwidth == cap
+    with layerckpt.Checkpointer(tmp_path / "ck", model, config=cfg) as ck:
+        move(model, 1)
+        t0 = time.perf_counter()
+        ck.save(1).wait()
+        ck.wait()  # durable on the remote tier
+        elapsed = time.perf_counter() - t0
+    sent = sum(os.path.getsize(tmp_path / "ck" / "data" / n) for n in os.listdir(tmp_path / "ck" / "data"))
+    assert sent > 1_500_000
+    assert elapsed >= (sent - (64 << 10)) / cap - 0.02, (elapsed, sent)  # less what an idle bucket lets through
+    shutil.rmtree(tmp_path / "ck")
+    m = stack()
+    assert layerckpt.restore(url, m, config=cfg).step == 1
+    assert_same_state(at(1), m)
+
+
+def test_bandwidth_and_bases_config_errors():
+    assert layerckpt.Config(remote="memory://b/x", remote_bandwidth="200MB").remote_bandwidth == 200_000_000
+    assert layerckpt.Config(remote="memory://b/x", remote_bandwidth="1GiB/s").remote_bandwidth == 1 << 30
+    assert layerckpt.Config(remote="memory://b/x", remote_bandwidth=5000).remote_bandwidth == 5000
+    for bad in ("fast", 0, -3, True, "12 parsecs"):
+        with pytest.raises(layerckpt.ConfigError, match=r"Config.remote_bandwidth must be bytes per second "
+                                                        r"such as '200MB'.*got " + re.escape(repr(bad))):
+            layerckpt.Config(remote="memory://b/x", remote_bandwidth=bad)
+    with pytest.raises(layerckpt.ConfigError, match="remote_bandwidth caps uploads .* Config.remote is not set"):
+        layerckpt.Config(remote_bandwidth="1MB")
+    with pytest.raises(layerckpt.ConfigError, match=r"remote_every must be a positive integer .* or 'base' "
+                                                    r"\(base composites only\), got 'bases'"):
+        layerckpt.Config(remote="memory://b/x", remote_every="bases")
+    with pytest.raises(layerckpt.ConfigError, match="with base_every=0 only the first save is one; set base_every=N"):
+        layerckpt.Config(remote="memory://b/x", remote_every="base")
+    assert layerckpt.Config(remote="memory://b/x", remote_every="base", base_every=4).remote_every == "base"
+    assert layerckpt.Config(remote="memory://b/x", remote_every="base", threshold=0.0).remote_every == "base"
+
+
+def test_remote_gets_base_composites_only(s3, tmp_path):
+    url, options = f"s3://{s3.bucket()}/run", s3.options
+    root = tmp_path / "ck"
+    model = stack()
+    # a base every third save: steps 1, 4 and 7; the saves between write one layer each
+    cfg = SELECTIVE.replace(remote=url, remote_options=options, remote_every="base", base_every=3, keep_last=0)
+    with layerckpt.Checkpointer(root, model, config=cfg) as ck:
+        for step in range(1, 9):
+            move(model, step)
+            ck.save(step).wait()
+            ck.wait()
+    local = [json.loads((root / "manifests" / n).read_text()) for n in sorted(os.listdir(root / "manifests"))]
+    assert [len(m["files"]) for m in local] == [1, 2, 3, 1, 2, 3, 1, 2]  # selective composites carry older files
+    assert _remote_names(url, options, "manifests") == [f"step-{s:08d}.json" for s in (1, 4, 7)]
+    _, path = _fs(url, options)
+    assert s3.written(f"{path}/data/") == {f"step-{s:08d}.rank0.safetensors" for s in (1, 4, 7)}
+    shutil.rmtree(root)
+    for step in (4, 7):
+        m = stack()
+        r = layerckpt.restore(f"{url}/manifests/step-{step:08d}.json", m, config=cfg)
+        assert r.step == step and set(r.layers.values()) == {step}
+        assert_same_state(at(step), m)
+    m = stack()
+    assert layerckpt.restore(url, m, config=cfg).step == 7
+    assert_same_state(at(7), m)

@@ -15,6 +15,7 @@ import os
 import shutil
 from typing import Any, Dict, List, Mapping, Optional
 
+from ._bandwidth import TokenBucket
 from ._store import write_atomic
 from .errors import CheckpointError, ConfigError
 
@@ -22,6 +23,10 @@ log = logging.getLogger("layerckpt")
 
 DATA, MANIFESTS = "data", "manifests"
 PART_BYTES_MIN = 5 << 20  # S3's smallest multipart part
+# Under a bandwidth cap a file goes up in chunks of rate/4 bytes within these bounds: a sleep is at most
+# about a quarter of a second, and a chunk is never so small that the per-chunk cost shows.
+CAPPED_CHUNK_MIN, CAPPED_CHUNK_MAX = 64 << 10, 1 << 20
+CAPPED_BURST = 64 << 10  # bytes an upload may send ahead of the cap after a pause
 # Object stores whose PUT makes an object appear whole or not at all: a manifest is put directly; on any
 # other file system it is put under a temporary name and moved into place.
 _ATOMIC_PUT = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"}
@@ -73,7 +78,8 @@ def _name(path: str) -> str:
 class FsspecStore:
     """A tier on any fsspec file system; ``url`` names it in messages and reports."""
 
-    def __init__(self, url: str, options: Optional[Mapping[str, Any]] = None, part_bytes: int = 16 << 20):
+    def __init__(self, url: str, options: Optional[Mapping[str, Any]] = None, part_bytes: int = 16 << 20,
+                 bandwidth: Optional[int] = None):
         fsspec = _fsspec()
         self.url = url.rstrip("/")
         try:
@@ -86,6 +92,14 @@ class FsspecStore:
         self._put_kw: Dict[str, Any] = {}
         if set(protocols) & {"s3", "s3a"}:  # multipart in parts of this size, a few in flight
             self._put_kw = {"chunksize": max(PART_BYTES_MIN, part_bytes), "max_concurrency": 4}
+        self._part_bytes = max(PART_BYTES_MIN, part_bytes)
+        # Config.remote_bandwidth: one bucket for every upload of this store (the tier's copy threads share
+        # it), taken chunk by chunk as the bytes are handed to the file system
+        self.bucket: Optional[TokenBucket] = None
+        self._chunk = 0
+        if bandwidth is not None:
+            self._chunk = int(min(CAPPED_CHUNK_MAX, max(CAPPED_CHUNK_MIN, bandwidth // 4)))
+            self.bucket = TokenBucket(bandwidth, CAPPED_BURST)
 
     def _path(self, sub: str, name: str = "") -> str:
         return "/".join(p for p in (self.root.rstrip("/"), sub, name) if p)
@@ -118,13 +132,29 @@ class FsspecStore:
 
     def put_file(self, src: str, sub: str, name: str) -> None:
         dst = self._path(sub, name)
-        self.fs.put_file(src, dst, **self._put_kw)
+        if self.bucket is None:
+            self.fs.put_file(src, dst, **self._put_kw)
+        else:
+            self._put_capped(src, dst)
         want, got = os.path.getsize(src), self.size(sub, name)
         if got != want:
             raise OSError(errno.EIO, f"uploaded {got} of {want} bytes", self.where(sub, name))
 
+    def _put_capped(self, src: str, dst: str) -> None:
+        """Stream ``src`` to ``dst`` a chunk at a time, each chunk's bytes taken from the bucket first.  The
+        file system's writer keeps its own parts (multipart on S3, in parts of the uncapped size)."""
+        with open(src, "rb") as fin, self.fs.open(dst, "wb", block_size=self._part_bytes) as fout:
+            while True:
+                buf = fin.read(self._chunk)
+                if not buf:
+                    break
+                self.bucket.take(len(buf))
+                fout.write(buf)
+
     def put_bytes(self, sub: str, name: str, data: bytes) -> None:
         dst = self._path(sub, name)
+        if self.bucket is not None:
+            self.bucket.take(len(data))
         if self.atomic_put:
             self.fs.pipe_file(dst, data)
         else:  # no atomic put here: a reader must never see half a manifest

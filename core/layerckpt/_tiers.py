@@ -4,7 +4,9 @@
 One thread per tier copies the newest composite it was offered: first the data
 files the tier does not hold yet, then the manifest, the tier's commit point,
 then the tier's own retention by reference (manifests first, then data no kept
-manifest references, leftovers of interrupted copies included).  Copies never
+manifest references, leftovers of interrupted copies included).  The remote
+tier copies every ``remote_every``-th composite, or base composites only, and
+its uploads share one token bucket when ``remote_bandwidth`` caps them.  Copies never
 block training: the flusher only queues the composite (``Tiers.committed``),
 and while a tier copies from a composite the local retention keeps it
 (``Flusher.held``).  When copies fall behind, a queued composite is replaced by
@@ -23,13 +25,13 @@ import shutil
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import AbstractSet, Dict, List, Optional, Tuple
+from typing import AbstractSet, Dict, List, Optional, Tuple, Union
 
 from . import _faults, _retain, _store
 from ._manifest import Manifest
 from ._memtier import memory_path
 from ._remote import DATA, MANIFESTS, FsspecStore, LocalStore
-from .config import Config
+from .config import REMOTE_BASES, Config
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
 log = logging.getLogger("layerckpt")
@@ -52,6 +54,12 @@ def read_all(store) -> Tuple[Dict[str, Manifest], List[str]]:
         except (ValueError, UnicodeDecodeError, CheckpointCorruptError):
             bad.append(n)
     return good, bad
+
+
+def is_base(m: Manifest) -> bool:
+    """Whether ``m`` is a base composite: every layer persisted at its own step, so it reads no older file
+    (the first save, a due ``base_every``, every save of a full Config)."""
+    return all(e.step == m.step for e in m.layers.values())
 
 
 def _entries(m: Manifest) -> Dict[str, Dict[str, tuple]]:
@@ -154,7 +162,8 @@ class Tier:
     """One tier's background copier.  ``offer`` (flusher thread) queues a committed composite; one thread
     copies it; ``wait``/``close`` (caller) wait for the copies."""
 
-    def __init__(self, kind: str, store, root: str, keep_last: int, every: int, tiers: "Tiers", pins: bool = True):
+    def __init__(self, kind: str, store, root: str, keep_last: int, every: Union[int, str], tiers: "Tiers",
+                 pins: bool = True):
         self.kind = kind
         self.pins = pins  # whether Checkpointer.keep() composites stay here too
         self.store = store
@@ -196,7 +205,10 @@ class Tier:
             return {n for n in (self._busy, self._queued[0] if self._queued else None) if n}
 
     def offer(self, m: Manifest, force: bool = False) -> None:
-        due = force or self.error is not None or self.offered % self.every == 0
+        if self.every == REMOTE_BASES:  # a failed copy waits for the next base too
+            due = is_base(m)
+        else:
+            due = force or self.error is not None or self.offered % self.every == 0
         self.offered += 1
         if not due:
             return
@@ -270,7 +282,7 @@ class Tiers:
             # the newest composite only: memory is dear, and a crash restarts from the newest
             self.tiers.append(Tier("memory", LocalStore(memory_path(root)), root, 1, 1, self, pins=False))
         if config.remote is not None:
-            store = FsspecStore(config.remote, config.remote_options, config.chunk_bytes)
+            store = FsspecStore(config.remote, config.remote_options, config.chunk_bytes, config.remote_bandwidth)
             if store.local and os.path.abspath(store.root) == root:
                 raise CheckpointError(f"Config.remote {config.remote} is the checkpoint directory itself; "
                                       f"name another place")

@@ -11,6 +11,7 @@ from .errors import ConfigError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths
+REMOTE_BASES = "base"  # Config.remote_every: base composites only
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": KiB, "kb": 1000, "kib": KiB, "m": MiB, "mb": 1000**2, "mib": MiB,
@@ -88,9 +89,14 @@ class Config:
     remote_options: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the fsspec file system (key/secret, client_kwargs={'endpoint_url': ...}, ...);
     never written into a manifest."""
-    remote_every: int = 1
+    remote_every: Union[int, str] = 1
     """Copy every N-th composite to the remote tier (the first, then each N-th); a failed copy is retried with
-    the next composite."""
+    the next composite.  ``"base"``: base composites only, those that carry no layer from an older save (the
+    first, every ``base_every``-th, and every save with ``threshold=0.0``), so the remote holds only
+    composites that restore from their own files."""
+    remote_bandwidth: Optional[int] = None
+    """Cap on the remote tier's upload speed, bytes per second over all its uploads at once ('200MB', '1GiB/s',
+    or a number); None: as fast as the network goes.  Uploads take longer; training is not slowed."""
 
     def __post_init__(self) -> None:
         self.staging_bytes = parse_size(self.staging_bytes, "staging_bytes")
@@ -122,7 +128,28 @@ class Config:
         _number(self, "staging_bytes", int, lo=self.chunk_bytes)
         if self.backend not in ("auto", "uring", "threads"):
             raise ConfigError(f"Config.backend must be 'auto', 'uring' or 'threads', got {self.backend!r}")
-        _number(self, "remote_every", int, lo=1)
+        if self.remote_every != REMOTE_BASES:
+            if isinstance(self.remote_every, str):
+                raise ConfigError(f"Config.remote_every must be a positive integer (every N-th composite) or "
+                                  f"{REMOTE_BASES!r} (base composites only), got {self.remote_every!r}")
+            _number(self, "remote_every", int, lo=1)
+        elif self.base_every == 0 and not (self.threshold == 0.0 and self.budget_bytes is None):
+            raise ConfigError(f"Config.remote_every={REMOTE_BASES!r} copies base composites only, but with "
+                              f"base_every=0 only the first save is one; set base_every=N (a base every N saves) "
+                              f"or remote_every=N")
+        if self.remote_bandwidth is not None:
+            bw = self.remote_bandwidth
+            if isinstance(bw, str) and bw.strip().lower().endswith("/s"):
+                bw = bw.strip()[:-2]
+            try:
+                self.remote_bandwidth = parse_size(bw, "remote_bandwidth")
+                _number(self, "remote_bandwidth", int, lo=1)
+            except ConfigError:
+                raise ConfigError(f"Config.remote_bandwidth must be bytes per second such as '200MB', '1GiB/s' or "
+                                  f"200000000 (None: no cap), got {self.remote_bandwidth!r}") from None
+            if self.remote is None:
+                raise ConfigError("Config.remote_bandwidth caps uploads to the remote tier, but Config.remote is "
+                                  "not set; set remote to a URL such as 's3://bucket/prefix' or drop the cap")
         if self.remote_options is None:
             self.remote_options = {}
         if self.remote is not None or self.remote_options:  # fsspec is needed only with a remote tier
