@@ -127,7 +127,8 @@ def cmd_export(args) -> int:
 def _bench(args) -> int:
     import importlib
 
-    kind = "sharded" if args.sharded else "lightning_io" if args.lightning else "policy" if args.policy else "run"
+    kind = ("sharded" if args.sharded else "lightning_io" if args.lightning else "policy" if args.policy
+            else "restore" if args.restore else "run")
     return importlib.import_module("layerckpt.bench." + kind).main(args)
 
 
@@ -174,6 +175,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.add_argument("--lightning", action="store_true",
                    help="instead: lightning_layerckpt.LayerCheckpointIO against Lightning's TorchCheckpointIO and "
                         "AsyncCheckpointIO on a Trainer's checkpoint dict (time blocked, time to durable)")
+    a.add_argument("--restore", action="store_true",
+                   help="instead: resume time by checkpoint size (fresh process, warm and cold page cache) "
+                        "against torch.load + load_state_dict and dcp.load")
+    a.add_argument("--sizes", default="10MB,50MB,200MB,gpt2-small",
+                   help="with --restore: comma-separated state sizes (e.g. 10MB) and/or gpt2-small")
+    a.add_argument("--cache", default="warm,cold", help="with --restore: page-cache conditions, warm and/or cold")
     a.add_argument("--size", default="gpt2-small", choices=["gpt2-small", "gpt2-mini", "tiny"],
                    help="with --sharded or --lightning: the model")
     a.add_argument("--nproc", type=int, default=2, help="with --sharded: processes")
