@@ -262,7 +262,7 @@ def _one_size(size: str, reps: int, root: str, conditions: List[str]) -> Dict[st
         paths = save_all(root, model, opt)
         del model, opt
         row: Dict[str, Any] = {
-            "size": size, "model": cfg, "state_bytes": sum(t.numel() * t.element_size() for t in saved.values()),
+            "size": size, "model": cfg, "state_bytes": _unique_bytes(saved.values()),
             "bytes": {k: _bytes_on_disk(p) for k, p in paths.items()},
             "bit_exact": {k: bit_exact(saved, k, p, cfg) for k, p in paths.items()},
             "seconds": {c: {k: [] for k in CONTENDERS} for c in conditions},
@@ -279,6 +279,12 @@ def _one_size(size: str, reps: int, root: str, conditions: List[str]) -> Dict[st
         return row
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _unique_bytes(ts) -> int:
+    """Bytes of the state, a tied weight counted once."""
+    seen = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel()): t.numel() * t.element_size() for t in ts}
+    return sum(seen.values())
 
 
 def _summary(ts: List[float]) -> Dict[str, float]:
