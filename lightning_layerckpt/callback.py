@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import re
 import os
 import time
 from datetime import timedelta
@@ -15,6 +17,7 @@ from typing_extensions import override
 
 import layerckpt
 from layerckpt import _store as store
+from layerckpt._remote import is_url
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
 
@@ -47,6 +50,11 @@ class LayerCheckpoint(ModelCheckpoint):
 
     - ``dirpath``: the layerckpt store; when omitted, resolved as ModelCheckpoint resolves it
       (``<logger save_dir>/<name>/<version>/checkpoints`` or ``<default_root_dir>/checkpoints``).
+      A URL (``"s3://bucket/run"``, any fsspec URL) makes it the remote tier (``remote=``): saves are
+      staged in a local directory, ``staging_dir`` (by default
+      ``<default_root_dir>/layerckpt-staging/<the URL's bucket and path>-<hash>``), and each committed
+      composite is copied to the URL in the background; ``fit(ckpt_path="last")`` resumes from the
+      freshest of the two, the URL alone on a machine without the staging directory.
     - ``every_n_train_steps``, ``train_time_interval``, ``every_n_epochs``, ``save_on_exception``,
       ``save_on_train_epoch_end``: when to save.  A last save is made at the end of fit in any case.
     - ``monitor``, ``mode``, ``save_top_k``: with a monitored metric a trigger saves only when the
@@ -77,9 +85,11 @@ class LayerCheckpoint(ModelCheckpoint):
             construction.
         log_stats: log each checkpoint's bytes, layers persisted, stall, flush speed and staleness
             through the Trainer's loggers (``layerckpt/*``).
+        staging_dir: with a URL as ``dirpath``, the local directory saves are staged in (see ``dirpath``).
         fidelity ... layers: layerckpt Config fields (see layerckpt.Config), the tiers among them:
-            ``memory_tier=True`` and ``remote="s3://bucket/run"`` (``remote_options``, ``remote_every``) copy
-            each committed composite to shared memory and to object storage in the background.
+            ``memory_tier=True`` and ``remote="s3://bucket/run"`` (``remote_options``, ``remote_every``,
+            ``remote_bandwidth``) copy each committed composite to shared memory and to object storage in
+            the background.
     """
 
     CHECKPOINT_NAME_LAST = "last"
@@ -105,6 +115,7 @@ class LayerCheckpoint(ModelCheckpoint):
         config: Optional[str] = None,
         enabled: bool = True,
         log_stats: bool = True,
+        staging_dir: Optional[str] = None,
         fidelity: Optional[float] = None,
         threshold: Optional[float] = None,
         max_staleness: Optional[int] = None,
@@ -124,7 +135,8 @@ class LayerCheckpoint(ModelCheckpoint):
         memory_tier: Optional[bool] = None,
         remote: Optional[str] = None,
         remote_options: Optional[Dict[str, Any]] = None,
-        remote_every: Optional[int] = None,
+        remote_every: Optional[Union[int, str]] = None,
+        remote_bandwidth: Optional[Union[int, str]] = None,
         layers: Optional[Dict[str, str]] = None,
     ):
         if keep_last is None and config is None:
@@ -135,9 +147,23 @@ class LayerCheckpoint(ModelCheckpoint):
         given = locals()  # the layerckpt Config fields among the arguments, where given
         fields = {f.name: given[f.name] for f in dataclasses.fields(Config) if given.get(f.name) is not None}
         base = Config.from_yaml(config) if config is not None else Config()
-        self.layer_config: Config = base.replace(**fields) if fields else base  # validates, names a bad field
         if isinstance(enabled, str) or not isinstance(enabled, bool):
             raise ConfigError(f"LayerCheckpoint(enabled=...) must be true or false, got {enabled!r}")
+        self._url: Optional[str] = None  # dirpath given as a URL: the remote tier, staged in a local directory
+        if enabled and is_url(dirpath):
+            self._url = os.fspath(dirpath).rstrip("/")
+            other = fields.get("remote", base.remote)
+            if other is not None and other.rstrip("/") != self._url:
+                raise ConfigError(
+                    f"LayerCheckpoint(dirpath={dirpath!r}) is a URL, which makes it the remote tier, but the remote "
+                    f"tier is also set to {other!r}; give the URL once, as dirpath or as remote (with a local dirpath)")
+            fields["remote"] = self._url
+            dirpath = staging_dir
+        elif staging_dir is not None:
+            why = f"dirpath is {dirpath!r}" + ("" if enabled else " and enabled=False")
+            raise ConfigError(f"LayerCheckpoint(staging_dir={staging_dir!r}) is the local directory of a URL dirpath, "
+                              f"but {why}; pass dirpath='s3://bucket/run' or drop staging_dir")
+        self.layer_config: Config = base.replace(**fields) if fields else base  # validates, names a bad field
         self._enabled = enabled
         self.log_stats = log_stats
         super().__init__(
@@ -178,7 +204,7 @@ class LayerCheckpoint(ModelCheckpoint):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(dirpath=self.dirpath, every_n_train_steps=self._every_n_train_steps,
+        return self._generate_state_key(dirpath=self._url or self.dirpath, every_n_train_steps=self._every_n_train_steps,
                                         every_n_epochs=self._every_n_epochs,
                                         train_time_interval=self._train_time_interval, monitor=self.monitor,
                                         mode=self.mode, layerckpt=self.enabled)
@@ -237,6 +263,8 @@ class LayerCheckpoint(ModelCheckpoint):
     def _resolve_dir(self, trainer: Any) -> str:
         if self.dirpath is not None:
             return os.fspath(self.dirpath)
+        if self._url is not None:  # the same for every run of this URL from this root: a restart finds it
+            return staging_dir_for(self._url, trainer.default_root_dir)
         if trainer.loggers:
             lg = trainer.loggers[0]
             save_dir = lg.save_dir if lg.save_dir is not None else trainer.default_root_dir
@@ -250,7 +278,7 @@ class LayerCheckpoint(ModelCheckpoint):
         dirpath, a new process's logger has a new version, so earlier versions' stores are candidates too.
         With none of them holding one and a remote tier configured, the remote tier."""
         where = [self._resolve_dir(trainer)]
-        if self.dirpath is None and trainer.loggers and trainer.loggers[0].save_dir is not None:
+        if self.dirpath is None and self._url is None and trainer.loggers and trainer.loggers[0].save_dir is not None:
             lg = trainer.loggers[0]
             base = os.path.join(lg.save_dir, str(lg.name))
             if os.path.isdir(base):
@@ -264,7 +292,11 @@ class LayerCheckpoint(ModelCheckpoint):
                 pass
         remote = self.layer_config.remote
         if not found and remote is not None and remote_holds_checkpoint(remote, self.layer_config):
-            found.add(remote)  # the local store lost with its node: resume from the remote tier
+            # The local store was lost with its node: resume from the remote tier, through the local directory
+            # (created empty), which Lightning can date and which LayerCheckpointIO reads across its tiers.  The
+            # URL itself is no candidate: Lightning would open it without Config.remote_options.
+            os.makedirs(where[0], exist_ok=True)
+            found.add(os.path.normpath(where[0]))
         return found
 
     @override
@@ -475,6 +507,13 @@ class LayerCheckpoint(ModelCheckpoint):
             }
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=p.step)
+
+
+def staging_dir_for(url: str, root: Any) -> str:
+    """The default local directory of a URL dirpath: ``<root>/layerckpt-staging/<bucket and path>-<hash>``."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", url.split("://", 1)[-1]).strip("-.")[:80] or "remote"
+    digest = hashlib.sha1(url.encode()).hexdigest()[:8]
+    return os.path.join(os.path.abspath(os.fspath(root)), "layerckpt-staging", f"{readable}-{digest}")
 
 
 class _RngStates:

@@ -83,6 +83,10 @@ class LayerCheckpointIO(CheckpointIO):
         if is_url(os.fspath(path)) and remote_holds_checkpoint(os.fspath(path), self.config):
             self.wait()  # our own copies to it land first
             return to_lightning(layerckpt.read_checkpoint(os.fspath(path), config=self.config, strict=False))
+        tiered = self._tiered_config(os.fspath(path))
+        if tiered is not None:  # a callback's local store, empty or older than its remote tier
+            self.wait()
+            return to_lightning(layerckpt.read_checkpoint(os.fspath(path), config=tiered, strict=False))
         if not store.is_checkpoint(path):
             if os.path.isdir(path):
                 store.locate(path)  # raises the clear error: a directory, but not a checkpoint
@@ -99,6 +103,15 @@ class LayerCheckpointIO(CheckpointIO):
             shutil.rmtree(path)
         else:
             self.fallback.remove_checkpoint(path)
+
+    def _tiered_config(self, path: str) -> Optional[Config]:
+        """The Config of the attached callback whose store is ``path`` and which has a remote tier: the store is
+        read across its tiers (the freshest composite wins), even where the local directory holds none."""
+        for cb in self._callbacks:
+            if cb.dirpath is not None and cb.layer_config.remote is not None and \
+                    os.path.normpath(os.fspath(cb.dirpath)) == os.path.normpath(os.path.abspath(path)):
+                return cb.layer_config
+        return None
 
     def wait(self) -> None:
         """Every save of this IO and of its callbacks durable; raises the first failure."""

@@ -94,6 +94,59 @@ def test_resume_from_the_remote_tier_when_the_local_store_is_gone(tmp_path):
     assert m.losses[12:] == m2.losses
 
 
+def test_url_dirpath_stages_locally_and_resumes_from_s3(s3, tmp_path):
+    """LayerCheckpoint(dirpath="s3://..."): saves staged in a local directory under default_root_dir and copied
+    to the bucket; on another machine (a new root, the first one gone) "last" resumes from S3, bit for bit."""
+    import shutil
+
+    from lightning_layerckpt.callback import staging_dir_for
+
+    t, m = reference(tmp_path)
+    url = f"s3://{s3.bucket()}/run"
+    cb = dict(every_n_train_steps=4, threshold=0.0, remote_options=s3.options)
+    first, second = tmp_path / "node1", tmp_path / "node2"
+    torch.manual_seed(7)
+    c1 = LayerCheckpoint(dirpath=url, **cb)
+    assert c1.layer_config.remote == url and c1.dirpath is None
+    with pytest.raises(Crash):
+        trainer(20, [c1, CrashAt(14)], str(first)).fit(Tiny())
+    staged = staging_dir_for(url, first)
+    assert c1.dirpath == staged and os.path.dirname(staged) == str(first / "layerckpt-staging")
+    assert os.path.basename(staged).startswith(url.split("://")[1].replace("/", "-") + "-")
+    assert sorted(os.listdir(os.path.join(staged, "manifests"))) == ["step-00000008.json", "step-00000012.json"]
+    assert c1.last_model_path == os.path.join(staged, "manifests", "step-00000012.json")
+    _, path = url.split("://")
+    assert s3.written(f"{path}/manifests/") == {"step-00000004.json", "step-00000008.json", "step-00000012.json"}
+    shutil.rmtree(first)
+
+    torch.manual_seed(123)
+    m2 = Tiny(seed=5)
+    c2 = LayerCheckpoint(dirpath=url + "/", **cb)
+    t2 = trainer(20, [c2], str(second))
+    t2.fit(m2, ckpt_path="last")
+    assert c2.restored["step"] == 12 and c2.restored["manifest"] == f"{url}/manifests/step-00000012.json"
+    assert_same(state_of(t, m), state_of(t2, m2))
+    assert m.losses[12:] == m2.losses
+    assert c2.dirpath == staging_dir_for(url, second)
+    # the resumed run's saves reach the bucket too: its newest composite is the end of fit
+    m3 = Tiny(seed=9)
+    layerckpt.restore(url, m3, config=c2.layer_config)
+    assert_same_tensors(m3.state_dict(), m.state_dict())
+
+
+def test_url_dirpath_errors(tmp_path):
+    with pytest.raises(layerckpt.ConfigError, match=r"dirpath='s3://a/run'\) is a URL, which makes it the remote "
+                                                    r"tier, but the remote tier is also set to 's3://b/run'"):
+        LayerCheckpoint(dirpath="s3://a/run", remote="s3://b/run")
+    with pytest.raises(layerckpt.ConfigError, match="staging_dir='/tmp/x'\\) is the local directory of a URL dirpath"):
+        LayerCheckpoint(dirpath=str(tmp_path), staging_dir="/tmp/x")
+    with pytest.raises(layerckpt.ConfigError, match="fsspec knows no protocol 'nosuch'"):
+        LayerCheckpoint(dirpath="nosuch://bucket/run")
+    cb = LayerCheckpoint(dirpath="memory://bucket/run", staging_dir=str(tmp_path / "stage"))
+    assert cb.dirpath == str(tmp_path / "stage") and cb.layer_config.remote == "memory://bucket/run"
+    assert LayerCheckpoint(dirpath="s3://a/run", remote="s3://a/run/").layer_config.remote == "s3://a/run"
+
+
 def test_resume_with_defaults_stays_close(tmp_path):
     """The fine-tuning story of the example: pre-trained weights, 240 fine-tuning steps, a checkpoint every 4
     with the default Config, stopped at step 170 and resumed from the composite of step 168."""

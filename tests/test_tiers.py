@@ -1,6 +1,5 @@
 """Tiers: the remote tier (a real S3-compatible server on loopback, memory://, file://) and the memory tier."""
 import json
-import logging
 import os
 import re
 import shutil
@@ -24,57 +23,6 @@ pytest.importorskip("fsspec")
 LAYERS, WIDTH = 6, 256
 FULL = layerckpt.Config(threshold=0.0, keep_last=2)  # every layer at every save: restores equal the live model
 SELECTIVE = layerckpt.Config(threshold=0.05, keep_last=2)  # only the layer a step moved is written
-
-
-# ------------------------------------------------------------------ an S3 server on loopback
-
-class S3:
-    """moto's S3 server on a free loopback port, with every request it answered."""
-
-    def __init__(self):
-        from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
-        from werkzeug.serving import make_server
-
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-        app = DomainDispatcherApplication(create_backend_app)
-        self.requests = []
-
-        def logged(environ, start_response):
-            self.requests.append((environ["REQUEST_METHOD"], environ["PATH_INFO"], environ.get("QUERY_STRING", "")))
-            return app(environ, start_response)
-
-        self._server = make_server("127.0.0.1", 0, logged, threaded=True, request_handler=MotoRequestHandler)
-        self.endpoint = "http://127.0.0.1:%d" % self._server.server_port
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-        self.options = {"key": "testing", "secret": "testing",
-                        "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
-
-    def bucket(self) -> str:
-        import boto3
-
-        name = "ckpt-" + uuid.uuid4().hex[:12]
-        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                     region_name="us-east-1").create_bucket(Bucket=name)
-        return name
-
-    def written(self, prefix: str):
-        """Object keys under ``prefix`` that got a PUT (whole objects and multipart parts)."""
-        return {p.split(prefix, 1)[1].lstrip("/") for meth, p, _ in self.requests
-                if meth == "PUT" and prefix in p}
-
-    def stop(self):
-        self._server.shutdown()
-        self._thread.join()
-
-
-@pytest.fixture(scope="module")
-def s3():
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    server = S3()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(params=["s3", "memory", "file"])
