@@ -11,11 +11,12 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from layerckpt import Checkpointer, Config, PendingSave, RestoreReport, restore
+from layerckpt import Checkpointer, Config, PendingSave, RestoreReport, _store, restore
 from layerckpt.errors import CheckpointError, CheckpointMismatchError, ConfigError
 from layerckpt._layers import LayerSpec
+from layerckpt._remote import is_url
 
-from . import folders
+from . import folders, remote
 
 log = logging.getLogger("layerckpt.accelerate")
 
@@ -55,8 +56,9 @@ class _Store:
     """One layerckpt store and its Checkpointers (one per prepared model)."""
 
     def __init__(self, root: str, checkpointers: List[Checkpointer], optimizers: List[bool], next_step: int,
-                 run_id: str, live: Dict[str, int]):
+                 run_id: str, live: Dict[str, int], uploads: Optional[remote.FolderUploads] = None):
         self.root = root
+        self.uploads = uploads  # the checkpoint folders' copies to the remote tier (main process)
         self.checkpointers = checkpointers
         self.optimizers = optimizers
         self.next_step = next_step
@@ -74,13 +76,19 @@ class _Store:
             ck.wait()
 
     def wait(self) -> None:
-        """Flushes done and pruning too."""
+        """Flushes done and pruning too, and the folders' copies to the remote tier."""
         self.wait_flushes()
         self.pruner.drain()
+        if self.uploads is not None:
+            self.uploads.wait()
 
     def close(self) -> None:
-        for ck in self.checkpointers:
-            ck.close()
+        try:
+            for ck in self.checkpointers:
+                ck.close()
+        finally:
+            if self.uploads is not None:
+                self.uploads.close()
 
 
 class LayerCheckpointPlugin:
@@ -92,6 +100,13 @@ class LayerCheckpointPlugin:
     lives as long as a checkpoint folder points at it (accelerate's
     ``total_limit`` decides).  ``layers`` overrides the layer grouping as in
     :class:`layerckpt.Checkpointer`.
+
+    With ``Config(remote="s3://bucket/run", remote_options={...})`` the local store and folders are the
+    staging place of a remote tier: model ``i``'s composites go to ``<remote>/model_<i>`` and every
+    checkpoint folder's own files to ``<remote>/folders/<folder name>``, in the background.  When the
+    folder ``load_state`` asks for (or, with automatic naming, any loadable folder) is missing locally, it
+    is fetched from the remote, newest first, and the models restore from the remote tier.  One store per
+    remote: save the folders of one run into one parent directory.
     """
 
     def __init__(self, config: Optional[Config] = None, *, layers: LayerSpec = None):
@@ -270,21 +285,31 @@ class LayerCheckpointPlugin:
             # rotation (or the user) may have deleted folders since: their composites can go
             st.live = {path: s for path, s in st.live.items() if os.path.exists(path)}
             st.pruner.submit(st.model_roots, set(st.live.values()), below=step)
+            if st.uploads is not None:
+                st.uploads.submit(folder)
 
     def _open(self, root: str, folders_dir: str, pairs) -> _Store:
         """The store's Checkpointers; collective under torch.distributed, as save_state is called on every rank."""
         cfg = self.config.replace(keep_last=0)  # retention follows the folders: see folders.prune
-        cks = [Checkpointer(os.path.join(root, folders.model_dir(i)), model, opt, config=cfg, layers=self.layers)
+        if cfg.remote is not None and self._stores:
+            raise CheckpointError(
+                f"save_state({os.path.dirname(folders_dir)!r}...) would open a second layerckpt store, {root}, on "
+                f"the remote tier {cfg.remote} that the store {next(iter(self._stores))} uses; save the folders of "
+                f"one run into one parent directory, or give this one a plugin with its own Config.remote")
+        cks = [Checkpointer(os.path.join(root, folders.model_dir(i)), model, opt, config=remote.model_config(cfg, i),
+                            layers=self.layers)
                for i, (model, opt) in enumerate(pairs)]
         live = folders.referenced(root, folders_dir)  # folders of earlier runs: kept while they exist
-        # Steps name manifests: never reuse one a committed composite or any folder's pointer holds
-        first = max(folders.newest_step(ck.dirpath for ck in cks), max(live.values(), default=-1)) + 1
+        # Steps name manifests: never reuse one a committed composite (local or remote) or a pointer holds
+        first = max(folders.newest_step(ck.dirpath for ck in cks), max(live.values(), default=-1),
+                    remote.newest_step(cfg, len(cks))) + 1
         start = [first, uuid.uuid4().hex[:12]]
         if self.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(start, from_process=0)  # every rank saves the same steps
-        st = _Store(root, cks, _with_optimizer(pairs), start[0], start[1], live)
+        uploads = remote.FolderUploads(cfg) if cfg.remote is not None and self.accelerator.is_main_process else None
+        st = _Store(root, cks, _with_optimizer(pairs), start[0], start[1], live, uploads)
         self._stores[root] = st
         return st
 
@@ -297,6 +322,9 @@ class LayerCheckpointPlugin:
             folder = os.path.expanduser(os.fspath(input_dir))
         elif auto is not None:
             folder = folders.newest_loadable(auto)
+        if (folder is None or not os.path.isdir(folder)) and self.config.remote is not None and (
+                folder is not None or auto is not None):
+            folder = self._fetch(folder, auto)
         if folder is None or not os.path.isdir(folder):
             return self._orig["load_state"](input_dir, load_kwargs, **kwargs)  # accelerate's own error
         ptr = folders.read_pointer(folder)
@@ -307,7 +335,15 @@ class LayerCheckpointPlugin:
                 st = plugin._stores.get(os.path.normpath(ptr.store))
                 if st is not None:
                     st.wait_flushes()
-            folders.check_committed(ptr)  # before anything is loaded
+            try:
+                folders.check_committed(ptr)  # before anything is loaded
+            except CheckpointError:
+                # the local store lost, or never given this composite: the remote tier's is read.  A local
+                # manifest of that step that is another composite (token) is an error, never shadowed
+                here = [i for i in range(len(ptr.optimizers)) if os.path.exists(
+                    os.path.join(ptr.model_root(i), _store.MANIFEST_DIR, _store.manifest_name(ptr.step)))]
+                if self.config.remote is None or here or not remote.committed(self.config, ptr):
+                    raise
             self._pointer = ptr
             try:
                 with self._routing():
@@ -316,6 +352,24 @@ class LayerCheckpointPlugin:
                 self._pointer = None
         self._next_iteration(folder)
         return out
+
+    def _fetch(self, folder: Optional[str], auto: Optional[str]) -> Optional[str]:
+        """The checkpoint folder from the remote tier, downloaded where it would be: ``folder`` (an explicit
+        load_state(dir)), or the newest loadable one into ``auto``.  The main process downloads; every process
+        gets its path (the folders are shared, as the plugin writes them)."""
+        acc = self.accelerator
+        found = [None]
+        if acc.is_main_process:
+            if folder is not None:
+                where = os.path.abspath(folder)
+                found[0] = remote.fetch_folder(self.config, os.path.basename(where), os.path.dirname(where))
+            else:
+                found[0] = remote.fetch_folder(self.config, None, auto)
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(found, from_process=0)
+        return found[0] if found[0] is not None else folder
 
     def _load_hook(self, models: List[torch.nn.Module], input_dir: str) -> None:
         """Runs inside load_state before accelerate loads schedulers, RNG, samplers and registered objects."""
@@ -330,7 +384,7 @@ class LayerCheckpointPlugin:
                 mismatched=["number of prepared models or optimizers"])
         models.clear()  # accelerate loads no weights: layerckpt does, here
         cfg = self.config.replace(restore_rng=False)  # accelerate restores RNG from its random_states_*.pkl
-        self.last_restore = [restore(ptr.model_root(i), model, opt, step=ptr.step, config=cfg)
+        self.last_restore = [restore(ptr.model_root(i), model, opt, step=ptr.step, config=remote.model_config(cfg, i))
                              for i, (model, opt) in enumerate(pairs)]
         self._adopt(ptr, pairs)
 
@@ -346,7 +400,8 @@ class LayerCheckpointPlugin:
             return
         st = self._open(root, base, pairs)
         for ck, report in zip(st.checkpointers, self.last_restore):
-            ck.adopt(report)
+            if not is_url(report.manifest):  # restored from the remote tier: the next save is full
+                ck.adopt(report)
 
     def _next_iteration(self, folder: str) -> None:
         """Accelerate never moves project_configuration.iteration on load: the next automatic save would

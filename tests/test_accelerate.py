@@ -443,3 +443,71 @@ def test_export_gives_a_folder_plain_accelerate_loads(tmp_path, runs):
     plain.acc.load_state(str(out))  # accelerate's own loader, no plugin
     same_state(plain.snapshot(), saved)
     assert plain.progress.step == step
+
+
+# ------------------------------------------------------------------ remote tier
+
+def test_remote_tier_resumes_when_the_project_dir_is_gone(tmp_path, runs, s3):
+    """Config(remote=URL): the models' composites and the folders' own files go to the bucket; on another
+    machine load_state() fetches the newest folder and restores from the bucket, bit for bit, and training
+    goes on exactly as the run that never stopped."""
+    import fsspec
+
+    url = f"s3://{s3.bucket()}/run"
+    cfg = FULL.replace(remote=url, remote_options=s3.options)
+    first = runs(tmp_path / "node1", config=cfg)
+    for _ in range(2):
+        first.train(4)
+        first.acc.save_state()
+    saved, sched = first.snapshot(), first.sched.state_dict()
+    first.plugin.wait()  # durable on the remote too
+    draw = torch.rand(1)
+    want = first.train(4)
+    shutil.rmtree(tmp_path / "node1")  # the machine is gone, its disk with it
+
+    fs, path = fsspec.core.url_to_fs(url, **s3.options)
+
+    def names(sub):
+        return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{path}/{sub}", detail=False))
+
+    fs.invalidate_cache()
+    assert names("folders") == ["checkpoint_0", "checkpoint_1"]
+    assert names("folders/checkpoint_1") == sorted(ACCELERATE_SMALL_FILES | {"layerckpt.json"})
+    assert names("model_0/manifests") == ["step-00000000.json", "step-00000001.json"]
+
+    again = runs(tmp_path / "node2", config=cfg, seed=3)
+    again.acc.load_state()
+    assert again.progress.step == 8 and again.sched.state_dict() == sched
+    assert again.plugin.last_restore[0].step == 1 and again.plugin.last_restore[0].manifest == \
+        f"{url}/model_0/manifests/step-00000001.json"
+    same_state(saved, again.snapshot())
+    assert torch.equal(torch.rand(1), draw)  # accelerate's RNG state came back with the folder
+    assert again.train(4) == {k + 8: v for k, v in enumerate(want.values())}
+    assert os.path.basename(again.acc.save_state()) == "checkpoint_2"  # numbering goes on after the fetched one
+    again.plugin.close()
+    fs.invalidate_cache()
+    assert names("folders")[-1] == "checkpoint_2" and names("model_0/manifests")[-1] == "step-00000002.json"
+
+    # an explicit folder missing here comes from the remote by its name
+    third = runs(tmp_path / "node3", config=cfg, seed=4)
+    third.acc.load_state(str(tmp_path / "node3" / "checkpoints" / "checkpoint_0"))
+    assert third.progress.step == 4 and third.plugin.last_restore[0].step == 0
+    with pytest.raises(ValueError, match="checkpoint_9 but folder does not exist"):  # accelerate's own error
+        third.acc.load_state(str(tmp_path / "node3" / "checkpoints" / "checkpoint_9"))
+
+
+def test_one_store_per_remote(tmp_path, runs):
+    import uuid
+
+    cfg = FULL.replace(remote=f"memory://ckpt-{uuid.uuid4().hex[:12]}/run")
+    run = runs(tmp_path, automatic=False, config=cfg)
+    run.train(1)
+    run.acc.save_state(str(tmp_path / "a" / "ck"))
+    with pytest.raises(CheckpointError, match=r"would open a second layerckpt store, .*b/\.layerckpt, on the remote "
+                                              r"tier memory://ckpt-.* save the folders of one run into one parent"):
+        run.acc.save_state(str(tmp_path / "b" / "ck"))
+    run.plugin.wait()
+    fresh = runs(tmp_path / "elsewhere", automatic=False, config=cfg, seed=2)
+    fresh.acc.load_state(str(tmp_path / "elsewhere" / "ck"))  # not here: fetched from the remote by name
+    assert fresh.progress.step == 1
+    same_state(run.snapshot(), fresh.snapshot())
