@@ -306,11 +306,13 @@ def open_file(path: str, write: bool, direct: bool = True) -> "tuple[int, bool]"
 if _uring is not None:
     CHECKSUM = "crc32c"
     checksum = _uring.crc32c
+    copy_crc32c = getattr(_uring, "copy_crc32c", None)  # copy and checksum in one pass
 else:  # pragma: no cover
     import zlib
 
     CHECKSUM = "crc32"
     checksum = zlib.crc32
+    copy_crc32c = None
 
 
 def checksum_function(name: str):

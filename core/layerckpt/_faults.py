@@ -3,7 +3,8 @@
 Product code only calls :func:`point`; nothing happens unless a test has
 installed a hook for that name (in its own process) with :func:`install`.
 
-Points: ``"flush.checksum"`` (before each chunk is checksummed),
+Points: ``"stage.copied"`` (every tensor of a save copied into the staging buffers, before the image is
+declared complete; on the stager thread under lazy staging), ``"flush.checksum"`` (before each chunk is checksummed),
 ``"flush.written"`` (this rank's data file is durable, before the ranks agree),
 ``"commit.before"`` (before the manifest is written), ``"retain.manifests-dropped"``
 (old manifests deleted and made durable, their data files not yet).  Tier copies (``_tiers``):

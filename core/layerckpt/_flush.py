@@ -70,7 +70,7 @@ class PendingSave(Pending):
         self.path = path
         self.root = os.path.dirname(os.path.dirname(path))  # the checkpoint directory
         self.stall_s: float = 0.0  # save() call to return
-        self.durable_s: float = 0.0  # save() call to commit
+        self.durable_s: float = 0.0  # save() call to commit (the manifest durable; retention comes after)
         self.nbytes: int = 0  # bytes this save writes (known once staged)
         self.bytes_written: int = 0  # set once committed: this rank's file
         self.bytes_all_ranks: int = 0  # set once committed: every rank's file of this save
@@ -79,6 +79,10 @@ class PendingSave(Pending):
         self.max_staleness: int = 0  # the composite's oldest layer, in checkpoints
         self.manifest_path: Optional[str] = None
         self.cancelled = False  # its directory was removed while it flushed: dropped, not failed
+        #: seconds by phase: plan (gather, drift, selection, layout: what save() blocks for under lazy
+        #: staging), stage (the copies), checksum, write (waiting for the disk beyond the copies and
+        #: checksums), fdatasync, commit (ranks agree, manifest, retention)
+        self.phases: Dict[str, float] = {}
 
     def _what(self) -> str:
         return f"checkpoint of step {self.step}"
@@ -102,6 +106,8 @@ class FlushJob:
     chunks: "queue.Queue" = field(default_factory=queue.Queue)  # from the stager (see _stage)
     staged: threading.Event = field(default_factory=threading.Event)  # the caller's copy is over
     on_commit: Optional[Callable[[Manifest], None]] = None
+    abort_error: Optional[BaseException] = None  # why staging failed, sent with ABORT
+    crcs: Dict[int, int] = field(default_factory=dict)  # item -> checksum, of those the stager took itself
 
 
 class Flusher:
@@ -164,7 +170,8 @@ class Flusher:
                     job.pending.error = _as_checkpoint_error(e, job.pending.path)
                     log.debug("layerckpt: flush of step %d failed: %s", job.pending.step, e)
             finally:
-                job.pending.durable_s = time.perf_counter() - job.t0
+                if not job.pending.durable_s:
+                    job.pending.durable_s = time.perf_counter() - job.t0
                 job.pending._done.set()
                 _in_flight.discard(job.pending)
                 del job  # hold nothing of a finished save while waiting for the next
@@ -173,7 +180,9 @@ class Flusher:
         """Write this rank's file, then agree with every rank; rank 0 commits only if all succeeded."""
         try:
             crcs = self._write_local(job)
+            t = time.perf_counter()
             fsync_dir(os.path.dirname(job.pending.path))
+            job.pending.phases["fdatasync"] += time.perf_counter() - t
             failed: Optional[BaseException] = None
         except BaseException as e:  # noqa: BLE001 - every rank must still take part in the exchange
             failed, crcs = _as_checkpoint_error(e, job.pending.path), []
@@ -182,7 +191,9 @@ class Flusher:
         mine = _commit.rank_result(self.group.rank, job.fname, job.layout, crcs, m.rng, failed, job.pending.path)
         ranks = _commit.agree(self.group, mine, failed, job.pending.path)
         _commit.merge(m, ranks, CHECKSUM)
+        t = time.perf_counter()
         job.pending.manifest_path = _commit.publish(self.group, self.root, m)
+        job.pending.durable_s = time.perf_counter() - job.t0  # committed: what follows is housekeeping
         if job.on_commit is not None:
             job.on_commit(m)
         job.pending.bytes_written = job.layout.size
@@ -194,6 +205,7 @@ class Flusher:
                 _retain.retain(self.root, self.config.keep_last, self.pinned | self.held)
             except OSError as e:  # retention failing must not fail a committed save
                 log.warning("layerckpt: retention after step %d failed: %s", m.step, e)
+        job.pending.phases["commit"] = time.perf_counter() - t
 
     def _write_local(self, job: FlushJob) -> list:
         """This rank's data file, durable; returns the per-tensor checksums."""
@@ -235,7 +247,7 @@ class Flusher:
                     failed = e
                     w.abandon()
             if msg is ABORT and failed is None:
-                failed = CheckpointError("staging was interrupted; nothing was committed")
+                failed = job.abort_error or CheckpointError("staging was interrupted; nothing was committed")
             if failed is None:
                 try:
                     # staging is over: checksums now cost no stall, and run while the writes do
@@ -243,18 +255,21 @@ class Flusher:
                     w.reap(w.inflight)
                     if direct:
                         os.ftruncate(fd, layout.size)
+                    t = time.perf_counter()
                     os.fdatasync(fd)
+                    job.pending.phases["fdatasync"] = time.perf_counter() - t
                 except BaseException as e:  # noqa: BLE001
                     failed = e
                     w.abandon()
         finally:
             os.close(fd)
+            job.pending.phases.update(checksum=w.checksum_s, write=w.wait_s)
         if failed is not None:
             if direct and isinstance(failed, OSError) and failed.errno == errno.EINVAL:
                 failed = _diagnose_einval(path, layout.size, failed)
             _commit.unlink_quietly(path)
             raise failed
-        return w.crcs
+        return [job.crcs.get(i, c) for i, c in enumerate(w.crcs)]
 
     def _discard(self, job: FlushJob) -> None:
         while True:
@@ -280,6 +295,8 @@ class _Writes:
         self._owed: list = []  # (chunk, segs) in file order
         self._owed_ids: set = set()
         self._written: set = set()
+        self.checksum_s = 0.0  # time spent checksumming
+        self.wait_s = 0.0  # time spent waiting for writes to complete
 
     @property
     def inflight(self) -> int:
@@ -287,13 +304,17 @@ class _Writes:
 
     def submit(self, fd: int, chunk, base: int, n: int, segs, path: str) -> None:
         self._writing[chunk.index] = chunk
-        self._owed.append((chunk, segs))
-        self._owed_ids.add(chunk.index)
+        if segs:  # none where the stager checksummed this chunk's bytes itself
+            self._owed.append((chunk, segs))
+            self._owed_ids.add(chunk.index)
         self.backend.write(fd, chunk.view[:n], base, chunk, path)
         self.reap(0)
 
     def reap(self, want: int) -> None:
-        for c in self.backend.wait(min(want, len(self._writing))):
+        t = time.perf_counter()
+        done = self.backend.wait(min(want, len(self._writing)))
+        self.wait_s += time.perf_counter() - t
+        for c in done:
             self._writing.pop(c.index)
             if c.index in self._owed_ids:
                 self._written.add(c.index)
@@ -302,6 +323,7 @@ class _Writes:
 
     def checksum_all(self) -> None:
         _faults.point("flush.checksum")
+        t = time.perf_counter()
         for chunk, segs in self._owed:
             for i, a, b in segs:
                 self.crcs[i] = checksum(chunk.view[a:b], self.crcs[i])
@@ -310,6 +332,7 @@ class _Writes:
                 self._written.discard(chunk.index)
                 self.pool.release(chunk)
         self._owed.clear()
+        self.checksum_s += time.perf_counter() - t
 
     def abandon(self) -> None:
         """After a failure: wait out the writes, hand every buffer back."""

@@ -16,7 +16,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ._backend import populate
+from . import _faults
+from ._backend import copy_crc32c, populate
 from ._layout import Layout
 
 STARVED = object()  # the stager waits for a free buffer
@@ -130,9 +131,17 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def stage(layout: Layout, pool: BufferPool, out: "queue.Queue", staged: threading.Event) -> None:
-    """Copy the file image into pool chunks, handing each full chunk to the flusher at once."""
+def stage(layout: Layout, pool: BufferPool, out: "queue.Queue", staged: threading.Event,
+          verify: Optional[Callable[[], None]] = None, crcs: Optional[Dict[int, int]] = None) -> None:
+    """Copy the file image into pool chunks, handing each full chunk to the flusher at once.  ``verify``
+    runs once every byte is copied, before the image is declared complete; it raises to fail the save.
+    On failure the chunk being filled goes back to the pool (the caller sends ABORT).
+
+    With ``crcs`` (a dict to fill) a host tensor is copied and checksummed in one pass (``copy_crc32c``:
+    each block checksummed while in the CPU's cache) and its CRC32C lands in ``crcs[item]``; the chunks
+    then list only the segments the flusher still has to checksum (device tensors')."""
     C = pool.chunk_bytes
+    fused = crcs is not None and copy_crc32c is not None
     header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
     sources = [(-1, header, len(layout.header))] + [(i, it.tensor, it.nbytes) for i, it in enumerate(layout.items)]
     streams: Dict[torch.device, "torch.cuda.Stream"] = {}
@@ -140,36 +149,118 @@ def stage(layout: Layout, pool: BufferPool, out: "queue.Queue", staged: threadin
     def starved() -> None:
         out.put(STARVED)
 
-    chunk = pool.acquire(on_wait=starved)
+    chunk: Optional[Chunk] = pool.acquire(on_wait=starved)
     base, fill, segs = 0, 0, []
-    for idx, t, nbytes in sources:
-        if nbytes == 0:
-            continue
-        src = _flat_bytes(t)
-        stream = _device_stream(src, streams) if src.is_cuda else None
-        if stream is not None:
-            chunk.pin()
-        pos = 0
-        while pos < nbytes:
-            if fill == C:
-                _emit(out, chunk, base, fill, segs, streams)
-                chunk = pool.acquire(on_wait=starved)
-                base, fill, segs = base + C, 0, []
-                if stream is not None:
-                    chunk.pin()
-            n = min(C - fill, nbytes - pos)
+    try:
+        for idx, t, nbytes in sources:
+            if nbytes == 0:
+                continue
+            src = _flat_bytes(t)
+            stream = _device_stream(src, streams) if src.is_cuda else None
             if stream is not None:
-                with torch.cuda.stream(stream):
-                    chunk.tensor[fill:fill + n].copy_(src[pos:pos + n], non_blocking=True)
-            else:
-                chunk.tensor[fill:fill + n].copy_(src[pos:pos + n])
-            if idx >= 0:
-                segs.append((idx, fill, fill + n))
-            fill += n
-            pos += n
+                chunk.pin()
+            view = _host_view(src) if fused and idx >= 0 and stream is None else None
+            if view is not None:
+                crcs[idx] = 0
+            pos = 0
+            while pos < nbytes:
+                if fill == C:
+                    full, chunk = chunk, None
+                    _emit(out, full, base, fill, segs, streams)
+                    chunk = pool.acquire(on_wait=starved)
+                    base, fill, segs = base + C, 0, []
+                    if stream is not None:
+                        chunk.pin()
+                n = min(C - fill, nbytes - pos)
+                if view is not None:
+                    crcs[idx] = copy_crc32c(chunk.view[fill:fill + n], view[pos:pos + n], crcs[idx])
+                elif stream is not None:
+                    with torch.cuda.stream(stream):
+                        chunk.tensor[fill:fill + n].copy_(src[pos:pos + n], non_blocking=True)
+                else:
+                    chunk.tensor[fill:fill + n].copy_(src[pos:pos + n])
+                if idx >= 0 and view is None:
+                    segs.append((idx, fill, fill + n))
+                fill += n
+                pos += n
+        for s in streams.values():
+            s.synchronize()
+        _faults.point("stage.copied")
+        if verify is not None:
+            verify()
+    except BaseException:
+        if chunk is not None:
+            pool.release(chunk)
+        raise
     staged.set()
     _emit(out, chunk, base, fill, segs, streams)
     out.put(None)
+
+
+class LazyStager:
+    """Lazy staging: a save's copies run on a background thread while training goes on.
+
+    Until ``optimizer.step()`` the parameters and the optimizer state do not
+    change, so the copies may run through the next forward and backward; the
+    step waits for them (:meth:`guard`, an optimizer step pre-hook).  One save's
+    copies at a time.
+    """
+
+    def __init__(self) -> None:
+        self._idle = threading.Event()
+        self._idle.set()
+
+    @property
+    def busy(self) -> bool:
+        return not self._idle.is_set()
+
+    def start(self, fn: Callable[[], None]) -> None:
+        self._idle.clear()
+        try:
+            threading.Thread(target=self._run, args=(fn,), name="layerckpt-stager", daemon=True).start()
+        except BaseException:
+            self._idle.set()
+            raise
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        finally:
+            self._idle.set()
+
+    def wait(self) -> None:
+        self._idle.wait()
+
+    def guard(self, optimizer, args, kwargs):
+        """Step pre-hook: the update must not start before the copies are done.  A closure (Lightning's
+        automatic optimization runs forward and backward in one, inside ``step``) runs first, and the
+        wait comes after it, before the update."""
+        if not self.busy:
+            return None
+        at = 1 if args and args[0] is optimizer else 0  # torch passes step()'s own arguments, self first
+        closure = kwargs.get("closure")
+        if closure is None and len(args) > at and callable(args[at]):
+            closure = args[at]
+        if closure is None:
+            self.wait()
+            return None
+
+        def then_wait():
+            out = closure()
+            self.wait()
+            return out
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": then_wait}
+        return tuple(args[:at]) + (then_wait,) + tuple(args[at + 1:]), kwargs
+
+
+def _host_view(src: torch.Tensor) -> Optional[memoryview]:
+    """The bytes of a contiguous host tensor, or None (then it is copied by torch, checksummed later)."""
+    try:
+        return memoryview(src.numpy())
+    except (RuntimeError, TypeError, ValueError):
+        return None
 
 
 def _emit(out, chunk, base, fill, segs, streams) -> None:

@@ -29,6 +29,8 @@ class Ring:
     def registered(self) -> int:
         """Number of registered buffers."""
 
+def copy_crc32c(dst: Buffer, src: Buffer, crc: int = 0, /) -> int:
+    """Copy src into dst (same length), returning the CRC32C of the bytes copied, continuing from crc; one pass."""
 def crc32c(buffer: Buffer, crc: int = 0, /) -> int:
     """CRC32C (Castagnoli) of a buffer, continuing from crc."""
 

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -27,9 +27,9 @@ from ._codec import Entries
 from ._gather import gather, shard_entries
 from ._layers import LayerSpec
 from ._layout import LayoutCache
-from ._manifest import Manifest, load_manifest
+from ._manifest import MODEL, OPTIM, Manifest, load_manifest
 from ._plan import Selector
-from ._stage import ABORT, BufferPool, stage
+from ._stage import ABORT, BufferPool, LazyStager, stage
 from .config import Config
 from .errors import CheckpointError
 
@@ -114,9 +114,14 @@ class Checkpointer:
             self._tiers.attach(self._flusher)
         self._pending: List[PendingSave] = []
         self._closed = False
+        self._stager = LazyStager()
+        # lazy staging: the optimizer's step waits for the copies of a save still being staged
+        hook = optimizer.register_step_pre_hook(self._stager.guard) if (
+            optimizer is not None and config.lazy_staging) else None
+        self._lazy = hook is not None
         # dropped without close(): the flusher finishes what it has, then thread, ring, pool and lock go
         self._release = weakref.finalize(self, _shutdown, self._flusher, self.backend, self.pool, self._writer,
-                                         self._tiers)
+                                         self._tiers, hook)
         # A flush in flight completes before a normal interpreter exit, even without close().  It
         # must run before thread pools refuse new work at shutdown, hence threading's exit hooks
         # (run newest first, before concurrent.futures' own) where this Python has them.
@@ -151,6 +156,7 @@ class Checkpointer:
             raise CheckpointError(f"name must be a string, got {type(name).__name__}")
         loss = _as_loss(loss)
         with self._lock:
+            self._stager.wait()  # one save's copies at a time
             self._raise_unreported()
             # a selective save composes on the last committed one: that one must be finished
             self._throttle(self.config.max_inflight - 1 if self.selector.full else 0)
@@ -178,6 +184,7 @@ class Checkpointer:
         with self._lock:
             if self._pending or self.selector.composite is not None:
                 raise CheckpointError("adopt() must come before the first save() of this Checkpointer")
+            self._stager.wait()
             entries, _ = self._gather(None)
             self.selector.adopt(m, entries)
 
@@ -266,8 +273,10 @@ class Checkpointer:
             # every rank must take the same decisions: the ranks' mean loss (or none if one lacks it)
             losses = self.group.exchange(loss)
             loss = None if None in losses else sum(losses) / len(losses)
+        lazy = self._lazy and _lazy_split(entries, self.model)
         plan = self.selector.plan(step, fname, entries, self.rank, self.group.world, loss)
         layout = self._layout_cache.plan(plan.write)
+        verify = _unchanged_since(layout, lazy, step) if lazy else None
         self._seq += 1
         manifest = Manifest(
             step=step, seq=self._seq, chain=plan.chain, world_size=self.group.world, created=time.time(),
@@ -281,11 +290,28 @@ class Checkpointer:
         self.pool.reserve(layout.size)
         self._flusher.submit(job)
         self._pending.append(pending)
-        try:
-            stage(layout, self.pool, job.chunks, job.staged)
-        except BaseException:
-            job.chunks.put(ABORT)
-            raise
+
+        pending.phases["plan"] = time.perf_counter() - t0
+
+        def copy() -> None:
+            t = time.perf_counter()
+
+            def copied() -> None:  # every byte is in the buffers; the flusher may commit once this returns
+                pending.phases["stage"] = time.perf_counter() - t
+                if verify is not None:
+                    verify()
+
+            try:
+                stage(layout, self.pool, job.chunks, job.staged, copied, job.crcs if lazy else None)
+            except BaseException as e:
+                job.abort_error = e if lazy else None
+                job.chunks.put(ABORT)
+                raise
+
+        if lazy:
+            self._stager.start(functools.partial(_quietly, copy))
+        else:
+            copy()
         pending.stall_s = time.perf_counter() - t0
         pending.nbytes = layout.size
         pending.layers_total = len(plan.layers)
@@ -302,8 +328,59 @@ class Checkpointer:
         return _store.data_name(step, self.rank, v)
 
 
+def _lazy_split(entries: Entries, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+    """For lazy staging: replace in ``entries`` what may change before the next optimizer step (buffers,
+    which forward passes update; RNG; extra) by copies, taken now; returns the tensors left to be copied
+    later (parameters, optimizer state) by key, or None (copy everything now) where one of them has no
+    version counter to tell whether it changed meanwhile."""
+    params = set()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        params.add(local.untyped_storage().data_ptr())
+    later: Dict[str, torch.Tensor] = {}
+    for k, t in entries:
+        if k.startswith(OPTIM) or (k.startswith(MODEL) and t.untyped_storage().data_ptr() in params):
+            later[k] = t
+    try:
+        for t in later.values():
+            t._version
+    except RuntimeError:  # an inference tensor
+        return None
+    for i, (k, t) in enumerate(entries):
+        if k not in later:
+            entries[i] = (k, t.clone())
+    return later
+
+
+def _unchanged_since(layout, later: Dict[str, torch.Tensor], step: int) -> Callable[[], None]:
+    """After the copies: fail the save if a tensor copied late changed since save() (its version counter
+    moved), which only happens outside ``optimizer.step()`` (that waits for the copies)."""
+    seen = [(it.key, it.tensor, it.tensor._version) for it in layout.items if it.key in later]
+
+    def verify() -> None:
+        moved = [k for k, t, v in seen if t._version != v]
+        if moved:
+            raise CheckpointError(
+                f"the checkpoint of step {step} was not committed: {len(moved)} tensor(s) changed while being "
+                f"copied in the background ({', '.join(moved[:3])}{', ...' if len(moved) > 3 else ''}), by "
+                f"something other than optimizer.step(), which waits for the copies; change the weights only "
+                f"through the optimizer's step, or set Config(lazy_staging=False)")
+
+    return verify
+
+
+def _quietly(fn: Callable[[], None]) -> None:
+    """On the stager thread: a failure is already with the flusher (ABORT), which reports it."""
+    try:
+        fn()
+    except BaseException:  # noqa: BLE001
+        pass
+
+
 def _shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_store.WriterLock],
-              tiers: Optional[_tiers.Tiers] = None) -> None:
+              tiers: Optional[_tiers.Tiers] = None, hook=None) -> None:
+    if hook is not None:
+        hook.remove()
     flusher.stop()
     if tiers is not None:  # after the flusher: no more copies are queued
         tiers.close()

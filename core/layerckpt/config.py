@@ -61,6 +61,12 @@ class Config:
     """Writes (or reads) in flight at once."""
     max_inflight: int = 1
     """Flushes in flight at once; the next save() waits while this many are running."""
+    lazy_staging: bool = True
+    """With an optimizer: save() returns once it has decided what to write (the buffers, RNG and extra
+    copied); the parameters and optimizer state are copied in the background while training goes on, and
+    ``optimizer.step()`` waits for those copies (after its closure, if it has one).  Needs the weights to
+    change only through that optimizer's step until the copies are done: a save whose tensors changed
+    otherwise meanwhile fails (nothing committed).  False copies everything before save() returns."""
     backend: str = "auto"
     """'auto' (io_uring, else threads), 'uring' or 'threads'; LAYERCKPT_BACKEND overrides."""
     direct_io: bool = True
@@ -156,7 +162,7 @@ class Config:
             from ._remote import check_config
 
             check_config(self.remote, self.remote_options)
-        for name in ("direct_io", "verify_checksums", "restore_rng", "memory_tier"):
+        for name in ("direct_io", "verify_checksums", "restore_rng", "memory_tier", "lazy_staging"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Config.{name} must be true or false, got {getattr(self, name)!r}")
 

@@ -1,0 +1,166 @@
+"""Lazy staging: save() returns once the plan is taken, the copies run in the background, and the
+optimizer's step waits for them, so every checkpoint holds the state of its step bit for bit."""
+import threading
+
+import pytest
+import torch
+
+import layerckpt
+from layerckpt import _faults
+from conftest import assert_same_optimizer_state, assert_same_tensors, trained
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 64, (2, 16), generator=g)
+
+
+def _loss(model, x):
+    return model(x).float().logsumexp(-1).mean()
+
+
+@pytest.fixture
+def held():
+    """Hold the stager after its copies, before it declares the image complete, until released."""
+    reached, go = threading.Event(), threading.Event()
+
+    def hook():
+        reached.set()
+        assert go.wait(30)
+
+    _faults.install("stage.copied", hook)
+    yield reached, go
+    go.set()
+    _faults.remove("stage.copied")
+
+
+def _snapshot(model, opt):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {"state": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                       for i, s in opt.state_dict()["state"].items()},
+             "param_groups": opt.state_dict()["param_groups"]})
+
+
+@pytest.mark.parametrize("with_closure", [False, True])
+def test_the_step_waits_for_the_copies(tmp_path, held, with_closure):
+    reached, go = held
+    model, opt = trained()
+    ck = layerckpt.Checkpointer(str(tmp_path), model, opt, layerckpt.Config(threshold=0.0))
+    want_model, want_opt = _snapshot(model, opt)
+    p = ck.save(7)
+    assert reached.wait(30) and not p.done()  # save() returned while the copies are still held
+    x = _batch(1)
+    ran = []
+
+    def closure():
+        opt.zero_grad()
+        loss = _loss(model, x)
+        loss.backward()
+        ran.append(loss.item())
+        return loss
+
+    stepped = threading.Event()
+
+    def step():
+        if with_closure:  # Lightning's automatic optimization: forward and backward inside step()
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+        stepped.set()
+
+    t = threading.Thread(target=step)
+    t.start()
+    assert not stepped.wait(0.5)  # the update waits for the copies...
+    assert ran  # ...but the closure (forward and backward) ran meanwhile
+    go.set()
+    t.join(30)
+    assert stepped.is_set()
+    ck.close()
+    assert not torch.equal(model.state_dict()["h.0.c_fc.weight"], want_model["h.0.c_fc.weight"])  # it stepped
+    model2, opt2 = trained(seed=1)
+    layerckpt.restore(str(tmp_path), model2, opt2)
+    assert_same_tensors(model2.state_dict(), want_model)
+    assert_same_optimizer_state(opt2.state_dict(), want_opt)
+
+
+def test_buffers_are_copied_before_save_returns(tmp_path, held):
+    """Forward passes update buffers (BatchNorm's running statistics) before the next step: those are
+    copied by save() itself."""
+    reached, go = held
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(16, 8)).sum().backward()
+    opt.step()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    ck = layerckpt.Checkpointer(str(tmp_path), model, opt, layerckpt.Config(threshold=0.0))
+    ck.save(1)
+    assert reached.wait(30)
+    model(torch.randn(16, 8) * 5)  # the running statistics move
+    assert not torch.equal(model[1].running_mean, want["1.running_mean"])
+    go.set()
+    ck.close()
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    layerckpt.restore(str(tmp_path), model2, torch.optim.SGD(model2.parameters(), lr=0.1))
+    assert_same_tensors(model2.state_dict(), want)
+
+
+def test_a_weight_changed_outside_the_step_fails_that_save_only(tmp_path, held):
+    reached, go = held
+    model, opt = trained()
+    ck = layerckpt.Checkpointer(str(tmp_path), model, opt, layerckpt.Config(threshold=0.0))
+    go.set()  # the first save goes through
+    ck.save(1).wait()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    go.clear()
+    reached.clear()
+    p = ck.save(2)
+    assert reached.wait(30)
+    with torch.no_grad():
+        model.h[0].c_fc.weight.add_(1.0)  # not through optimizer.step()
+    go.set()
+    with pytest.raises(layerckpt.CheckpointError, match=r"step 2 was not committed.*model/h\.0\.c_fc\.weight.*"
+                                                        r"lazy_staging=False"):
+        p.wait()
+    ck.close()
+    model2, opt2 = trained(seed=1)
+    report = layerckpt.restore(str(tmp_path), model2, opt2)
+    assert report.step == 1
+    assert_same_tensors(model2.state_dict(), want)
+
+
+def test_eager_staging_copies_before_returning(tmp_path):
+    model, opt = trained()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with layerckpt.Checkpointer(str(tmp_path), model, opt, layerckpt.Config(threshold=0.0, lazy_staging=False)) as ck:
+        ck.save(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    model2, opt2 = trained(seed=1)
+    layerckpt.restore(str(tmp_path), model2, opt2)
+    assert_same_tensors(model2.state_dict(), want)
+
+
+def test_training_with_lazy_saves_every_step_matches_eager(tmp_path):
+    """Saves every step, selective too, with the step right behind each save: lazy and eager staging
+    commit the same bytes, and no thread outlives close()."""
+    results = []
+    for lazy in (True, False):
+        model, opt = trained()
+        d = tmp_path / str(lazy)
+        with layerckpt.Checkpointer(str(d), model, opt, layerckpt.Config(lazy_staging=lazy)) as ck:
+            for step in range(6):
+                x = _batch(step)
+                opt.zero_grad()
+                loss = _loss(model, x)
+                loss.backward()
+                opt.step()
+                ck.save(step, loss=loss)
+        model2, opt2 = trained(seed=1)
+        layerckpt.restore(str(d), model2, opt2)
+        results.append((model2.state_dict(), opt2.state_dict()))
+    assert_same_tensors(results[0][0], results[1][0])
+    assert_same_optimizer_state(results[0][1], results[1][1])
+    assert not [t for t in threading.enumerate() if t.name.startswith("layerckpt-stager")]
