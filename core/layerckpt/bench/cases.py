@@ -69,6 +69,19 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
+def summary(xs: List[float]) -> Dict[str, Any]:
+    """Median and spread of equal repeats."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": list(xs)}
+
+
+def record(out: Dict[str, Any], name: str, xs: List[float]) -> None:
+    """``out[name]`` the median of ``xs``, ``name_min``/``name_max``/``name_all`` beside it (``name`` ends in _s)."""
+    s = summary(xs)
+    out[name] = s["median"]
+    for k in ("min", "max", "all"):
+        out[f"{name[:-2]}_{k}_s"] = s[k]
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * mmap.PAGESIZE
@@ -228,28 +241,33 @@ def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLim
         ck = Checkpointer(d, model, opt, config=cfg)
         first = ck.save(0).wait()
     pool = ck.pool.allocated_bytes
-    stalls, durables = [], []
+    stalls, durables, phases = [], [], []
     for i in range(reps):
         disk.write()
         p = ck.save(i + 1).wait()
         stalls.append(p.stall_s)
         durables.append(p.durable_s)
+        phases.append(dict(p.phases))
     backend = ck.backend_name
+    lazy = ck._lazy
     ck.close()
     disk.write()  # the limit's file holds the same bytes again for the reads
     restores, ok = [], True
-    for _ in range(max(2, reps - 1)):
+    for _ in range(reps):
         disk.read(fresh=False)
         disk.read(fresh=True)
         m2, o2 = build_state(preset, seed=1, step=False)  # a fresh process: the optimizer has no state yet
         drop_cache(d)
         restores.append(_timed(lambda: restore(d, m2, o2)))
         ok = ok and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
-    return {"stall_s": min(stalls), "durable_s": min(durables), "restore_s": min(restores),
-            "stall_median_s": statistics.median(stalls), "durable_median_s": statistics.median(durables),
-            "restore_median_s": statistics.median(restores),
-            "first_save_durable_s": first.durable_s, "restore_bit_exact": ok,
-            "bytes": first.bytes_written, "extra_mem_bytes": mem.extra, "pool_bytes": pool, "backend": backend}
+    out: Dict[str, Any] = {"first_save_durable_s": first.durable_s, "restore_bit_exact": ok, "lazy_staging": lazy,
+                           "bytes": first.bytes_written, "extra_mem_bytes": mem.extra, "pool_bytes": pool,
+                           "backend": backend,
+                           "phases_s": {k: statistics.median(ph.get(k, 0.0) for ph in phases) for k in phases[0]}}
+    record(out, "stall_s", stalls)
+    record(out, "durable_s", durables)
+    record(out, "restore_s", restores)
+    return out
 
 
 def bench_selective(root: str, model, opt, cfg: Config) -> List[Dict[str, Any]]:
@@ -314,7 +332,7 @@ def bench_overhead(root: str, steps: int = 80, every: int = 4) -> Dict[str, Any]
             "overhead": with_ck / base - 1, "bytes": written, "tracker_bytes": mem}
 
 
-def bench_torch_save(root: str, model, opt, preset: str = "gpt2-small") -> Dict[str, Any]:
+def bench_torch_save(root: str, model, opt, preset: str = "gpt2-small", reps: int = 3) -> Dict[str, Any]:
     f = os.path.join(root, "torch.pt")
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
 
@@ -322,20 +340,26 @@ def bench_torch_save(root: str, model, opt, preset: str = "gpt2-small") -> Dict[
         torch.save(sd, f)
         fsync_tree(f)
 
-    t = _timed(save)
-    m2, o2 = build_state(preset, seed=1, step=False)
-    drop_cache(f)
+    saves = [_timed(save) for _ in range(reps)]
+    loads = []
+    for _ in range(reps):
+        m2, o2 = build_state(preset, seed=1, step=False)
+        drop_cache(f)
 
-    def load():
-        sd = torch.load(f, weights_only=True)
-        m2.load_state_dict(sd["model"])
-        o2.load_state_dict(sd["optim"])
+        def load():
+            sd = torch.load(f, weights_only=True)
+            m2.load_state_dict(sd["model"])
+            o2.load_state_dict(sd["optim"])
 
-    r = _timed(load)
-    return {"stall_s": t, "durable_s": t, "restore_s": r, "bytes": os.path.getsize(f)}
+        loads.append(_timed(load))
+    out = {"bytes": os.path.getsize(f)}
+    record(out, "stall_s", saves)
+    record(out, "durable_s", saves)
+    record(out, "restore_s", loads)
+    return out
 
 
-def bench_safetensors(root: str, model, opt, preset: str = "gpt2-small") -> Dict[str, Any]:
+def bench_safetensors(root: str, model, opt, preset: str = "gpt2-small", reps: int = 3) -> Dict[str, Any]:
     from safetensors.torch import load_file, save_file
 
     f = os.path.join(root, "st.safetensors")
@@ -345,19 +369,27 @@ def bench_safetensors(root: str, model, opt, preset: str = "gpt2-small") -> Dict
         save_file(flat, f)
         fsync_tree(f)
 
-    t = _timed(save)
-    m2, _ = build_state(preset, seed=1, step=False)
-    drop_cache(f)
+    saves = [_timed(save) for _ in range(reps)]
+    loads = []
+    for _ in range(reps):
+        m2, _ = build_state(preset, seed=1, step=False)
+        drop_cache(f)
 
-    def load():  # every tensor in memory, the model's loaded
-        flat = load_file(f)
-        m2.load_state_dict({k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}, strict=False)
+        def load():  # every tensor in memory, the model's loaded
+            flat = load_file(f)
+            m2.load_state_dict({k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")},
+                               strict=False)
 
-    r = _timed(load)
-    return {"stall_s": t, "durable_s": t, "restore_s": r, "bytes": os.path.getsize(f)}
+        loads.append(_timed(load))
+    out = {"bytes": os.path.getsize(f)}
+    record(out, "stall_s", saves)
+    record(out, "durable_s", saves)
+    record(out, "restore_s", loads)
+    return out
 
 
-def bench_dcp(root: str, model, opt, preset: str = "gpt2-small") -> Dict[str, Any]:
+def bench_dcp(root: str, model, opt, preset: str = "gpt2-small", reps: int = 3) -> Dict[str, Any]:
+    import shutil
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -367,21 +399,34 @@ def bench_dcp(root: str, model, opt, preset: str = "gpt2-small") -> Dict[str, An
     out: Dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out["durable_s"] = _timed(lambda: dcp.save(sd, checkpoint_id=d1))
-        out["stall_s"] = out["durable_s"]
-        t0 = time.perf_counter()
-        try:
-            fut = dcp.async_save(sd, checkpoint_id=d2)
-            out["async_stall_s"] = time.perf_counter() - t0
-            (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
-            out["async_durable_s"] = time.perf_counter() - t0
-        except Exception as e:  # noqa: BLE001 - report, do not abort the bench
-            out["async_error"] = f"{type(e).__name__}: {e}"
+        saves, astalls, adurables = [], [], []
+        for _ in range(reps):
+            shutil.rmtree(d1, ignore_errors=True)
+            saves.append(_timed(lambda: dcp.save(sd, checkpoint_id=d1)))
+        for _ in range(reps):
+            shutil.rmtree(d2, ignore_errors=True)
+            t0 = time.perf_counter()
+            try:
+                fut = dcp.async_save(sd, checkpoint_id=d2)
+                astalls.append(time.perf_counter() - t0)
+                (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+                adurables.append(time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - report, do not abort the bench
+                out["async_error"] = f"{type(e).__name__}: {e}"
+                break
+        record(out, "durable_s", saves)
+        record(out, "stall_s", saves)
+        if adurables:
+            record(out, "async_stall_s", astalls)
+            record(out, "async_durable_s", adurables)
         out["bytes"] = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(d1) for f in fs)
-        m2, o2 = build_state(preset, seed=1)  # DCP loads in place: the optimizer state must exist already
-        target = {"model": m2.state_dict(), "optim": o2.state_dict()}
-        drop_cache(d1)
-        out["restore_s"] = _timed(lambda: dcp.load(target, checkpoint_id=d1))
+        loads = []
+        for _ in range(reps):
+            m2, o2 = build_state(preset, seed=1)  # DCP loads in place: the optimizer state must exist already
+            target = {"model": m2.state_dict(), "optim": o2.state_dict()}
+            drop_cache(d1)
+            loads.append(_timed(lambda: dcp.load(target, checkpoint_id=d1)))
+        record(out, "restore_s", loads)
     return out
 
 

@@ -27,7 +27,8 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from .sharded import SIZES, _fmt, disk_reference, fsync_files, machine, summary, timed
+from .cases import summary
+from .sharded import SIZES, _fmt, disk_reference, fsync_files, machine, timed
 
 CONTENDERS = ("LayerCheckpointIO", "TorchCheckpointIO", "AsyncCheckpointIO")
 

@@ -36,7 +36,7 @@ def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3
         res: Dict[str, Any] = {
             "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "kernel": platform.release(),
                         "torch": torch.__version__, "dir": root, "io_uring": uring_available() or "yes"},
-            "preset": preset, "state_bytes": nbytes, "checksum": CHECKSUM,
+            "preset": preset, "state_bytes": nbytes, "checksum": CHECKSUM, "reps": reps,
             "config": {"chunk_bytes": cfg.chunk_bytes, "queue_depth": cfg.queue_depth},
         }
         res["memcpy_s"] = memcpy_time(tensors)
@@ -58,11 +58,11 @@ def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3
             res["selective"] = bench_selective(root, model, opt, cfg)
             res["overhead"] = bench_overhead(root, steps=80 if preset == "gpt2-small" else 8)
         if "torch.save" in want:
-            runs["torch.save"] = bench_torch_save(root, model, opt, preset)
+            runs["torch.save"] = bench_torch_save(root, model, opt, preset, reps)
         if "safetensors" in want:
-            runs["safetensors"] = bench_safetensors(root, model, opt, preset)
+            runs["safetensors"] = bench_safetensors(root, model, opt, preset, reps)
         if "dcp" in want:
-            runs["dcp"] = bench_dcp(root, model, opt, preset)
+            runs["dcp"] = bench_dcp(root, model, opt, preset, reps)
         if "tiers" in want:  # memory and remote tiers (bench/tiers.py)
             from .tiers import bench_tiers
 
@@ -120,15 +120,28 @@ def format_table(res: Dict[str, Any]) -> str:
         f"into fresh memory {res['disk']['read_fresh_s']:.3f}s), "
         f"{res['checksum']} {res['checksum_gbps']:.1f} GB/s",
         "",
-        f"{'method':<22}{'stall s':>9}{'durable s':>11}{'GB/s':>7}{'vs O_DIRECT':>13}{'restore s':>11}",
+        f"medians of {res.get('reps', '?')} repeats each, [min-max]",
+        f"{'method':<16}{'blocked s':>22}{'durable s':>22}{'GB/s':>6}{'vs O_DIRECT':>12}{'restore s':>22}",
     ]
+
+    def cell(r: Dict[str, Any], key: str) -> str:
+        k = key[:-2]
+        if f"{k}_min_s" not in r:
+            return f"{r[key]:>22.3f}"
+        return f"{r[key]:>8.3f} [{r[k + '_min_s']:.3f}-{r[k + '_max_s']:.3f}]".rjust(22)
+
     for name, r in res["runs"].items():
-        lines.append(f"{name:<22}{r['stall_s']:>9.3f}{r['durable_s']:>11.3f}{gb / r['durable_s']:>7.2f}"
-                     f"{r['durable_s'] / res['disk']['write_s']:>12.2f}x{r['restore_s']:>11.3f}")
+        lines.append(f"{name:<16}{cell(r, 'stall_s')}{cell(r, 'durable_s')}{gb / r['durable_s']:>6.2f}"
+                     f"{r['durable_s'] / res['disk']['write_s']:>11.2f}x{cell(r, 'restore_s')}")
         if name == "dcp" and "async_durable_s" in r:
-            lines.append(f"{'dcp async_save':<22}{r['async_stall_s']:>9.3f}{r['async_durable_s']:>11.3f}"
-                         f"{gb / r['async_durable_s']:>7.2f}{r['async_durable_s'] / res['disk']['write_s']:>12.2f}x"
-                         f"{'':>11}")
+            lines.append(f"{'dcp async_save':<16}{cell(r, 'async_stall_s')}{cell(r, 'async_durable_s')}"
+                         f"{gb / r['async_durable_s']:>6.2f}{r['async_durable_s'] / res['disk']['write_s']:>11.2f}x")
+    lc = res["runs"].get("layerckpt")
+    if lc and lc.get("phases_s"):
+        lines.append("layerckpt save by phase (medians): " + ", ".join(
+            f"{k} {v:.3f}s" for k, v in lc["phases_s"].items())
+            + (" (lazy staging: plan is what save() blocks for; stage runs in the background)"
+               if lc.get("lazy_staging") else ""))
     if res.get("compression"):
         c = res["compression"]
         disk = res["state_bytes"] / res["disk"]["write_s"] / 1e9

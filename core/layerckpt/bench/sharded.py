@@ -155,10 +155,6 @@ def dcp_files(d: str, rank: int) -> List[str]:
     return [os.path.join(d, f) for f in names if os.path.exists(os.path.join(d, f))]
 
 
-def summary(xs: List[float]) -> Dict[str, Any]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
-
-
 # ---------------------------------------------------------------- contenders
 
 def bench_layerckpt(d: str, m, opt, reps: int, selective: bool, step_seed: int) -> Dict[str, Any]:
