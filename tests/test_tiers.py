@@ -98,10 +98,10 @@ def test_local_dir_deleted_restores_from_remote(remote, tmp_path):
     cfg = FULL.replace(remote=url, remote_options=options)
     with layerckpt.Checkpointer(root, model, opt, config=cfg) as ck:
         for step in range(1, 5):
-            with torch.no_grad():
+            with torch.no_grad():  # by hand, not through opt.step(): the previous save's copies must be over
                 for p in model.parameters():
                     p.mul_(1.01)
-            ck.save(step, extra={"step": step})
+            ck.save(step, extra={"step": step}).wait()
     assert _threads() == []
     shutil.rmtree(root)
 

@@ -128,7 +128,7 @@ def _bench(args) -> int:
     import importlib
 
     kind = ("sharded" if args.sharded else "lightning_io" if args.lightning else "policy" if args.policy
-            else "restore" if args.restore else "run")
+            else "restore" if args.restore else "steps" if args.steps else "run")
     return importlib.import_module("layerckpt.bench." + kind).main(args)
 
 
@@ -178,11 +178,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.add_argument("--restore", action="store_true",
                    help="instead: resume time by checkpoint size (fresh process, warm and cold page cache) "
                         "against torch.load + load_state_dict and dcp.load")
+    a.add_argument("--steps", action="store_true",
+                   help="instead: step time of a training loop with a checkpoint after every step: layerckpt "
+                        "against DCP async_save and TorchSnapshot async_take (with --size, --steps-n)")
+    a.add_argument("--steps-n", type=int, default=6, help="with --steps: steps measured")
     a.add_argument("--sizes", default="10MB,50MB,200MB,gpt2-small",
                    help="with --restore: comma-separated state sizes (e.g. 10MB) and/or gpt2-small")
     a.add_argument("--cache", default="warm,cold", help="with --restore: page-cache conditions, warm and/or cold")
     a.add_argument("--size", default="gpt2-small", choices=["gpt2-small", "gpt2-mini", "tiny"],
-                   help="with --sharded or --lightning: the model")
+                   help="with --sharded, --lightning or --steps: the model")
     a.add_argument("--nproc", type=int, default=2, help="with --sharded: processes")
     a.set_defaults(fn=_bench)
     for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"], sub.choices["bench"]):

@@ -1,0 +1,179 @@
+"""`layerckpt bench --steps`: what a checkpoint at every step costs a training loop.
+
+The same GPT-style model and AdamW train for the same steps on the same
+batches, once with no checkpointing and once each with layerckpt's
+``Checkpointer.save`` (full saves: the worst case for the step time; lazy
+staging as configured), DCP's ``async_save`` and TorchSnapshot's
+``Snapshot.async_take`` (if installed) after every step.  Reported per
+contender: the median step time (forward, backward, optimizer step, the
+checkpoint call) with its spread, the overhead against no checkpointing, and
+how long the checkpoint call itself blocked.  Each contender waits for its
+previous checkpoint before taking the next only where its own API makes it
+(layerckpt's ``max_inflight``; DCP and TorchSnapshot: the previous future),
+so what a step pays is what a user of that API pays.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .cases import summary
+from .models import GPT, GPTConfig
+
+PRESETS = {"gpt2-small": GPTConfig.gpt2_small, "gpt2-mini": lambda: GPTConfig(n_embd=512, n_layer=8, n_head=8),
+           "tiny": GPTConfig.tiny}
+
+
+def _train(preset: str, steps: int, warmup: int, seq: int,
+           checkpoint: Optional[Callable[[int, torch.nn.Module, torch.optim.Optimizer, torch.Tensor], None]]
+           ) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    c = PRESETS[preset]()
+    seq = min(seq, c.n_positions + 1)
+    model = GPT(c)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    times: List[float] = []
+    blocked: List[float] = []
+    for step in range(warmup + steps):
+        x = torch.randint(0, c.vocab_size, (1, seq), generator=g)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = model(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        t1 = time.perf_counter()
+        if checkpoint is not None:
+            checkpoint(step, model, opt, loss.detach())
+        t2 = time.perf_counter()
+        if step >= warmup:
+            times.append(t2 - t0)
+            blocked.append(t2 - t1)
+    return {"model": model, "opt": opt, "step": summary(times), "blocked": summary(blocked)}
+
+
+def run(preset: str = "gpt2-small", steps: int = 6, warmup: int = 2, seq: int = 128,
+        dirpath: Optional[str] = None) -> Dict[str, Any]:
+    from .run import _cpu_name
+
+    seq = min(seq, PRESETS[preset]().n_positions + 1)
+    root = tempfile.mkdtemp(prefix="layerckpt-bench-steps-", dir=dirpath)
+    res: Dict[str, Any] = {"preset": preset, "steps": steps, "warmup": warmup, "seq": seq,
+                           "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__},
+                           "runs": {}}
+    try:
+        res["runs"]["none"] = _strip(_train(preset, steps, warmup, seq, None))
+        res["runs"]["layerckpt"] = _layerckpt(root, preset, steps, warmup, seq)
+        res["runs"]["dcp async_save"] = _dcp(root, preset, steps, warmup, seq)
+        res["runs"]["torchsnapshot async_take"] = _torchsnapshot(root, preset, steps, warmup, seq)
+        base = res["runs"]["none"]["step"]["median"]
+        for r in res["runs"].values():
+            if "step" in r:
+                r["overhead"] = r["step"]["median"] / base - 1
+        return res
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _strip(r: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in r.items() if k not in ("model", "opt")}
+
+
+def _layerckpt(root: str, preset: str, steps: int, warmup: int, seq: int) -> Dict[str, Any]:
+    from ..checkpointer import Checkpointer
+    from ..config import Config
+
+    cks: List[Checkpointer] = []
+
+    def save(step, model, opt, loss):
+        if not cks:
+            cks.append(Checkpointer(os.path.join(root, "layerckpt"), model, opt, Config(threshold=0.0)))
+        cks[0].save(step, loss=loss)
+
+    out = _train(preset, steps, warmup, seq, save)
+    cks[0].close()
+    r = _strip(out)
+    r["lazy_staging"] = cks[0]._lazy
+    return r
+
+
+def _dcp(root: str, preset: str, steps: int, warmup: int, seq: int) -> Dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    futs: List[Any] = []
+
+    def save(step, model, opt, loss):
+        if futs:  # DCP keeps one async save at a time per caller: the previous one must be finished
+            _result(futs.pop())
+        futs.append(dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
+                                   checkpoint_id=os.path.join(root, "dcp", str(step))))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            out = _train(preset, steps, warmup, seq, save)
+            for f in futs:
+                _result(f)
+        except Exception as e:  # noqa: BLE001 - report, do not abort the bench
+            return {"error": f"{type(e).__name__}: {e}"}
+    return _strip(out)
+
+
+def _result(fut: Any) -> None:
+    (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+
+
+def _torchsnapshot(root: str, preset: str, steps: int, warmup: int, seq: int) -> Dict[str, Any]:
+    try:
+        import torchsnapshot
+    except ImportError:
+        return {"error": "not installed (pip install torchsnapshot, or the 'bench' extra)"}
+    pending: List[Any] = []
+
+    def save(step, model, opt, loss):
+        if pending:
+            pending.pop().wait()
+        pending.append(torchsnapshot.Snapshot.async_take(path=os.path.join(root, "ts", str(step)),
+                                                         app_state={"model": model, "optim": opt}))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            out = _train(preset, steps, warmup, seq, save)
+            for p in pending:
+                p.wait()
+        except Exception as e:  # noqa: BLE001
+            return {"error": f"{type(e).__name__}: {e}"}
+    return _strip(out)
+
+
+def format_table(res: Dict[str, Any]) -> str:
+    m = res["machine"]
+    lines = [f"layerckpt bench --steps: {res['preset']} + AdamW, a checkpoint after every step, {res['steps']} "
+             f"steps measured after {res['warmup']} warm-up ones (batch 1 x {res['seq']} tokens), on {m['cpu']} "
+             f"({m['cores']} cores), torch {m['torch']}; medians [min-max]",
+             f"{'checkpointing':<28}{'step s':>24}{'overhead':>10}{'blocked s':>24}"]
+    for name, r in res["runs"].items():
+        if "error" in r:
+            lines.append(f"{name:<28}{r['error']}")
+            continue
+        s, b = r["step"], r["blocked"]
+        lines.append(f"{name:<28}{s['median']:>8.3f} [{s['min']:.3f}-{s['max']:.3f}]".ljust(52)
+                     + f"{r['overhead'] * 100:>+9.1f}%"
+                     + f"{b['median']:>8.3f} [{b['min']:.3f}-{b['max']:.3f}]".rjust(24))
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    res = run(args.size if args.size in PRESETS else "gpt2-small", steps=getattr(args, "steps_n", 6),
+              dirpath=args.dir)
+    print(json.dumps(res) if args.json else format_table(res))
+    return 0
