@@ -24,10 +24,12 @@ STARVED = object()  # the stager waits for a free buffer
 ABORT = object()  # staging failed: discard what was sent
 
 
-def anon_buffer(nbytes: int) -> mmap.mmap:
-    """Page-aligned anonymous memory, with transparent huge pages asked for (fewer TLB misses and faults)."""
+def anon_buffer(nbytes: int, huge: bool = True) -> mmap.mmap:
+    """Page-aligned anonymous memory, with transparent huge pages asked for if ``huge`` (fewer TLB misses
+    and faults for buffers reused save after save; a one-off buffer does without: where the kernel
+    compacts memory to find huge pages on demand, the default, that stall costs more than it saves)."""
     mem = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mem.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
