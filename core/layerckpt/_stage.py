@@ -134,14 +134,18 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def stage(layout: Layout, pool: BufferPool, out: "queue.Queue", staged: threading.Event,
-          verify: Optional[Callable[[], None]] = None, crcs: Optional[Dict[int, int]] = None) -> None:
+          verify: Optional[Callable[[], None]] = None, crcs: Optional[Dict[int, int]] = None,
+          after: Optional[Dict[torch.device, "torch.cuda.Event"]] = None) -> None:
     """Copy the file image into pool chunks, handing each full chunk to the flusher at once.  ``verify``
     runs once every byte is copied, before the image is declared complete; it raises to fail the save.
     On failure the chunk being filled goes back to the pool (the caller sends ABORT).
 
     With ``crcs`` (a dict to fill) a host tensor is copied and checksummed in one pass (``copy_crc32c``:
     each block checksummed while in the CPU's cache) and its CRC32C lands in ``crcs[item]``; the chunks
-    then list only the segments the flusher still has to checksum (device tensors')."""
+    then list only the segments the flusher still has to checksum (device tensors').
+
+    ``after``: per device, an event recorded on the caller's stream at ``save()`` (lazy staging runs on
+    another thread, whose current stream is not the caller's); device copies are ordered after it."""
     C = pool.chunk_bytes
     fused = crcs is not None and copy_crc32c is not None
     header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
@@ -158,7 +162,7 @@ def stage(layout: Layout, pool: BufferPool, out: "queue.Queue", staged: threadin
             if nbytes == 0:
                 continue
             src = _flat_bytes(t)
-            stream = _device_stream(src, streams) if src.is_cuda else None
+            stream = _device_stream(src, streams, after) if src.is_cuda else None
             if stream is not None:
                 chunk.pin()
             view = _host_view(src) if fused and idx >= 0 and stream is None else None
@@ -265,19 +269,32 @@ def _host_view(src: torch.Tensor) -> Optional[memoryview]:
         return None
 
 
+def caller_events(layout: Layout) -> Dict[torch.device, "torch.cuda.Event"]:
+    """For lazy staging: an event on the caller's current stream of each CUDA device the layout reads."""
+    out: Dict[torch.device, "torch.cuda.Event"] = {}
+    for it in layout.items:
+        d = it.tensor.device
+        if d.type == "cuda" and d not in out:
+            out[d] = torch.cuda.current_stream(d).record_event()
+    return out
+
+
 def _emit(out, chunk, base, fill, segs, streams) -> None:
     for s in streams.values():
         s.synchronize()  # the flusher reads this chunk next
     out.put((chunk, base, fill, segs))
 
 
-def _device_stream(src: torch.Tensor, streams: Dict[torch.device, "torch.cuda.Stream"]) -> "torch.cuda.Stream":
+def _device_stream(src: torch.Tensor, streams: Dict[torch.device, "torch.cuda.Stream"],
+                   after: Optional[Dict[torch.device, "torch.cuda.Event"]] = None) -> "torch.cuda.Stream":
     """The side stream that copies ``src`` to the host, ordered after everything queued on the current
-    stream so far (the ``.contiguous()`` that made ``src`` included), and ``src``'s memory kept from
-    reuse until that copy is done."""
+    stream so far (the ``.contiguous()`` that made ``src`` included) and after the caller's ``after``
+    event, and ``src``'s memory kept from reuse until that copy is done."""
     s = streams.get(src.device)
     if s is None:
         s = streams[src.device] = torch.cuda.Stream(device=src.device)
+        if after and src.device in after:
+            s.wait_event(after[src.device])
     s.wait_stream(torch.cuda.current_stream(src.device))
     src.record_stream(s)
     return s

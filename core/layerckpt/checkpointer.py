@@ -29,7 +29,7 @@ from ._layers import LayerSpec
 from ._layout import LayoutCache
 from ._manifest import MODEL, OPTIM, Manifest, load_manifest
 from ._plan import Selector
-from ._stage import ABORT, BufferPool, LazyStager, stage
+from ._stage import ABORT, BufferPool, LazyStager, caller_events, stage
 from .config import Config
 from .errors import CheckpointError
 
@@ -277,6 +277,7 @@ class Checkpointer:
         plan = self.selector.plan(step, fname, entries, self.rank, self.group.world, loss)
         layout = self._layout_cache.plan(plan.write)
         verify = _unchanged_since(layout, lazy, step) if lazy else None
+        after = caller_events(layout) if lazy and torch.cuda.is_available() else None
         self._seq += 1
         manifest = Manifest(
             step=step, seq=self._seq, chain=plan.chain, world_size=self.group.world, created=time.time(),
@@ -302,7 +303,7 @@ class Checkpointer:
                     verify()
 
             try:
-                stage(layout, self.pool, job.chunks, job.staged, copied, job.crcs if lazy else None)
+                stage(layout, self.pool, job.chunks, job.staged, copied, job.crcs if lazy else None, after)
             except BaseException as e:
                 job.abort_error = e if lazy else None
                 job.chunks.put(ABORT)
