@@ -65,7 +65,7 @@ def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Opti
     try:
         extents = _extents(wants)
         total = sum(e - s for s, e in extents)
-        buf = anon_buffer(total, huge=False)
+        buf = anon_buffer(total)
         where = _pump(backend, fd, path, buf, extents, piece_bytes, wants, check)
     finally:
         os.close(fd)
@@ -87,7 +87,7 @@ def _views_small(path: str, size: int, wants: Sequence[Want], check: Optional[Ca
     for w in wants:
         where[w.key] = end
         end += -(-w.nbytes // 64) * 64
-    mem = anon_buffer(end, huge=False)  # faulted in by one call, not page by page during the reads
+    mem = anon_buffer(end)  # faulted in by one call, not page by page during the reads
     _backend.populate(memoryview(mem))
     buf = torch.frombuffer(mem, dtype=torch.uint8, count=end) if end else torch.empty(0, dtype=torch.uint8)
     sinks = {w.key: buf[where[w.key]:where[w.key] + w.nbytes] for w in wants if w.nbytes}

@@ -24,17 +24,11 @@ STARVED = object()  # the stager waits for a free buffer
 ABORT = object()  # staging failed: discard what was sent
 
 
-def anon_buffer(nbytes: int, huge: bool = True) -> mmap.mmap:
-    """Page-aligned anonymous memory, with transparent huge pages asked for if ``huge`` (fewer TLB misses
-    and faults for buffers reused save after save; a one-off buffer does without: where the kernel
-    compacts memory to find huge pages on demand, the default, that stall costs more than it saves)."""
-    mem = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mem.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    return mem
+def anon_buffer(nbytes: int) -> mmap.mmap:
+    """Page-aligned anonymous memory.  No transparent huge pages are asked for: where the kernel compacts
+    memory to find them on demand (defrag=madvise, the default) faulting in 1.5 GB took 4.3 s instead of
+    0.37 s on the development machine, and copies into either ran at the same 13.7 GB/s."""
+    return mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def prefault(mem: mmap.mmap, tensor: torch.Tensor) -> None:
