@@ -107,6 +107,8 @@ class FlushJob:
     staged: threading.Event = field(default_factory=threading.Event)  # the caller's copy is over
     on_commit: Optional[Callable[[Manifest], None]] = None
     abort_error: Optional[BaseException] = None  # why staging failed, sent with ABORT
+    resolve: Optional[Callable[[Manifest], None]] = None  # completes the manifest from saves committed before
+    on_fail: Optional[Callable[[], None]] = None
     crcs: Dict[int, int] = field(default_factory=dict)  # item -> checksum, of those the stager took itself
 
 
@@ -162,6 +164,8 @@ class Flusher:
             try:
                 self._flush(job)
             except BaseException as e:  # noqa: BLE001 - kept and re-raised from wait()
+                if job.on_fail is not None:
+                    job.on_fail()
                 if not os.path.isdir(self.root):  # the user removed the directory: nothing to fight over
                     job.pending.cancelled = True
                     log.info("layerckpt: %s was removed while step %d was flushing; that save is dropped",
@@ -183,6 +187,8 @@ class Flusher:
             t = time.perf_counter()
             fsync_dir(os.path.dirname(job.pending.path))
             job.pending.phases["fdatasync"] += time.perf_counter() - t
+            if job.resolve is not None:
+                job.resolve(job.manifest)
             failed: Optional[BaseException] = None
         except BaseException as e:  # noqa: BLE001 - every rank must still take part in the exchange
             failed, crcs = _as_checkpoint_error(e, job.pending.path), []

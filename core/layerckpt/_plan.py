@@ -24,6 +24,7 @@ from ._manifest import (FileEntry, LayerEntry, Manifest, RowBlocks, TensorEntry,
 from ._dist import Group
 from ._track import DriftTracker, Measure, Views, combine
 from .config import Config
+from .errors import CheckpointError
 
 NEW = "new"  # the layer's tensors changed since the last composite (added, reshaped, new optimizer state)
 FROZEN_PART = "[frozen]"
@@ -42,6 +43,11 @@ class SavePlan:
     samples: Dict[str, Views] = field(default_factory=dict)  # drift references once committed
     cost: float = 0.0  # the composite's estimated fidelity cost (first-order loss of its stale layers)
     progress: float = 0.0  # the model's first-order progress over the last interval, in the same unit
+    #: this save's identity while in flight, and the layers whose tensors it carries from saves still in
+    #: flight when it was planned (layer -> that save's token): known once those commit (``Selector.resolve``)
+    token: object = field(default_factory=object)
+    deferred: Dict[str, object] = field(default_factory=dict)
+    shapes: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = field(default_factory=dict)  # of every tensor saved
 
     @property
     def reasons(self) -> Dict[str, str]:
@@ -93,6 +99,10 @@ class Selector:
         self.spec = layers if layers is not None else config.layers
         self.tracker = DriftTracker(config.drift_sample)
         self.composite: Optional[Manifest] = None  # the last committed manifest of this Checkpointer
+        #: the newest save planned and not yet committed (one process only): the next plan builds on it, so
+        #: selective saves may be in flight together (Config.max_inflight)
+        self._planned: Optional[SavePlan] = None
+        self._committed: Dict[object, Manifest] = {}  # token -> manifest, of the few newest commits
         self._lock = threading.Lock()
         self._owner: Optional[Tuple[tuple, Dict[str, str], frozenset]] = None  # (sig, owner, frozen layers)
         self._keys: Optional[Tuple[tuple, Dict[str, str], Dict[str, List[str]]]] = None
@@ -211,7 +221,7 @@ class Selector:
         shapes = self._shapes(entries)
 
         with self._lock:
-            prev = self.composite
+            prev = self.composite if self._planned is None else self._planned
             # full checkpoints decide nothing by drift: keep their stall to the copy alone
             now = {} if self.full else {layer: self.tracker.sample(w, grads.get(layer, {}))
                                         for layer, w in weights.items()}
@@ -219,11 +229,12 @@ class Selector:
         if not self.full:
             measures = self._measure_across_ranks(layer_keys, measures)
         chain = 0 if prev is None else prev.chain + 1
+        prev_shapes = prev.shapes if isinstance(prev, SavePlan) else self._prev_shapes
         states, forced = {}, set()
         for layer, keys in layer_keys.items():
             before = prev.layers.get(layer) if prev is not None else None
             if before is None or sorted(before.tensors) != sorted(keys) or any(
-                    self._prev_shapes.get(k) != shapes[k] for k in keys):
+                    prev_shapes.get(k) != shapes[k] for k in keys):
                 forced.add(layer)
             ms = measures.get(layer)
             states[layer] = policy.LayerState(
@@ -250,6 +261,8 @@ class Selector:
         owner_rank = assign(persist - sharded, nbytes, world)
         layers: Dict[str, LayerEntry] = {}
         carried: Dict[str, TensorEntry] = {}
+        deferred: Dict[str, object] = {}
+        pending = prev if isinstance(prev, SavePlan) else None
         for layer, keys in layer_keys.items():
             st = states[layer]
             info = dict(reason=reasons[layer], drift=_finite(st.drift), frozen=st.frozen,
@@ -260,17 +273,52 @@ class Selector:
             else:
                 before = prev.layers[layer]
                 layers[layer] = dataclasses.replace(before, age=before.age + 1, **info)
-                carried.update({k: prev.tensors[k] for k in before.tensors})
+                if pending is not None and layer in pending.persisted:  # written by a save still in flight
+                    deferred[layer] = pending.token
+                elif pending is not None and layer in pending.deferred:
+                    deferred[layer] = pending.deferred[layer]
+                else:
+                    known = pending.carried if pending is not None else prev.tensors
+                    carried.update({k: known[k] for k in before.tensors})
         files = {e.file: prev.files[e.file] for e in carried.values()} if carried else {}
         write = [(k, t) for k, t in entries
                  if _mine(k, key_layer.get(k), persist, owner_rank, rank, sharded, shard_keys)]
         # the persisted layers' samples become their references once this save commits: copy them now
         samples = {layer: snaps[layer][0] for layer in persist if layer in snaps}
+        out = SavePlan(write=write, layers=layers, carried=carried, files=files, persisted=persist, chain=chain,
+                       samples=samples, cost=policy.composite_cost(states, persist),
+                       progress=sum(st.progress for st in states.values() if not st.frozen), deferred=deferred,
+                       shapes=shapes)
         with self._lock:
             self.tracker.advance(snaps)
-        return SavePlan(write=write, layers=layers, carried=carried, files=files, persisted=persist, chain=chain,
-                        samples=samples, cost=policy.composite_cost(states, persist),
-                        progress=sum(st.progress for st in states.values() if not st.frozen))
+            # the persisted layers' references move now, so that a save planned while this one is in
+            # flight measures against them; should this one fail, they are forgotten (failed())
+            self.tracker.commit(samples)
+            if not self.full and world == 1:
+                self._planned = out
+        return out
+
+    def resolve(self, plan: SavePlan, m: Manifest) -> None:
+        """At this save's commit (the saves before it have committed or failed, in order): the tensors of the
+        layers it carries from them, from their manifests.  Raises if one of them failed."""
+        for layer, token in plan.deferred.items():
+            with self._lock:
+                src = self._committed.get(token)
+            if src is None:
+                raise CheckpointError(
+                    f"the checkpoint of step {m.step} was not committed: it carries layer {layer!r} from a save "
+                    f"before it that failed; the saves after it build on the last committed checkpoint")
+            for k in m.layers[layer].tensors:
+                e = m.tensors[k] = src.tensors[k]
+                m.files[e.file] = src.files[e.file]
+
+    def failed(self, plan: SavePlan) -> None:
+        """A save failed: the next plan builds on the last committed composite, not on it."""
+        with self._lock:
+            p = self._planned
+            if p is not None and (p is plan or plan.token in p.deferred.values()):
+                self._planned = None
+            self.tracker.forget(plan.persisted)  # no reference: the next save writes them again
 
     def adopt(self, manifest: Manifest, entries: Entries) -> None:
         """Take a committed composite as the base of the next save, as if this Selector had written it.
@@ -288,10 +336,17 @@ class Selector:
             samples = {layer: snap[0] for layer, snap in snaps.items()}
         self.committed(manifest, samples)
 
-    def committed(self, manifest: Manifest, samples: Dict[str, Views]) -> None:
+    def committed(self, manifest: Manifest, samples: Dict[str, Views], plan: Optional[SavePlan] = None) -> None:
         """Called by the flusher once a save committed: it becomes the base of the next composite."""
         shapes = {k: (CODES[e.dtype], tuple(e.shape)) for k, e in manifest.tensors.items()}
         with self._lock:
             self.composite = manifest
+            if plan is None:  # adopt(): a plan's references moved when it was planned
+                self.tracker.commit(samples)
+            else:
+                self._committed[plan.token] = manifest
+                while len(self._committed) > 8:  # a save carries only from those still in flight at its plan
+                    self._committed.pop(next(iter(self._committed)))
+                if self._planned is plan:
+                    self._planned = None
             self._prev_shapes = shapes
-            self.tracker.commit(samples)

@@ -182,6 +182,13 @@ class DriftTracker:
             self._cost[layer] = 0.0
 
 
+    def forget(self, layers) -> None:
+        """These layers' references are gone (the save that persisted them failed): they count as new."""
+        for layer in layers:
+            self._ref.pop(layer, None)
+            self._cost.pop(layer, None)
+
+
 def _same_shapes(a: Views, b: Views) -> bool:
     return len(a) == len(b) and all(x.numel() == y.numel() for x, y in zip(a, b))
 

@@ -158,8 +158,9 @@ class Checkpointer:
         with self._lock:
             self._stager.wait()  # one save's copies at a time
             self._raise_unreported()
-            # a selective save composes on the last committed one: that one must be finished
-            self._throttle(self.config.max_inflight - 1 if self.selector.full else 0)
+            # a selective save composes on the one before it: in one process on its plan, completed at the
+            # commit; across ranks the ranks agree on the last committed one, which must be finished
+            self._throttle(self.config.max_inflight - 1 if self.selector.full or self.group.world == 1 else 0)
             self._raise_unreported()  # the flush just waited for may have failed
             return self._save(step, extra, loss, name)
 
@@ -287,7 +288,9 @@ class Checkpointer:
             loss=loss, name=name, blocks=meta["blocks"] or None)
         pending = PendingSave(step, os.path.join(self.dirpath, _store.DATA_DIR, fname))
         job = FlushJob(pending=pending, layout=layout, fname=fname, manifest=manifest, t0=t0,
-                       on_commit=functools.partial(self.selector.committed, samples=plan.samples))
+                       on_commit=functools.partial(self.selector.committed, samples=plan.samples, plan=plan),
+                       resolve=functools.partial(self.selector.resolve, plan) if plan.deferred else None,
+                       on_fail=functools.partial(self.selector.failed, plan))
         self.pool.reserve(layout.size)
         self._flusher.submit(job)
         self._pending.append(pending)

@@ -60,7 +60,8 @@ class Config:
     queue_depth: int = 8
     """Writes (or reads) in flight at once."""
     max_inflight: int = 1
-    """Flushes in flight at once; the next save() waits while this many are running."""
+    """Saves in flight at once; the next save() waits while this many are flushing.  Selective saves too, in
+    one process: each plans on the one before it (across ranks a selective save waits for the one before)."""
     lazy_staging: bool = True
     """With an optimizer: save() returns once it has decided what to write (the buffers, RNG and extra
     copied); the parameters and optimizer state are copied in the background while training goes on, and
