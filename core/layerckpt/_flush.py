@@ -81,7 +81,7 @@ class PendingSave(Pending):
         self.cancelled = False  # its directory was removed while it flushed: dropped, not failed
         #: seconds by phase: plan (gather, drift, selection, layout: what save() blocks for under lazy
         #: staging), stage (the copies), checksum, write (waiting for the disk beyond the copies and
-        #: checksums), fdatasync, commit (ranks agree, manifest, retention)
+        #: checksums), fdatasync, commit (ranks agree, the manifest durable), retention (after the commit)
         self.phases: Dict[str, float] = {}
 
     def _what(self) -> str:
@@ -200,6 +200,8 @@ class Flusher:
         t = time.perf_counter()
         job.pending.manifest_path = _commit.publish(self.group, self.root, m)
         job.pending.durable_s = time.perf_counter() - job.t0  # committed: what follows is housekeeping
+        job.pending.phases["commit"] = time.perf_counter() - t
+        t = time.perf_counter()
         if job.on_commit is not None:
             job.on_commit(m)
         job.pending.bytes_written = job.layout.size
@@ -211,7 +213,7 @@ class Flusher:
                 _retain.retain(self.root, self.config.keep_last, self.pinned | self.held)
             except OSError as e:  # retention failing must not fail a committed save
                 log.warning("layerckpt: retention after step %d failed: %s", m.step, e)
-        job.pending.phases["commit"] = time.perf_counter() - t
+        job.pending.phases["retention"] = time.perf_counter() - t
 
     def _write_local(self, job: FlushJob) -> list:
         """This rank's data file, durable; returns the per-tensor checksums."""

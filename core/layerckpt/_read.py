@@ -22,7 +22,6 @@ from ._backend import open_file
 from ._layout import CODES, align_up
 from ._manifest import TensorEntry
 from .config import ALIGN
-from ._stage import anon_buffer
 from .errors import CheckpointCorruptError
 
 GAP = 1 << 20  # read through holes smaller than this rather than issue another request
@@ -65,8 +64,8 @@ def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Opti
     try:
         extents = _extents(wants)
         total = sum(e - s for s, e in extents)
-        buf = anon_buffer(total)
-        where = _pump(backend, fd, path, buf, extents, piece_bytes, wants, check)
+        buf = fresh_bytes(total, ALIGN)
+        where = _pump(backend, fd, path, buf.numpy(), extents, piece_bytes, wants, check)
     finally:
         os.close(fd)
     out = {}
@@ -74,24 +73,40 @@ def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Opti
         if w.nbytes == 0:
             out[w.key] = torch.empty(w.shape, dtype=w.dtype)
         else:
-            t = torch.frombuffer(buf, dtype=torch.uint8, count=w.nbytes, offset=where[w.key])
-            out[w.key] = t.view(w.dtype).reshape(w.shape)
+            out[w.key] = buf[where[w.key]:where[w.key] + w.nbytes].view(w.dtype).reshape(w.shape)
     return out, total
+
+
+def fresh_bytes(nbytes: int, align: int = 64) -> torch.Tensor:
+    """Memory for tensors read back: from the allocator (which hands back memory freed a moment ago,
+    already faulted in, where it has some; a fresh process gets fresh pages, faulted in by the readers'
+    helper thread), ``align``-aligned."""
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % align
+    return raw[off:off + nbytes]
 
 
 def _views_small(path: str, size: int, wants: Sequence[Want], check: Optional[Callable]
                  ) -> Tuple[Dict[str, torch.Tensor], int]:
-    """A small file's tensors, read buffered into one fresh allocation (not zeroed first: the read is
-    the first touch), packed at 64-byte boundaries."""
+    """The tensors, read buffered into one fresh allocation packed at 64-byte boundaries, whose pages a
+    helper thread faults in (one call per piece, not a fault per page inside the reads) ahead of them."""
     where, end = {}, 0
     for w in wants:
         where[w.key] = end
         end += -(-w.nbytes // 64) * 64
-    mem = anon_buffer(end)  # faulted in by one call, not page by page during the reads
-    _backend.populate(memoryview(mem))
-    buf = torch.frombuffer(mem, dtype=torch.uint8, count=end) if end else torch.empty(0, dtype=torch.uint8)
+    buf = fresh_bytes(end)
     sinks = {w.key: buf[where[w.key]:where[w.key] + w.nbytes] for w in wants if w.nbytes}
-    total = _read_small(path, size, [w for w in wants if w.nbytes], sinks, check)
+    view = memoryview(buf.numpy())
+    pieces = [(0, o, min(PIECE, end - o)) for o in range(0, end, PIECE)]
+    pre = _Prefault(view, pieces, threads=1)
+    try:
+        def ready(key: str, a: int, n: int) -> None:  # the buffer's pages under this piece are in
+            pre.wait((where[key] + a + n - 1) // PIECE)
+
+        total = _read_small(path, size, [w for w in wants if w.nbytes], sinks, check, ready)
+    finally:
+        pre.close()
+        view.release()
     out = {}
     for w in wants:
         if w.nbytes == 0:
@@ -117,7 +132,7 @@ def read_into(backend, pool, path: str, size: int, wants: Sequence[Want], sinks:
     try:
         extents = _extents(wants)
         pieces = [(o, min(pool.chunk_bytes, e - o)) for s, e in extents for o in range(s, e, pool.chunk_bytes)]
-        crcs = [0] * len(wants)
+        sums = _Checksums(check, len(wants), threaded=True)  # of the targets, behind the copies
         held: Dict[int, object] = {}
         done: set = set()
         nxt = first = 0
@@ -137,29 +152,33 @@ def read_into(backend, pool, path: str, size: int, wants: Sequence[Want], sinks:
                     w = wants[j]
                     a, b = max(w.offset, ps), min(w.offset + w.nbytes, pe)
                     if a < b:
-                        sinks[w.key][a - w.offset: b - w.offset].copy_(chunk.tensor[a - ps: b - ps])
-                        if check is not None:
-                            crcs[j] = check(chunk.view[a - ps: b - ps], crcs[j])
+                        dst = sinks[w.key][a - w.offset: b - w.offset]
+                        dst.copy_(chunk.tensor[a - ps: b - ps])
+                        if dst.is_cpu:
+                            sums.add(j, memoryview(dst.numpy()))
+                        elif check is not None:  # a device target: its bytes are checked in the bounce buffer
+                            sums.crcs[j] = check(chunk.view[a - ps: b - ps], sums.crcs[j])
                     if j == first and w.offset + w.nbytes <= pe:
-                        _verify(check, crcs[j], w, path)
                         first += 1
                     j += 1
                 pool.release(chunk)
-            for w in wants[first:]:  # empty tensors past the last piece
-                _verify(check, 0, w, path)
+            crcs = sums.result()
         except OSError as e:
             raise _read_failed(path, e) from None
         finally:
+            sums.close()
             _drain_quietly(backend)
             for c in held.values():
                 pool.release(c)
     finally:
         os.close(fd)
+    for j, w in enumerate(wants):
+        _verify(check, crcs[j], w, path)
     return sum(n for _, n in pieces)
 
 
 def _read_small(path: str, size: int, wants: Sequence[Want], sinks: Dict[str, torch.Tensor],
-                check: Optional[Callable]) -> int:
+                check: Optional[Callable], ready: Optional[Callable[[str, int, int], None]] = None) -> int:
     """Each tensor read buffered straight into its target, a piece at a time; the checksums run on a
     helper thread a piece behind the reads (both release the GIL), and are compared at the end."""
     fd, _ = _open_checked(path, size, wants, direct=False)
@@ -171,6 +190,8 @@ def _read_small(path: str, size: int, wants: Sequence[Want], sinks: Dict[str, to
             view = memoryview(sinks[w.key].numpy()) if w.nbytes else memoryview(b"")
             for a in range(0, w.nbytes, PIECE):
                 piece = view[a:a + PIECE]
+                if ready is not None:
+                    ready(w.key, a, len(piece))
                 got = 0
                 while got < len(piece):
                     n = os.preadv(fd, [piece[got:]], w.offset + a + got)
@@ -247,9 +268,31 @@ def _advise(fd: int, wants: Sequence[Want]) -> None:
             return
 
 
+MEMORY_FS = ("tmpfs", "ramfs", "hugetlbfs")
+
+
+def _in_memory(path: str) -> bool:
+    """Whether ``path`` lies on a file system in memory (tmpfs: the memory tier), read from the mount table.
+    Newer kernels accept O_DIRECT there, where it only adds a copy through the bounce buffers."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return False
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind in MEMORY_FS
+
+
 def _cached(path: str, wants: Sequence[Want], probes: int = 16) -> bool:
     """Whether the page cache holds the wanted bytes: a page at each of ``probes`` points across them
-    read without waiting (RWF_NOWAIT fails instead of going to the disk)."""
+    read without waiting (RWF_NOWAIT fails instead of going to the disk); a file in memory always is."""
+    if _in_memory(path):
+        return True
     flag = getattr(os, "RWF_NOWAIT", None)
     wanted = [w for w in wants if w.nbytes]
     if flag is None or not wanted:
@@ -353,6 +396,7 @@ def _pump(backend, fd, path, buf, extents, piece_bytes, wants, check) -> Dict[st
     done: set = set()
     nxt = ptr = wi = 0
     pre = _Prefault(view, pieces)
+    sums = _Checksums(check, len(wants), threaded=True)  # behind the reads, on a helper thread
     try:
         while ptr < len(pieces):
             while nxt < len(pieces) and backend.inflight < backend.depth and pre.ready(nxt):
@@ -368,18 +412,20 @@ def _pump(backend, fd, path, buf, extents, piece_bytes, wants, check) -> Dict[st
                 # every tensor ending inside what is now contiguous is complete: check it
                 while wi < len(wants) and wants[wi].offset + wants[wi].nbytes <= fo + n:
                     w = wants[wi]
-                    if check is not None and w.nbytes:
-                        _verify(check, check(view[where[w.key]:where[w.key] + w.nbytes]), w, path)
+                    if w.nbytes:
+                        sums.add(wi, view[where[w.key]:where[w.key] + w.nbytes])
                     wi += 1
                 ptr += 1
-        for w in wants[wi:]:  # empty tensors past the last piece
-            _verify(check, 0, w, path)
+        crcs = sums.result()
     except OSError as e:
         raise _read_failed(path, e) from None
     finally:
+        sums.close()
         pre.close()
         _drain_quietly(backend)
         view.release()
+    for i, w in enumerate(wants):
+        _verify(check, crcs[i], w, path)
     return where
 
 
@@ -391,9 +437,9 @@ class _Prefault:
     while here they run on the other cores as the device reads.
     """
 
-    def __init__(self, view: memoryview, pieces: List[Tuple[int, int, int]]):
+    def __init__(self, view: memoryview, pieces: List[Tuple[int, int, int]], threads: int = PREFAULT_THREADS):
         self._events = [threading.Event() for _ in pieces]
-        if not _backend.HAS_POPULATE or len(pieces) < 2 or PREFAULT_THREADS < 1:
+        if not _backend.HAS_POPULATE or len(pieces) < 2 or threads < 1:
             for e in self._events:
                 e.set()
             self._threads: List[threading.Thread] = []
@@ -402,7 +448,7 @@ class _Prefault:
         self._next = 0
         self._lock = threading.Lock()
         self._stop = False
-        n = max(0, min(PREFAULT_THREADS, os.cpu_count() or 1, len(pieces)))
+        n = max(0, min(threads, os.cpu_count() or 1, len(pieces)))
         self._threads = [threading.Thread(target=self._run, daemon=True, name="layerckpt-prefault")
                          for _ in range(n)]
         for t in self._threads:

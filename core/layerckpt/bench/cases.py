@@ -340,23 +340,12 @@ def bench_torch_save(root: str, model, opt, preset: str = "gpt2-small", reps: in
         torch.save(sd, f)
         fsync_tree(f)
 
-    saves = [_timed(save) for _ in range(reps)]
-    loads = []
-    for _ in range(reps):
-        m2, o2 = build_state(preset, seed=1, step=False)
-        drop_cache(f)
+    def load(m2, o2):
+        sd = torch.load(f, weights_only=True)
+        m2.load_state_dict(sd["model"])
+        o2.load_state_dict(sd["optim"])
 
-        def load():
-            sd = torch.load(f, weights_only=True)
-            m2.load_state_dict(sd["model"])
-            o2.load_state_dict(sd["optim"])
-
-        loads.append(_timed(load))
-    out = {"bytes": os.path.getsize(f)}
-    record(out, "stall_s", saves)
-    record(out, "durable_s", saves)
-    record(out, "restore_s", loads)
-    return out
+    return _one_file(f, save, load, preset, reps)
 
 
 def bench_safetensors(root: str, model, opt, preset: str = "gpt2-small", reps: int = 3) -> Dict[str, Any]:
@@ -369,18 +358,22 @@ def bench_safetensors(root: str, model, opt, preset: str = "gpt2-small", reps: i
         save_file(flat, f)
         fsync_tree(f)
 
+    def load(m2, _):  # every tensor in memory, the model's loaded
+        flat = load_file(f)
+        m2.load_state_dict({k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}, strict=False)
+
+    return _one_file(f, save, load, preset, reps)
+
+
+def _one_file(f: str, save: Callable[[], None], load: Callable[[Any, Any], None], preset: str,
+              reps: int) -> Dict[str, Any]:
+    """A one-file contender: ``reps`` saves, then ``reps`` cold loads into a fresh model and optimizer."""
     saves = [_timed(save) for _ in range(reps)]
     loads = []
     for _ in range(reps):
-        m2, _ = build_state(preset, seed=1, step=False)
+        m2, o2 = build_state(preset, seed=1, step=False)
         drop_cache(f)
-
-        def load():  # every tensor in memory, the model's loaded
-            flat = load_file(f)
-            m2.load_state_dict({k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")},
-                               strict=False)
-
-        loads.append(_timed(load))
+        loads.append(_timed(lambda: load(m2, o2)))
     out = {"bytes": os.path.getsize(f)}
     record(out, "stall_s", saves)
     record(out, "durable_s", saves)
