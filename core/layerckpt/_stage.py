@@ -1,4 +1,5 @@
-"""Stage: copy a save's file image into pooled, page-aligned host buffers, on the caller's thread.
+"""Stage: copy a save's file image into pooled, page-aligned host buffers (on a background thread
+under lazy staging, see :class:`LazyStager`; else on the caller's).
 
 The pool grows lazily up to ``limit`` bytes in ``chunk`` sized buffers; an
 ``acquire()`` past the limit blocks until the flusher returns a buffer

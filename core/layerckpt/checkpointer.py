@@ -2,9 +2,11 @@
 
 On the caller's thread: gather (``_gather``) -> track drift and plan what to
 persist (``_plan``, deciding with ``_policy`` on ``_track``'s drift) -> lay out
-the file (``_layout``) -> stage into pooled buffers (``_stage``).  Then, on the
-flusher thread: write + checksum + fdatasync (``_flush``) -> agree across ranks
-and commit the manifest (``_commit``) -> retention (``_retain``).
+the file (``_layout``).  Then stage into pooled buffers (``_stage``): on a
+background thread under lazy staging (the optimizer's step waits for it), else
+on the caller's.  On the flusher thread: write + checksum + fdatasync
+(``_flush``) -> agree across ranks and commit the manifest (``_commit``) ->
+retention (``_retain``).
 """
 from __future__ import annotations
 
@@ -42,9 +44,11 @@ class Checkpointer:
     ``layers`` overrides the automatic grouping: a callable mapping a state_dict
     name to its layer, or a dict of glob patterns to layer names (first match).
 
-    ``save(step)`` copies the state into pooled host buffers and returns a
-    :class:`PendingSave` as soon as the copy is done; a background thread writes
-    the data, makes it durable and commits the manifest.
+    ``save(step)`` decides what to write and returns a :class:`PendingSave`; the
+    state is copied into pooled host buffers in the background while training
+    goes on (``Config.lazy_staging``: the optimizer's next step waits for the
+    copies; without an optimizer, or with it off, before ``save`` returns), and a
+    background thread writes the data, makes it durable and commits the manifest.
 
     Under torch.distributed every rank constructs its Checkpointer (collectively)
     and calls ``save`` with the same steps; each persisted layer is written by
