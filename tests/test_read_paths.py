@@ -3,6 +3,7 @@ through the O_DIRECT pipeline, big files where O_DIRECT is off (tmpfs, direct_io
 bit for bit and finds damage."""
 import json
 import os
+import shutil
 
 import pytest
 
@@ -82,3 +83,31 @@ def test_page_cache_probe(tmp_path):
         assert not _read._cached(str(path), wants)
     finally:
         os.close(fd)
+
+
+def test_memory_tier_is_read_buffered(tmp_path, monkeypatch):
+    """tmpfs accepts O_DIRECT on newer kernels, where it only adds a bounce copy: the memory tier's files are
+    read buffered, straight into the targets, whatever their size."""
+    from layerckpt._memtier import memory_path
+
+    if not _read._in_memory(memory_path(str(tmp_path))):
+        pytest.skip("the memory tier's base is not a memory file system here")
+    monkeypatch.setattr(_read, "SMALL_FILE", 0)  # every file counts as big
+
+    def no_odirect(*a, **k):
+        raise AssertionError("the O_DIRECT pipeline ran on tmpfs")
+
+    monkeypatch.setattr(_read, "_pump", no_odirect)
+    model, opt = trained()
+    try:
+        with layerckpt.Checkpointer(str(tmp_path), model, opt,
+                                    layerckpt.Config(threshold=0.0, memory_tier=True)) as ck:
+            ck.save(3)
+        shutil.rmtree(tmp_path / "data")  # only the memory tier holds the data now
+        (tmp_path / "data").mkdir()
+        model2, opt2 = trained(seed=1)
+        layerckpt.restore(str(tmp_path), model2, opt2)
+    finally:
+        shutil.rmtree(memory_path(str(tmp_path)), ignore_errors=True)
+    assert_same_tensors(model2.state_dict(), model.state_dict())
+    assert_same_optimizer_state(opt2.state_dict(), opt.state_dict())
