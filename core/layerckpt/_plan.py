@@ -283,7 +283,7 @@ class Selector:
         files = {e.file: prev.files[e.file] for e in carried.values()} if carried else {}
         write = [(k, t) for k, t in entries
                  if _mine(k, key_layer.get(k), persist, owner_rank, rank, sharded, shard_keys)]
-        # the persisted layers' samples become their references once this save commits: copy them now
+        # the persisted layers' samples become their drift references (below): copies, taken now
         samples = {layer: snaps[layer][0] for layer in persist if layer in snaps}
         out = SavePlan(write=write, layers=layers, carried=carried, files=files, persisted=persist, chain=chain,
                        samples=samples, cost=policy.composite_cost(states, persist),
