@@ -1,6 +1,7 @@
 """Lazy staging: save() returns once the plan is taken, the copies run in the background, and the
 optimizer's step waits for them, so every checkpoint holds the state of its step bit for bit."""
 import threading
+import time
 
 import pytest
 import torch
@@ -71,8 +72,11 @@ def test_the_step_waits_for_the_copies(tmp_path, held, with_closure):
 
     t = threading.Thread(target=step)
     t.start()
-    assert not stepped.wait(0.5)  # the update waits for the copies...
-    assert ran  # ...but the closure (forward and backward) ran meanwhile
+    deadline = time.monotonic() + 30
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran  # the closure (forward and backward) ran while the copies were held...
+    assert not stepped.wait(0.2)  # ...and the update waits for them
     go.set()
     t.join(30)
     assert stepped.is_set()
