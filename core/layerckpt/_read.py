@@ -55,11 +55,8 @@ def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Opti
                piece_bytes: int, direct: bool = True) -> Tuple[Dict[str, torch.Tensor], int]:
     """Read every wanted tensor of one data file; returns ({key: tensor}, bytes read)."""
     wants = sorted(wants, key=lambda w: w.offset)
-    if size <= SMALL_FILE or not direct:
-        return _views_small(path, size, wants, check)
-    fd, direct = _open_checked(path, size, wants, direct)
-    if not direct or _cached(path, wants):  # tmpfs (the memory tier), or in the page cache: a plain copy
-        os.close(fd)
+    fd = _direct_fd(path, size, wants, direct)
+    if fd is None:
         return _views_small(path, size, wants, check)
     try:
         extents = _extents(wants)
@@ -75,6 +72,19 @@ def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Opti
         else:
             out[w.key] = buf[where[w.key]:where[w.key] + w.nbytes].view(w.dtype).reshape(w.shape)
     return out, total
+
+
+def _direct_fd(path: str, size: int, wants: Sequence[Want], direct: bool) -> Optional[int]:
+    """An O_DIRECT descriptor of the data file, where that is the read to make (a big file the page cache
+    does not hold); None where a buffered read straight into the targets is (a small file, O_DIRECT off or
+    refused, tmpfs where the memory tier lives, a file the page cache holds)."""
+    if size <= SMALL_FILE or not direct:
+        return None
+    fd, direct = _open_checked(path, size, wants, direct)
+    if not direct or _cached(path, wants):
+        os.close(fd)
+        return None
+    return fd
 
 
 def fresh_bytes(nbytes: int, align: int = 64) -> torch.Tensor:
@@ -123,11 +133,8 @@ def read_into(backend, pool, path: str, size: int, wants: Sequence[Want], sinks:
     a few reused bounce buffers; cheaper than fresh memory where page faults are dear.
     A checksum failure can leave targets partly overwritten."""
     wants = sorted(wants, key=lambda w: w.offset)
-    if size <= SMALL_FILE or not direct:
-        return _read_small(path, size, wants, sinks, check)
-    fd, direct = _open_checked(path, size, wants, direct)
-    if not direct or _cached(path, wants):  # tmpfs, or in the page cache: straight into the targets
-        os.close(fd)
+    fd = _direct_fd(path, size, wants, direct)
+    if fd is None:
         return _read_small(path, size, wants, sinks, check)
     try:
         extents = _extents(wants)
