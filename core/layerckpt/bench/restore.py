@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +33,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .cases import summary
 from .models import GPT, GPTConfig
+from .sharded import machine
 
 CONTENDERS = ("layerckpt", "torch.load", "dcp.load")
 SIZES = ("10MB", "50MB", "200MB", "gpt2-small")
@@ -221,13 +221,6 @@ def timed_resume(kind: str, path: str, cfg: Dict[str, int], cache: str) -> float
 
 # ---------------------------------------------------------------- the run
 
-def machine() -> Dict[str, Any]:
-    from .run import _cpu_name
-
-    return {"cpu": _cpu_name(), "cores": os.cpu_count(), "kernel": platform.release(), "torch": torch.__version__,
-            "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
-
-
 def _bytes_on_disk(path: str) -> int:
     return sum(os.path.getsize(f) for f in files(path))
 
@@ -273,7 +266,7 @@ def _one_size(size: str, reps: int, root: str, conditions: List[str]) -> Dict[st
                 order = CONTENDERS[i % 3:] + CONTENDERS[:i % 3]
                 for kind in order:
                     row["seconds"][cond][kind].append(timed_resume(kind, paths[kind], cfg, cond))
-        row["summary"] = {c: {k: _summary(ts) for k, ts in per.items()} for c, per in row["seconds"].items()}
+        row["summary"] = {c: {k: summary(ts) for k, ts in per.items()} for c, per in row["seconds"].items()}
         row["ratios"] = {c: {f"{k}/ours": s[k]["median"] / s["layerckpt"]["median"] for k in CONTENDERS[1:]}
                          for c, s in row["summary"].items()}
         return row
@@ -285,10 +278,6 @@ def _unique_bytes(ts) -> int:
     """Bytes of the state, a tied weight counted once."""
     seen = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel()): t.numel() * t.element_size() for t in ts}
     return sum(seen.values())
-
-
-def _summary(ts: List[float]) -> Dict[str, float]:
-    return {"median": statistics.median(ts), "min": min(ts), "max": max(ts)}
 
 
 def format_table(res: Dict[str, Any]) -> str:

@@ -25,17 +25,15 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from .cases import summary
-from .models import GPT, GPTConfig
-
-PRESETS = {"gpt2-small": GPTConfig.gpt2_small, "gpt2-mini": lambda: GPTConfig(n_embd=512, n_layer=8, n_head=8),
-           "tiny": GPTConfig.tiny}
+from .models import GPT
+from .sharded import SIZES, machine  # the models --size names, one set for every bench mode
 
 
 def _train(preset: str, steps: int, warmup: int, seq: int,
            checkpoint: Optional[Callable[[int, torch.nn.Module, torch.optim.Optimizer, torch.Tensor], None]]
            ) -> Dict[str, Any]:
     torch.manual_seed(0)
-    c = PRESETS[preset]()
+    c = SIZES[preset]
     seq = min(seq, c.n_positions + 1)
     model = GPT(c)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -62,12 +60,10 @@ def _train(preset: str, steps: int, warmup: int, seq: int,
 
 def run(preset: str = "gpt2-small", steps: int = 6, warmup: int = 2, seq: int = 128,
         dirpath: Optional[str] = None) -> Dict[str, Any]:
-    from .run import _cpu_name
-
-    seq = min(seq, PRESETS[preset]().n_positions + 1)
+    seq = min(seq, SIZES[preset].n_positions + 1)
     root = tempfile.mkdtemp(prefix="layerckpt-bench-steps-", dir=dirpath)
     res: Dict[str, Any] = {"preset": preset, "steps": steps, "warmup": warmup, "seq": seq,
-                           "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__},
+                           "machine": machine(),
                            "runs": {}}
     try:
         res["runs"]["none"] = _strip(_train(preset, steps, warmup, seq, None))
@@ -173,7 +169,7 @@ def format_table(res: Dict[str, Any]) -> str:
 
 
 def main(args) -> int:
-    res = run(args.size if args.size in PRESETS else "gpt2-small", steps=getattr(args, "steps_n", 6),
+    res = run(args.size if args.size in SIZES else "gpt2-small", steps=getattr(args, "steps_n", 6),
               dirpath=args.dir)
     print(json.dumps(res) if args.json else format_table(res))
     return 0
