@@ -6,11 +6,11 @@ as a hint for readers; it never decides what is committed.
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from . import _faults
 from ._dist import Group
@@ -22,34 +22,63 @@ from .errors import CheckpointWriteError
 log = logging.getLogger("layerckpt")
 
 
+class RankFailure(NamedTuple):
+    """Why a rank's file could not be written (a JSON list at the exchange)."""
+
+    errno: int
+    path: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank tells the others about its file: where each tensor landed, or why it failed.  Crosses
+    between ranks as a plain JSON dict (:meth:`to_dict`, :meth:`from_dict`), nowhere else."""
+
+    rank: int
+    fname: str
+    size: int  # the file's size in bytes
+    rng: Any  # this rank's RNG states, as the manifest holds them
+    error: Optional[RankFailure] = None
+    tensors: Dict[str, TensorEntry] = field(default_factory=dict)  # none when it failed
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"rank": self.rank, "fname": self.fname, "size": self.size, "rng": self.rng,
+                "error": None if self.error is None else list(self.error),
+                "tensors": {k: asdict(e) for k, e in self.tensors.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "RankResult":
+        return cls(rank=d["rank"], fname=d["fname"], size=d["size"], rng=d["rng"],
+                   error=None if d["error"] is None else RankFailure(*d["error"]),
+                   tensors={k: TensorEntry(**e) for k, e in d["tensors"].items()})
+
+
 def rank_result(rank: int, fname: str, layout: Layout, crcs: Sequence[int], rng: Any,
-                failed: Optional[BaseException], path: str) -> Dict[str, Any]:
-    """What this rank tells the others about its file (JSON): where each tensor landed, or its error."""
-    return {
-        "rank": rank, "fname": fname, "size": layout.size, "rng": rng,
-        "error": None if failed is None else [getattr(failed, "errno", None) or errno.EIO,
-                                              getattr(failed, "path", None) or path, str(failed)],
-        "tensors": {} if failed is not None else {
-            it.key: dataclasses.asdict(TensorEntry(
-                file=fname, dtype=DTYPES[it.tensor.dtype], shape=list(it.tensor.shape), offset=it.offset,
-                nbytes=it.nbytes, crc=crcs[i]))
-            for i, it in enumerate(layout.items)},
-    }
+                failed: Optional[BaseException], path: str) -> RankResult:
+    """What this rank tells the others about its file: where each tensor landed, or its error."""
+    if failed is not None:
+        error = RankFailure(getattr(failed, "errno", None) or errno.EIO, getattr(failed, "path", None) or path,
+                            str(failed))
+        return RankResult(rank, fname, layout.size, rng, error)
+    tensors = {it.key: TensorEntry(file=fname, dtype=DTYPES[it.tensor.dtype], shape=list(it.tensor.shape),
+                                   offset=it.offset, nbytes=it.nbytes, crc=crcs[i])
+               for i, it in enumerate(layout.items)}
+    return RankResult(rank, fname, layout.size, rng, tensors=tensors)
 
 
-def agree(group: Group, mine: Dict[str, Any], failed: Optional[BaseException], path: str) -> List[Dict[str, Any]]:
+def agree(group: Group, mine: RankResult, failed: Optional[BaseException], path: str) -> List[RankResult]:
     """Every rank's result, once every rank's data is durable (or failed).  If any rank failed, nothing
     is committed: this rank's file goes, and the error names every rank that failed and why."""
-    ranks = group.exchange(mine)
-    bad = [r for r in ranks if r["error"] is not None]
+    ranks = [RankResult.from_dict(d) for d in group.exchange(mine.to_dict())]
+    bad = [r for r in ranks if r.error is not None]
     if not bad:
         return ranks
     unlink_quietly(path)
     if failed is not None and len(bad) == 1:
         raise failed
-    err, where, _ = bad[0]["error"]
-    detail = "; ".join(f"rank {r['rank']} failed ({r['error'][2]})" for r in bad)
-    raise CheckpointWriteError(err, where, detail=f"{detail}; nothing was committed")
+    detail = "; ".join(f"rank {r.rank} failed ({r.error.message})" for r in bad)
+    raise CheckpointWriteError(bad[0].error.errno, bad[0].error.path, detail=f"{detail}; nothing was committed")
 
 
 def publish(group: Group, root: str, m: Manifest) -> str:
@@ -75,20 +104,20 @@ def unlink_quietly(path: str) -> None:
         pass
 
 
-def merge(m: Manifest, ranks: List[Dict[str, Any]], checksum: str) -> None:
+def merge(m: Manifest, ranks: List[RankResult], checksum: str) -> None:
     """Fold every rank's file and tensors into ``m`` (the same result on every rank)."""
     m.checksum = checksum
     fname = {}
     for r in ranks:
-        fname[r["rank"]] = r["fname"]
-        m.files[r["fname"]] = FileEntry(step=m.step, rank=r["rank"], size=r["size"])
-        m.tensors.update({k: TensorEntry(**e) for k, e in r["tensors"].items()})
+        fname[r.rank] = r.fname
+        m.files[r.fname] = FileEntry(step=m.step, rank=r.rank, size=r.size)
+        m.tensors.update(r.tensors)
     for info in m.layers.values():
         if info.file is None:
             info.file = fname[info.rank]
-    m.rng = ranks[0]["rng"]
+    m.rng = ranks[0].rng
     if len(ranks) > 1:
-        m.rng_ranks = {str(r["rank"]): r["rng"] for r in ranks[1:]}
+        m.rng_ranks = {str(r.rank): r.rng for r in ranks[1:]}
 
 
 def commit(root: str, m: Manifest) -> str:

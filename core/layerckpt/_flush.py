@@ -205,7 +205,7 @@ class Flusher:
         if job.on_commit is not None:
             job.on_commit(m)
         job.pending.bytes_written = job.layout.size
-        job.pending.bytes_all_ranks = sum(r["size"] for r in ranks)
+        job.pending.bytes_all_ranks = sum(r.size for r in ranks)
         if self.group.rank == 0:
             if self.after_commit is not None:
                 self.after_commit(m)
