@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable, Dict, Optional
 
 from . import _commit, _faults, _retain
-from ._backend import CHECKSUM, Backend, checksum, open_file
+from ._backend import CHECKSUM, Backend, open_file
 from ._dist import Group
-from ._layout import Layout, align_up
+from ._layout import Layout
 from ._manifest import Manifest
-from ._stage import ABORT, STARVED, BufferPool
+from ._stage import BufferPool
 from ._store import fsync_dir
-from .config import ALIGN, Config
+from ._writeloop import WriteLoop, as_checkpoint_error, discard
+from .config import Config
 from .errors import CheckpointError, CheckpointWriteError
 
 log = logging.getLogger("layerckpt")
@@ -218,150 +219,30 @@ class Flusher:
     def _write_local(self, job: FlushJob) -> list:
         """This rank's data file, durable; returns the per-tensor checksums."""
         path = job.pending.path
-        layout = job.layout
         self.backend.register_buffers([c.view for c in self.pool.chunks])
         try:
             fd, direct = open_file(path, write=True, direct=self.config.direct_io)
         except OSError as e:
             self._discard(job)
             raise CheckpointWriteError(e.errno or errno.EIO, path) from None
-        w = _Writes(self.backend, self.pool, len(layout.items))
-        failed: Optional[BaseException] = None
-        msg: Any = None
+        loop = WriteLoop(self.backend, self.pool, job.chunks, path, nitems=len(job.layout.items),
+                         staged=job.staged, aborted=lambda: job.abort_error or CheckpointError(
+                             "staging was interrupted; nothing was committed"))
         try:
-            while True:
-                msg = job.chunks.get()
-                if msg is None or msg is ABORT:
-                    break
-                if failed is not None:  # keep consuming so the stager never blocks
-                    if msg is not STARVED:
-                        self.pool.release(msg[0])
-                    continue
-                try:
-                    if msg is STARVED:
-                        # the stager waits for a buffer: finish checksums, free one
-                        w.checksum_all()
-                        w.reap(1)
-                        continue
-                    chunk, base, fill, segs = msg
-                    n = fill
-                    if direct and n % ALIGN:
-                        n = align_up(n)
-                        chunk.view[fill:n] = bytes(n - fill)  # zeroed tail, truncated away below
-                    w.submit(fd, chunk, base, n, segs, path)
-                    if job.staged.is_set():  # the stall is over: checksum while the writes run
-                        w.checksum_all()
-                except BaseException as e:  # noqa: BLE001 - any failure: drain, free, keep consuming
-                    failed = e
-                    w.abandon()
-            if msg is ABORT and failed is None:
-                failed = job.abort_error or CheckpointError("staging was interrupted; nothing was committed")
-            if failed is None:
-                try:
-                    # staging is over: checksums now cost no stall, and run while the writes do
-                    w.checksum_all()
-                    w.reap(w.inflight)
-                    if direct:
-                        os.ftruncate(fd, layout.size)
-                    t = time.perf_counter()
-                    os.fdatasync(fd)
-                    job.pending.phases["fdatasync"] = time.perf_counter() - t
-                except BaseException as e:  # noqa: BLE001
-                    failed = e
-                    w.abandon()
-        finally:
-            os.close(fd)
-            job.pending.phases.update(checksum=w.checksum_s, write=w.wait_s)
-        if failed is not None:
-            if direct and isinstance(failed, OSError) and failed.errno == errno.EINVAL:
-                failed = _diagnose_einval(path, layout.size, failed)
+            crcs = loop.run(fd, direct, job.layout.size, phases=job.pending.phases)
+        except BaseException as e:
+            failed = e
+            if direct and isinstance(e, OSError) and e.errno == errno.EINVAL:
+                failed = _diagnose_einval(path, job.layout.size, e)
             _commit.unlink_quietly(path)
             raise failed
-        return [job.crcs.get(i, c) for i, c in enumerate(w.crcs)]
+        return [job.crcs.get(i, c) for i, c in enumerate(crcs)]
 
     def _discard(self, job: FlushJob) -> None:
-        while True:
-            msg = job.chunks.get()
-            if msg is None or msg is ABORT:
-                return
-            if msg is not STARVED:
-                self.pool.release(msg[0])
+        discard(job.chunks, self.pool)
 
 
-class _Writes:
-    """Writes in flight and checksums still owed; a buffer goes back to the pool when both are done.
-
-    Checksums are deferred while staging runs (so they do not compete with the
-    caller's copy for a core) unless the stager runs out of buffers.
-    """
-
-    def __init__(self, backend, pool: BufferPool, nitems: int):
-        self.backend = backend
-        self.pool = pool
-        self.crcs = [0] * nitems
-        self._writing: Dict[int, Any] = {}
-        self._owed: list = []  # (chunk, segs) in file order
-        self._owed_ids: set = set()
-        self._written: set = set()
-        self.checksum_s = 0.0  # time spent checksumming
-        self.wait_s = 0.0  # time spent waiting for writes to complete
-
-    @property
-    def inflight(self) -> int:
-        return len(self._writing)
-
-    def submit(self, fd: int, chunk, base: int, n: int, segs, path: str) -> None:
-        self._writing[chunk.index] = chunk
-        if segs:  # none where the stager checksummed this chunk's bytes itself
-            self._owed.append((chunk, segs))
-            self._owed_ids.add(chunk.index)
-        self.backend.write(fd, chunk.view[:n], base, chunk, path)
-        self.reap(0)
-
-    def reap(self, want: int) -> None:
-        t = time.perf_counter()
-        done = self.backend.wait(min(want, len(self._writing)))
-        self.wait_s += time.perf_counter() - t
-        for c in done:
-            self._writing.pop(c.index)
-            if c.index in self._owed_ids:
-                self._written.add(c.index)
-            else:
-                self.pool.release(c)
-
-    def checksum_all(self) -> None:
-        _faults.point("flush.checksum")
-        t = time.perf_counter()
-        for chunk, segs in self._owed:
-            for i, a, b in segs:
-                self.crcs[i] = checksum(chunk.view[a:b], self.crcs[i])
-            self._owed_ids.discard(chunk.index)
-            if chunk.index in self._written:
-                self._written.discard(chunk.index)
-                self.pool.release(chunk)
-        self._owed.clear()
-        self.checksum_s += time.perf_counter() - t
-
-    def abandon(self) -> None:
-        """After a failure: wait out the writes, hand every buffer back."""
-        try:  # the backend raised only after its queue drained; make sure
-            self.backend.drain()
-        except OSError:
-            pass
-        for c in list(self._writing.values()) + [c for c, _ in self._owed if c.index not in self._writing]:
-            self.pool.release(c)
-        self._writing.clear()
-        self._owed.clear()
-        self._owed_ids.clear()
-        self._written.clear()
-
-
-def _as_checkpoint_error(e: BaseException, path: str) -> BaseException:
-    if isinstance(e, CheckpointError):
-        return e
-    if isinstance(e, OSError):
-        return CheckpointWriteError(e.errno or errno.EIO, e.filename or path)
-    return e
+_as_checkpoint_error = as_checkpoint_error  # the one conversion, shared with the torch-file writer
 
 
 def _diagnose_einval(path: str, size: int, err: OSError) -> OSError:

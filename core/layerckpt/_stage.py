@@ -2,18 +2,20 @@
 under lazy staging, see :class:`LazyStager`; else on the caller's).
 
 The pool grows lazily up to ``limit`` bytes in ``chunk`` sized buffers; an
-``acquire()`` past the limit blocks until the flusher returns a buffer
+``acquire()`` past the limit blocks until the writer returns a buffer
 (back-pressure), so staging never allocates without bound.  Each full chunk
-goes to the flusher at once, as ``(chunk, file offset, fill, segments)`` on a
-queue, then ``None`` when the image is complete; ``STARVED`` says the stager
-waits for a buffer, ``ABORT`` that staging failed.
+goes to the writer (``_writeloop``) at once, as a :class:`StagedChunk` on a
+queue, then ``Signal.DONE`` when the image is complete; ``Signal.STARVED`` says
+the stager waits for a buffer, ``Signal.ABORT`` that staging failed.
 """
 from __future__ import annotations
 
+import enum
 import mmap
 import queue
 import threading
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -21,8 +23,17 @@ from . import _faults
 from ._backend import copy_crc32c, populate
 from ._layout import Layout
 
-STARVED = object()  # the stager waits for a free buffer
-ABORT = object()  # staging failed: discard what was sent
+
+class Signal(enum.Enum):
+    """What the stager tells the writer besides a staged chunk."""
+
+    DONE = "done"  # the image is complete: every chunk of it was sent
+    STARVED = "starved"  # the stager waits for a free buffer: finish a write, free one
+    ABORT = "abort"  # staging failed: discard what was sent, the file is not to be kept
+
+
+STARVED = Signal.STARVED
+ABORT = Signal.ABORT
 
 
 def anon_buffer(nbytes: int) -> mmap.mmap:
@@ -121,6 +132,70 @@ class BufferPool:
             self._free.clear()
 
 
+@dataclass(frozen=True)
+class StagedChunk:
+    """One buffer of a file image, handed from the stager to the writer: the writer owns it from then on
+    and gives it back to the pool once written (and checksummed)."""
+
+    chunk: Chunk
+    base: int  # the file offset of the buffer's first byte (a multiple of the chunk size)
+    fill: int  # how many bytes of the image it holds (the chunk size, but in the last one)
+    segs: Tuple[Tuple[int, int, int], ...] = ()  # (item, start, end) whose checksum the writer still owes
+
+
+Handoff = Union[StagedChunk, Signal]  # what the stager's queue carries
+
+
+class Filler:
+    """The buffer being filled and its place in the file image.  A full buffer goes to the writer only once
+    more bytes come (the last one, full or not, with :meth:`finish`); waiting for a free buffer tells the
+    writer so (``Signal.STARVED``), which frees one."""
+
+    def __init__(self, pool: BufferPool, out: "queue.Queue[Handoff]",
+                 before_emit: Optional[Callable[[], None]] = None):
+        self.pool, self.out, self._before_emit = pool, out, before_emit
+        self.chunk: Optional[Chunk] = None
+        self.chunk = pool.acquire(on_wait=self._starved)
+        self.base, self.fill = 0, 0
+        self.segs: List[Tuple[int, int, int]] = []
+
+    def _starved(self) -> None:
+        self.out.put(Signal.STARVED)
+
+    def span(self, want: int) -> Tuple[Chunk, int, int]:
+        """Where the next at most ``want`` bytes go: (buffer, offset in it, length); a fresh buffer once the
+        current one is full."""
+        C = self.pool.chunk_bytes
+        if self.fill == C:
+            self._emit()
+            self.chunk = None  # not ours while we wait for the next one
+            self.chunk = self.pool.acquire(on_wait=self._starved)
+            self.base, self.fill, self.segs = self.base + C, 0, []
+        return self.chunk, self.fill, min(C - self.fill, want)
+
+    def advance(self, n: int, item: Optional[int] = None) -> None:
+        """``n`` bytes were copied at the span's start; ``item``: whose checksum the writer owes for them."""
+        if item is not None:
+            self.segs.append((item, self.fill, self.fill + n))
+        self.fill += n
+
+    def finish(self) -> None:
+        """The image is complete: the last buffer, then ``Signal.DONE``."""
+        self._emit()
+        self.out.put(Signal.DONE)
+
+    def drop(self) -> None:
+        """Staging failed: the buffer being filled goes back to the pool (the caller sends ABORT)."""
+        if self.chunk is not None:
+            self.pool.release(self.chunk)
+            self.chunk = None
+
+    def _emit(self) -> None:
+        if self._before_emit is not None:
+            self._before_emit()
+        self.out.put(StagedChunk(self.chunk, self.base, self.fill, tuple(self.segs)))
+
+
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if not t.is_contiguous():
@@ -128,7 +203,7 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def stage(layout: Layout, pool: BufferPool, out: "queue.Queue", staged: threading.Event,
+def stage(layout: Layout, pool: BufferPool, out: "queue.Queue[Handoff]", staged: threading.Event,
           verify: Optional[Callable[[], None]] = None, crcs: Optional[Dict[int, int]] = None,
           after: Optional[Dict[torch.device, "torch.cuda.Event"]] = None) -> None:
     """Copy the file image into pool chunks, handing each full chunk to the flusher at once.  ``verify``
@@ -141,61 +216,54 @@ def stage(layout: Layout, pool: BufferPool, out: "queue.Queue", staged: threadin
 
     ``after``: per device, an event recorded on the caller's stream at ``save()`` (lazy staging runs on
     another thread, whose current stream is not the caller's); device copies are ordered after it."""
-    C = pool.chunk_bytes
     fused = crcs is not None and copy_crc32c is not None
     header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
     sources = [(-1, header, len(layout.header))] + [(i, it.tensor, it.nbytes) for i, it in enumerate(layout.items)]
     streams: Dict[torch.device, "torch.cuda.Stream"] = {}
-
-    def starved() -> None:
-        out.put(STARVED)
-
-    chunk: Optional[Chunk] = pool.acquire(on_wait=starved)
-    base, fill, segs = 0, 0, []
+    filler = Filler(pool, out, before_emit=lambda: _synchronize(streams))  # the writer reads the chunk next
     try:
         for idx, t, nbytes in sources:
-            if nbytes == 0:
-                continue
-            src = _flat_bytes(t)
-            stream = _device_stream(src, streams, after) if src.is_cuda else None
-            if stream is not None:
-                chunk.pin()
-            view = _host_view(src) if fused and idx >= 0 and stream is None else None
-            if view is not None:
-                crcs[idx] = 0
-            pos = 0
-            while pos < nbytes:
-                if fill == C:
-                    full, chunk = chunk, None
-                    _emit(out, full, base, fill, segs, streams)
-                    chunk = pool.acquire(on_wait=starved)
-                    base, fill, segs = base + C, 0, []
-                    if stream is not None:
-                        chunk.pin()
-                n = min(C - fill, nbytes - pos)
-                if view is not None:
-                    crcs[idx] = copy_crc32c(chunk.view[fill:fill + n], view[pos:pos + n], crcs[idx])
-                elif stream is not None:
-                    with torch.cuda.stream(stream):
-                        chunk.tensor[fill:fill + n].copy_(src[pos:pos + n], non_blocking=True)
-                else:
-                    chunk.tensor[fill:fill + n].copy_(src[pos:pos + n])
-                if idx >= 0 and view is None:
-                    segs.append((idx, fill, fill + n))
-                fill += n
-                pos += n
-        for s in streams.values():
-            s.synchronize()
+            if nbytes:
+                _copy_source(filler, idx, _flat_bytes(t), nbytes, streams, after, crcs if fused else None)
+        _synchronize(streams)
         _faults.point("stage.copied")
         if verify is not None:
             verify()
     except BaseException:
-        if chunk is not None:
-            pool.release(chunk)
+        filler.drop()
         raise
     staged.set()
-    _emit(out, chunk, base, fill, segs, streams)
-    out.put(None)
+    filler.finish()
+
+
+def _copy_source(filler: Filler, idx: int, src: torch.Tensor, nbytes: int,
+                 streams: Dict[torch.device, "torch.cuda.Stream"],
+                 after: Optional[Dict[torch.device, "torch.cuda.Event"]], crcs: Optional[Dict[int, int]]) -> None:
+    """Copy one source (``idx`` -1: the header) into the buffers: a device tensor on its side stream into
+    pinned buffers; a host tensor, with ``crcs``, checksummed in the same pass; else by torch (then the
+    writer owes its checksum)."""
+    stream = _device_stream(src, streams, after) if src.is_cuda else None
+    view = _host_view(src) if crcs is not None and idx >= 0 and stream is None else None
+    if view is not None:
+        crcs[idx] = 0
+    pos = 0
+    while pos < nbytes:
+        chunk, at, n = filler.span(nbytes - pos)
+        if view is not None:
+            crcs[idx] = copy_crc32c(chunk.view[at:at + n], view[pos:pos + n], crcs[idx])
+        elif stream is not None:
+            chunk.pin()
+            with torch.cuda.stream(stream):
+                chunk.tensor[at:at + n].copy_(src[pos:pos + n], non_blocking=True)
+        else:
+            chunk.tensor[at:at + n].copy_(src[pos:pos + n])
+        filler.advance(n, idx if idx >= 0 and view is None else None)
+        pos += n
+
+
+def _synchronize(streams: Dict[torch.device, "torch.cuda.Stream"]) -> None:
+    for s in streams.values():
+        s.synchronize()
 
 
 class LazyStager:
@@ -272,12 +340,6 @@ def caller_events(layout: Layout) -> Dict[torch.device, "torch.cuda.Event"]:
         if d.type == "cuda" and d not in out:
             out[d] = torch.cuda.current_stream(d).record_event()
     return out
-
-
-def _emit(out, chunk, base, fill, segs, streams) -> None:
-    for s in streams.values():
-        s.synchronize()  # the flusher reads this chunk next
-    out.put((chunk, base, fill, segs))
 
 
 def _device_stream(src: torch.Tensor, streams: Dict[torch.device, "torch.cuda.Stream"],

@@ -5,7 +5,8 @@ torch lays the file out and layerckpt moves the bytes.  ``torch.save`` runs unde
 ``data.pkl``, the central directory) and notes a hole where each storage's bytes belong; the
 storages, numbered as torch numbers them (first pickled, first numbered), fill the holes.  That
 image is copied into pooled, page-aligned buffers on the caller's thread (``save`` returns then);
-one background thread writes the buffers in order with O_DIRECT through the I/O backend, fsyncs
+one background thread writes the buffers in order with O_DIRECT through the I/O backend (the loop the
+checkpoint's flusher writes through, ``_writeloop``), fsyncs
 ``<path>.<pid>.tmp``, renames it over ``path`` and fsyncs the directory.
 
 The file is the one ``torch.save`` writes with ``storage_alignment=4096`` (each storage starts on a
@@ -16,7 +17,6 @@ a CRC mismatch.  An object this cannot lay out is written by a plain ``torch.sav
 from __future__ import annotations
 
 import collections
-import errno
 import io
 import logging
 import os
@@ -35,10 +35,10 @@ from torch.utils.serialization import config as torch_config
 from . import _commit, _store
 from ._backend import make_backend, open_file
 from ._flush import Pending
-from ._layout import align_up
-from ._stage import ABORT, BufferPool
+from ._stage import BufferPool, Filler, Handoff, Signal
+from ._writeloop import WriteLoop, as_checkpoint_error, discard
 from .config import ALIGN, Config
-from .errors import CheckpointError, CheckpointWriteError
+from .errors import CheckpointError
 
 log = logging.getLogger("layerckpt")
 
@@ -141,33 +141,25 @@ def _bytes_of(s: torch.UntypedStorage) -> Any:
     return t.numpy() if s.device.type == "cpu" else t
 
 
-def _stage(segments: List[Any], pool: BufferPool, out: "queue.Queue") -> None:
-    """Copy the image into pool chunks, handing each full one to the writer at once, then None."""
-    C = pool.chunk_bytes
-    chunk, base, fill = pool.acquire(), 0, 0
+def _stage(segments: List[Any], pool: BufferPool, out: "queue.Queue[Handoff]") -> None:
+    """Copy the image into pool chunks, handing each full one to the writer at once, then DONE."""
+    filler = Filler(pool, out)
     try:
-        dst = np.frombuffer(chunk.mem, dtype=np.uint8)
         for seg in segments:
             src = np.frombuffer(seg, dtype=np.uint8) if isinstance(seg, bytearray) else seg
             n, pos = len(src), 0
             while pos < n:
-                if fill == C:
-                    out.put((chunk, base, fill))
-                    chunk, dst, base, fill = None, None, base + C, 0
-                    chunk = pool.acquire()
-                    dst = np.frombuffer(chunk.mem, dtype=np.uint8)
-                k = min(C - fill, n - pos)
+                chunk, at, k = filler.span(n - pos)
                 if isinstance(src, np.ndarray):
-                    dst[fill:fill + k] = src[pos:pos + k]
+                    np.frombuffer(chunk.mem, dtype=np.uint8)[at:at + k] = src[pos:pos + k]
                 else:  # a CUDA storage, copied synchronously to this (pageable) buffer
-                    chunk.tensor[fill:fill + k].copy_(src[pos:pos + k])
-                fill, pos = fill + k, pos + k
+                    chunk.tensor[at:at + k].copy_(src[pos:pos + k])
+                filler.advance(k)
+                pos += k
     except BaseException:
-        if chunk is not None:  # not handed over: back to the pool
-            pool.release(chunk)
+        filler.drop()  # not handed over: back to the pool
         raise
-    out.put((chunk, base, fill))
-    out.put(None)
+    filler.finish()
 
 
 class TorchFileWriter:
@@ -180,7 +172,7 @@ class TorchFileWriter:
     def __init__(self, config: Config):
         self.config = config
         self._pool: Optional[BufferPool] = None
-        self._jobs: Deque[Tuple[PendingFile, "queue.Queue"]] = collections.deque()
+        self._jobs: Deque[Tuple[PendingFile, "queue.Queue[Handoff]"]] = collections.deque()
         self._lock = threading.Lock()
         self._staging = threading.Lock()  # one stager at a time: older jobs are then always fully staged
         self._thread: Optional[threading.Thread] = None
@@ -208,7 +200,7 @@ class TorchFileWriter:
             if self._pool is None:
                 self._pool = BufferPool(self.config.chunk_bytes, self.config.staging_bytes)
             self._pool.reserve(p.nbytes)
-            chunks: "queue.Queue" = queue.Queue()
+            chunks: "queue.Queue[Handoff]" = queue.Queue()
             with self._lock:
                 self._pending[p.path] = p
                 self._jobs.append((p, chunks))
@@ -219,7 +211,7 @@ class TorchFileWriter:
                 _stage(segments, self._pool, chunks)
             except BaseException:
                 p._reported = True  # the caller sees this failure now
-                chunks.put(ABORT)
+                chunks.put(Signal.ABORT)
                 raise
         p.stall_s = time.perf_counter() - p._t0
         return p
@@ -276,73 +268,41 @@ class TorchFileWriter:
                 try:
                     self._write(made, p.path, p.nbytes, chunks)
                 except BaseException as e:  # noqa: BLE001 - kept, raised at wait() or the next save
-                    error = e
-                    if isinstance(e, OSError) and not isinstance(e, CheckpointError):
-                        error = CheckpointWriteError(e.errno or errno.EIO, e.filename or p.path)
-                with self._lock:
-                    if error is not None and not p._reported:
-                        self._failed.append(p)
-                    if self._pending.get(p.path) is p:
-                        del self._pending[p.path]
-                    p._finish(error)
+                    error = as_checkpoint_error(e, p.path)
+                self._finished(p, error)
         finally:
             for b in made:
                 b.close()
 
-    def _write(self, made: List[Any], path: str, size: int, chunks: "queue.Queue") -> None:
-        pool, backend, tmp = self._pool, None, f"{path}.{os.getpid()}.tmp"
-        writing: Dict[int, Any] = {}  # chunks the backend may still read
-        msg: Any = ()
-        fd = -1
+    def _finished(self, p: PendingFile, error: Optional[BaseException]) -> None:
+        with self._lock:
+            if error is not None and not p._reported:
+                self._failed.append(p)
+            if self._pending.get(p.path) is p:
+                del self._pending[p.path]
+            p._finish(error)
+
+    def _write(self, made: List[Any], path: str, size: int, chunks: "queue.Queue[Handoff]") -> None:
+        """Write ``<path>.<pid>.tmp`` through the one write loop, fsync it, rename it over ``path``."""
+        pool, tmp = self._pool, f"{path}.{os.getpid()}.tmp"
         try:
             if not made:
                 made.append(make_backend(self.config.backend, self.config.queue_depth))
-            backend = made[0]
+            made[0].register_buffers([c.view for c in pool.chunks])
             fd, direct = open_file(tmp, write=True, direct=self.config.direct_io)
-            backend.register_buffers([c.view for c in pool.chunks])
-            while True:
-                try:
-                    msg = chunks.get_nowait()
-                except queue.Empty:  # nothing staged yet: free a buffer first, the stager may wait for one
-                    if writing:
-                        for c in backend.wait(1):
-                            pool.release(writing.pop(c.index))
-                        continue
-                    msg = chunks.get()
-                if msg is None:
-                    break
-                if msg is ABORT:
-                    raise CheckpointError(f"staging of {path} was interrupted; nothing was written")
-                chunk, base, fill = msg
-                n = align_up(fill) if direct else fill
-                chunk.view[fill:n] = bytes(n - fill)  # zeroed tail, truncated away below
-                writing[chunk.index] = chunk
-                backend.write(fd, chunk.view[:n], base, chunk, tmp)
-            for c in backend.drain():
-                pool.release(writing.pop(c.index))
-            if direct and size % ALIGN:
-                os.ftruncate(fd, size)
-            os.fsync(fd)
-            os.close(fd)
-            fd = -1
+        except BaseException:
+            discard(chunks, pool)  # the stager may wait for a buffer: keep freeing
+            _commit.unlink_quietly(tmp)
+            raise
+        loop = WriteLoop(made[0], pool, chunks, tmp, aborted=lambda: CheckpointError(
+            f"staging of {path} was interrupted; nothing was written"))
+        try:
+            loop.run(fd, direct, size, sync=os.fsync)
             if os.path.isdir(path) and _store.is_checkpoint(path):  # a store of this name, from before
                 shutil.rmtree(path)
             os.replace(tmp, path)
             _store.fsync_dir(os.path.dirname(path))
         except BaseException:
-            try:  # no buffer goes back to the pool while the kernel may still read it
-                if backend is not None:
-                    backend.drain()
-            except OSError:
-                pass
-            for c in writing.values():
-                pool.release(c)
-            while msg is not None and msg is not ABORT:  # the stager may wait for a buffer: keep freeing
-                msg = chunks.get()
-                if isinstance(msg, tuple):
-                    pool.release(msg[0])
-            if fd >= 0:
-                os.close(fd)
             _commit.unlink_quietly(tmp)
             raise
 
