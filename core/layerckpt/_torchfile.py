@@ -175,7 +175,8 @@ class TorchFileWriter:
         self._jobs: Deque[Tuple[PendingFile, "queue.Queue[Handoff]"]] = collections.deque()
         self._lock = threading.Lock()
         self._staging = threading.Lock()  # one stager at a time: older jobs are then always fully staged
-        self._thread: Optional[threading.Thread] = None
+        self._running = False  # a writer thread takes the jobs queued
+        self._thread: Optional[threading.Thread] = None  # the newest writer thread (it may be ending)
         self._pending: Dict[str, PendingFile] = {}  # the newest save of each path, while it is written
         self._failed: List[PendingFile] = []
 
@@ -204,8 +205,10 @@ class TorchFileWriter:
             with self._lock:
                 self._pending[p.path] = p
                 self._jobs.append((p, chunks))
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="layerckpt-torchfile")
+                if not self._running:  # the thread before, if any, may still be closing its backend
+                    self._running = True
+                    self._thread = threading.Thread(target=self._run, args=(self._thread,),
+                                                    name="layerckpt-torchfile")
                     self._thread.start()
             try:
                 _stage(segments, self._pool, chunks)
@@ -246,22 +249,24 @@ class TorchFileWriter:
         for p in list(self._pending.values()):
             p._done.wait()
         with self._lock:
-            t = self._thread
+            t, self._thread = self._thread, None
         if t is not None:
-            t.join()
+            t.join()  # and through it every thread before
         with self._staging:
             if self._pool is not None:
                 self._pool.close()
                 self._pool = None
         self.check()
 
-    def _run(self) -> None:
+    def _run(self, before: Optional[threading.Thread]) -> None:
+        if before is not None:
+            before.join()  # joining the newest thread then joins them all
         made: List[Any] = []  # the backend, made by the first write (inside its error handling)
         try:
             while True:
                 with self._lock:
                     if not self._jobs:
-                        self._thread = None
+                        self._running = False
                         return
                     p, chunks = self._jobs.popleft()
                 error: Optional[BaseException] = None
