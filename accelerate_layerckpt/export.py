@@ -4,7 +4,8 @@ The plugin's folders hold accelerate's own files (schedulers, RNG, registered ob
 ``layerckpt.json`` pointer to the composite in the store beside them.  :func:`export_folder`
 copies the folder and writes each model's composite as ``pytorch_model[_i].bin`` (the whole
 state dict, tied names included) and its optimizer state as ``optimizer[_i].bin``, the names
-accelerate's ``load_state`` reads; the pointer is left out.  ``layerckpt export FOLDER
+accelerate's ``load_state`` reads; the pointer is left out.  The copy is made durable (every file
+fsynced, then renamed into place) as the Lightning export is.  ``layerckpt export FOLDER
 --accelerate -o OUT`` runs the same.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from accelerate.utils import MODEL_NAME, OPTIMIZER_NAME
 
 import layerckpt
+from layerckpt.adapters import replace_durably
 from layerckpt.errors import CheckpointError
 
 from . import folders
@@ -46,5 +48,4 @@ def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLik
             torch.save(loaded.optimizer, os.path.join(tmp, name))
     if os.path.exists(output):
         os.rmdir(output)
-    os.replace(tmp, output)
-    return output
+    return replace_durably(tmp, output)  # every file, then the rename: durable as the Lightning export

@@ -19,10 +19,9 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from layerckpt import _retain, _store
-from layerckpt._manifest import load_manifest
+from layerckpt import store
 from layerckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 log = logging.getLogger("layerckpt.accelerate")
@@ -155,14 +154,13 @@ def check_committed(ptr: Pointer) -> List[str]:
                 f"{ptr.path} points to {root}, which does not exist: the layerckpt store {ptr.store} lacks the "
                 f"data of model {i}; keep the store whole beside the checkpoint folders")
         try:
-            mpath = _store.resolve(root, ptr.step)
+            mpath = store.resolve(root, ptr.step)
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(
                 f"the layerckpt composite of {os.path.dirname(ptr.path)} (step {ptr.step} in {root}) was never "
                 f"committed: the run stopped before that checkpoint was durable; load an older checkpoint folder"
             ) from None
-        m = load_manifest(mpath)
-        token = ((m.extra or {}).get("accelerate") or {}).get("token")
+        token = token_of(store.read_manifest(mpath).extra)
         if token != ptr.token:
             raise CheckpointNotFoundError(
                 f"{mpath} belongs to another checkpoint than {os.path.dirname(ptr.path)} (token {token!r}, the "
@@ -170,6 +168,11 @@ def check_committed(ptr: Pointer) -> List[str]:
                 f"checkpoint folder")
         paths.append(mpath)
     return paths
+
+
+def token_of(extra: Any) -> Any:
+    """The pointer token a composite's ``extra`` holds (None when it holds none)."""
+    return ((extra or {}).get("accelerate") or {}).get("token") if isinstance(extra, dict) else None
 
 
 def committed(ptr: Pointer) -> bool:
@@ -202,7 +205,7 @@ def referenced(store_root: str, folders_dir: str) -> Dict[str, int]:
 
 def newest_step(model_roots: Iterable[str]) -> int:
     """The highest committed step among the stores; -1 when there is none."""
-    return max((s for r in model_roots for s, _ in _store.list_manifests(r)), default=-1)
+    return max((s for r in model_roots for s in store.steps(r)), default=-1)
 
 
 # ------------------------------------------------------------------ automatic naming
@@ -245,16 +248,10 @@ def prune(model_roots: Iterable[str], keep_steps: Set[int], below: int) -> List[
     """
     removed: List[str] = []
     for root in model_roots:
-        steps = [s for s, _ in _store.list_manifests(root)]
-        if not steps:
-            continue
-        drop_steps = {s for s in steps if s < below} - set(keep_steps) - {max(steps)}
-        if not drop_steps:
-            continue  # the common case: no manifest is parsed
-        good, bad = _store.read_all(root)
-        newest = _store.newest(good)
-        removed += _retain.drop(root, good, bad, sorted(n for n, m in good.items()
-                                                        if m.step in drop_steps and n != newest))
+        steps = store.steps(root)
+        drop = {s for s in steps if s < below} - set(keep_steps) - {max(steps, default=-1)}
+        if drop:  # else the common case: no manifest is parsed
+            removed += store.release(root, drop)
     return removed
 
 

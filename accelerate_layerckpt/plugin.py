@@ -11,10 +11,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from layerckpt import Checkpointer, Config, PendingSave, RestoreReport, _store, restore
+from layerckpt import Checkpointer, Config, LayerSpec, PendingSave, RestoreReport, restore, store
+from layerckpt.adapters import StepCounter, as_config, close_all, default_of, pair_optimizers
 from layerckpt.errors import CheckpointError, CheckpointMismatchError, ConfigError
-from layerckpt._layers import LayerSpec
-from layerckpt._remote import is_url
 
 from . import folders, remote
 
@@ -47,6 +46,17 @@ def _routed(orig, route):
     return method
 
 
+def refuse_keep_last(config: Config) -> None:
+    """Accelerate's ``total_limit`` decides which checkpoint folders stay, and a composite stays while a folder
+    points at it: a ``keep_last`` of the Config would contradict that, so one set explicitly is refused.
+    "Explicitly" is "other than the field's default": a Config that spells out the default passes."""
+    if config.keep_last != default_of("keep_last"):
+        raise ConfigError(
+            f"Config.keep_last={config.keep_last} does not apply with LayerCheckpointPlugin: accelerate's "
+            f"total_limit decides which checkpoint folders stay, and each composite stays while a folder points at "
+            f"it; drop keep_last from the Config and set ProjectConfiguration(total_limit=N) instead")
+
+
 def _with_optimizer(pairs) -> List[bool]:
     """Per model of ``pairs`` (see ``LayerCheckpointPlugin._pairs``): whether an optimizer goes with it."""
     return [opt is not None for _, opt in pairs]
@@ -61,7 +71,7 @@ class _Store:
         self.uploads = uploads  # the checkpoint folders' copies to the remote tier (main process)
         self.checkpointers = checkpointers
         self.optimizers = optimizers
-        self.next_step = next_step
+        self.steps = StepCounter(next_step)
         self.run_id = run_id
         self.live = live  # pointer file -> step of every folder known to point into this store (rank 0)
         self.pruner = folders.Pruner()
@@ -84,8 +94,7 @@ class _Store:
 
     def close(self) -> None:
         try:
-            for ck in self.checkpointers:
-                ck.close()
+            close_all(self.checkpointers)
         finally:
             if self.uploads is not None:
                 self.uploads.close()
@@ -96,10 +105,10 @@ class LayerCheckpointPlugin:
 
     ``config`` defaults to ``Config.from_yaml($LAYERCKPT_CONFIG)`` when that
     variable is set, else ``Config()``.  ``LAYERCKPT_ENABLED=0`` makes
-    :meth:`register` a no-op.  ``Config.keep_last`` does not apply: a composite
-    lives as long as a checkpoint folder points at it (accelerate's
-    ``total_limit`` decides).  ``layers`` overrides the layer grouping as in
-    :class:`layerckpt.Checkpointer`.
+    :meth:`register` a no-op.  A composite lives as long as a checkpoint folder
+    points at it (accelerate's ``total_limit`` decides), so a Config whose
+    ``keep_last`` is not the default is refused with a ConfigError saying so.
+    ``layers`` overrides the layer grouping as in :class:`layerckpt.Checkpointer`.
 
     With ``Config(remote="s3://bucket/run", remote_options={...})`` the local store and folders are the
     staging place of a remote tier: model ``i``'s composites go to ``<remote>/model_<i>`` and every
@@ -110,12 +119,8 @@ class LayerCheckpointPlugin:
     """
 
     def __init__(self, config: Optional[Config] = None, *, layers: LayerSpec = None):
-        if config is None:
-            path = os.environ.get(ENV_CONFIG)
-            config = Config.from_yaml(path) if path else Config()
-        elif not isinstance(config, Config):
-            raise ConfigError(f"config must be a layerckpt.Config, got {type(config).__name__}")
-        self.config = config
+        self.config = as_config(config, env=ENV_CONFIG, only_config=True)
+        refuse_keep_last(self.config)
         self.layers = layers
         self.accelerator = None
         self.enabled: Optional[bool] = None  # known once registered
@@ -275,8 +280,8 @@ class LayerCheckpointPlugin:
     def _persist(self, folder: str, st: "_Store") -> None:
         """Stage every model (and optimizer) into the store, point the folder at the composite, prune."""
         acc = self.accelerator
-        step = st.next_step
-        st.next_step += 1
+        step = st.steps.step()
+        st.steps.saved(step)
         token = f"{st.run_id}-{step}"
         extra = {"accelerate": {"token": token, "folder": os.path.basename(folder), "accelerator_step": acc.step}}
         self.last_saves = [ck.save(step, extra=extra, loss=self._loss) for ck in st.checkpointers]
@@ -340,8 +345,8 @@ class LayerCheckpointPlugin:
             except CheckpointError:
                 # the local store lost, or never given this composite: the remote tier's is read.  A local
                 # manifest of that step that is another composite (token) is an error, never shadowed
-                here = [i for i in range(len(ptr.optimizers)) if os.path.exists(
-                    os.path.join(ptr.model_root(i), _store.MANIFEST_DIR, _store.manifest_name(ptr.step)))]
+                here = [i for i in range(len(ptr.optimizers))
+                        if os.path.exists(store.manifest_path(ptr.model_root(i), ptr.step))]
                 if self.config.remote is None or here or not remote.committed(self.config, ptr):
                     raise
             self._pointer = ptr
@@ -400,7 +405,7 @@ class LayerCheckpointPlugin:
             return
         st = self._open(root, base, pairs)
         for ck, report in zip(st.checkpointers, self.last_restore):
-            if not is_url(report.manifest):  # restored from the remote tier: the next save is full
+            if not store.is_url(report.manifest):  # restored from the remote tier: the next save is full
                 ck.adopt(report)
 
     def _next_iteration(self, folder: str) -> None:
@@ -439,27 +444,5 @@ class LayerCheckpointPlugin:
         return pairs
 
     def _pair(self, models: List[torch.nn.Module]) -> List[Tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]]:
-        acc = self.accelerator
-        plain = [acc.unwrap_model(m, keep_torch_compile=False) for m in models]
-        owner: Dict[int, int] = {}
-        for i, m in enumerate(plain):
-            for p in m.parameters():
-                owner.setdefault(id(p), i)
-        paired: List[Optional[torch.optim.Optimizer]] = [None] * len(plain)
-        paired_from: Dict[int, int] = {}
-        for j, wrapped in enumerate(self._optimizers):
-            opt = getattr(wrapped, "optimizer", wrapped)  # AcceleratedOptimizer wraps the torch optimizer
-            idx = {owner.get(id(p)) for g in opt.param_groups for p in g["params"]}
-            if len(idx) != 1 or None in idx:
-                what = "parameters of no prepared model" if idx <= {None} else "parameters of several prepared models"
-                raise CheckpointError(
-                    f"optimizer {j} ({type(opt).__name__}) holds {what}; layerckpt pairs each optimizer with the one "
-                    f"prepared model that owns all its parameters")
-            i = idx.pop()
-            if paired[i] is not None:
-                raise CheckpointError(
-                    f"model {i} ({type(plain[i]).__name__}) has two optimizers (optimizers {paired_from[i]} and {j}); "
-                    f"layerckpt keeps one optimizer per model: split the model or use one optimizer with "
-                    f"several param_groups")
-            paired[i], paired_from[i] = opt, j
-        return list(zip(plain, paired))
+        plain = [self.accelerator.unwrap_model(m, keep_torch_compile=False) for m in models]
+        return list(zip(plain, pair_optimizers(plain, self._optimizers)))

@@ -12,7 +12,6 @@ token): the manifests are the commit points, as for every tier.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -20,10 +19,9 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import List, Optional
 
-from layerckpt import _store
-from layerckpt._remote import MANIFESTS, FsspecStore
+from layerckpt import store
 from layerckpt.config import Config
-from layerckpt.errors import CheckpointError, CheckpointWriteError
+from layerckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointWriteError
 
 from . import folders
 
@@ -39,28 +37,27 @@ def model_config(config: Config, i: int) -> Config:
     return config.replace(remote=f"{config.remote.rstrip('/')}/{folders.model_dir(i)}")
 
 
-def _store_of(config: Config, i: Optional[int] = None) -> FsspecStore:
-    url = config.remote if i is None else model_config(config, i).remote
-    return FsspecStore(url, config.remote_options)
+def _folders_of(config: Config) -> store.RemoteFiles:
+    """The remote checkpoint folders: ``<remote>/folders/``."""
+    return store.RemoteFiles(config.remote, config.remote_options)
 
 
 def newest_step(config: Config, models: int) -> int:
     """The highest step any model's remote tier holds a manifest of; -1 when none (or no remote)."""
     if config.remote is None:
         return -1
-    steps = [_store.manifest_step(n) for i in range(models) for n in _store_of(config, i).names(MANIFESTS)]
-    return max((s for s in steps if s is not None), default=-1)
+    return max((s for i in range(models) for s in store.steps(model_config(config, i).remote, config=config)),
+               default=-1)
 
 
 def committed(config: Config, ptr: folders.Pointer) -> bool:
     """Whether every model's composite that ``ptr`` names is committed on the remote tier."""
     for i in range(len(ptr.optimizers)):
         try:
-            raw = _store_of(config, i).read(MANIFESTS, _store.manifest_name(ptr.step))
-            token = ((json.loads(raw).get("extra") or {}).get("accelerate") or {}).get("token")
-        except (FileNotFoundError, ValueError, UnicodeDecodeError, AttributeError):
+            m = store.read_manifest(store.manifest_path(model_config(config, i).remote, ptr.step), config=config)
+        except (CheckpointNotFoundError, CheckpointCorruptError):  # not there, or damaged
             return False
-        if token != ptr.token:
+        if folders.token_of(m.extra) != ptr.token:
             return False
     return True
 
@@ -69,7 +66,7 @@ class FolderUploads:
     """Copies checkpoint folders to ``<remote>/folders/``, one at a time on one thread, in save order."""
 
     def __init__(self, config: Config):
-        self.store = _store_of(config)
+        self.store = _folders_of(config)
         self._ex = ThreadPoolExecutor(1, thread_name_prefix="layerckpt-folders")
         self._lock = threading.Lock()
         self._futures: List[Future] = []
@@ -86,9 +83,7 @@ class FolderUploads:
             for rel in files:
                 sub, base = os.path.split(rel.replace(os.sep, "/"))
                 where = "/".join(p for p in (FOLDERS, name, sub) if p)
-                if self.store.local:
-                    self.store.fs.makedirs(self.store._path(where), exist_ok=True)
-                self.store.put_file(os.path.join(folder, rel), where, base)
+                self.store.upload(os.path.join(folder, rel), where, base)
         except FileNotFoundError:  # rotated away (total_limit) before its copy: nothing left to keep
             log.info("layerckpt: %s was removed before its copy to %s", folder, self.store.url)
         except Exception as e:  # noqa: BLE001 - fsspec implementations raise their own types
@@ -117,8 +112,8 @@ def fetch_folder(config: Config, name: Optional[str], into: str) -> Optional[str
     """Download the checkpoint folder ``name`` (None: the newest loadable one by accelerate's numbering) from
     the remote tier into ``into/<name>``; returns that path, or None when the remote has no such folder whose
     composite is committed."""
-    store = _store_of(config)
-    listed = store.names(FOLDERS)
+    remote = _folders_of(config)
+    listed = remote.names(FOLDERS)
     if name is not None:
         candidates = [name] if name in listed else []
     else:
@@ -128,24 +123,20 @@ def fetch_folder(config: Config, name: Optional[str], into: str) -> Optional[str
         dest = os.path.join(into, n)
         tmp = dest + ".fetch-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        base = store._path(FOLDERS, n)
         try:
-            for path in store.fs.find(base):
-                rel = path[len(base):].lstrip("/")
-                os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
-                store.fs.get_file(path, os.path.join(tmp, rel))
+            remote.download(f"{FOLDERS}/{n}", tmp)
             ptr = folders.read_pointer(tmp)
         except CheckpointError as e:
-            log.warning("layerckpt: skipping %s/%s/%s: %s", store.url, FOLDERS, n, e)
+            log.warning("layerckpt: skipping %s/%s/%s: %s", remote.url, FOLDERS, n, e)
             ptr = None
         if ptr is None or not committed(config, ptr):
             shutil.rmtree(tmp, ignore_errors=True)
             if ptr is not None:
                 log.warning("layerckpt: skipping %s/%s/%s: its composite (step %d) is not committed on the "
-                            "remote tier", store.url, FOLDERS, n, ptr.step)
+                            "remote tier", remote.url, FOLDERS, n, ptr.step)
             continue
         shutil.rmtree(dest, ignore_errors=True)  # a folder without its files: the remote's is whole
         os.replace(tmp, dest)
-        log.info("layerckpt: checkpoint folder %s fetched from %s", dest, store.url)
+        log.info("layerckpt: checkpoint folder %s fetched from %s", dest, remote.url)
         return dest
     return None

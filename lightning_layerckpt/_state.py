@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 import torch
 from typing_extensions import override
 
-from layerckpt import LoadedCheckpoint
+from layerckpt import LoadedCheckpoint, store
 from layerckpt.errors import CheckpointError
 
 #: Layerckpt's part of a loaded checkpoint dict: the RNG states, the report.
@@ -103,11 +103,8 @@ def to_lightning(loaded: LoadedCheckpoint) -> Dict[str, Any]:
 
 def remote_holds_checkpoint(url: str, config: Any) -> bool:
     """Whether ``url`` (a remote store or one of its manifests) holds a committed layerckpt checkpoint."""
-    from layerckpt._fetch import pick, remote_store, split_url
-
     try:
-        root, step = split_url(url)
-        pick(remote_store(root, config), step)
+        store.resolve(url, config=config)
         return True
     except Exception:  # noqa: BLE001 - not a layerckpt store (a .ckpt object, nothing there, unreachable)
         return False

@@ -1,7 +1,6 @@
 """LayerCheckpoint: a ModelCheckpoint whose saves go to one layerckpt store, from every rank at once."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import re
@@ -9,15 +8,15 @@ import os
 import time
 from datetime import timedelta
 from types import MethodType
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 import layerckpt
-from layerckpt import _store as store
-from layerckpt._remote import is_url
+from layerckpt import store
+from layerckpt.adapters import as_config, config_overrides, with_config_fields
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
 
@@ -86,14 +85,18 @@ class LayerCheckpoint(ModelCheckpoint):
         log_stats: log each checkpoint's bytes, layers persisted, stall, flush speed and staleness
             through the Trainer's loggers (``layerckpt/*``).
         staging_dir: with a URL as ``dirpath``, the local directory saves are staged in (see ``dirpath``).
-        fidelity ... layers: layerckpt Config fields (see layerckpt.Config), the tiers among them:
-            ``memory_tier=True`` and ``remote="s3://bucket/run"`` (``remote_options``, ``remote_every``,
-            ``remote_bandwidth``) copy each committed composite to shared memory and to object storage in
-            the background.
+        every other keyword (``fidelity``, ``threshold``, ``max_staleness``, ``keep_last``, ...): a layerckpt
+            Config field (see layerckpt.Config), overriding ``config``.  The signature has one typed parameter
+            per field, generated from ``dataclasses.fields(Config)`` (see ``layerckpt.adapters``), so
+            LightningCLI's ``init_args`` are checked by type; an unknown name or a value of the wrong type is
+            refused with a ConfigError naming both.  The tiers among them: ``memory_tier=True`` and
+            ``remote="s3://bucket/run"`` (``remote_options``, ``remote_every``, ``remote_bandwidth``) copy each
+            committed composite to shared memory and to object storage in the background.
     """
 
     CHECKPOINT_NAME_LAST = "last"
 
+    @with_config_fields  # one typed keyword parameter per Config field, for LightningCLI's init_args
     def __init__(
         self,
         dirpath: Optional[str] = None,
@@ -116,53 +119,18 @@ class LayerCheckpoint(ModelCheckpoint):
         enabled: bool = True,
         log_stats: bool = True,
         staging_dir: Optional[str] = None,
-        fidelity: Optional[float] = None,
-        threshold: Optional[float] = None,
-        max_staleness: Optional[int] = None,
-        base_every: Optional[int] = None,
-        keep_last: Optional[int] = None,
-        staging_bytes: Optional[Union[int, str]] = None,
-        chunk_bytes: Optional[Union[int, str]] = None,
-        queue_depth: Optional[int] = None,
-        max_inflight: Optional[int] = None,
-        backend: Optional[str] = None,
-        direct_io: Optional[bool] = None,
-        verify_checksums: Optional[bool] = None,
-        restore_rng: Optional[bool] = None,
-        budget_bytes: Optional[Union[int, str]] = None,
-        drift_sample: Optional[int] = None,
-        row_block_bytes: Optional[Union[int, str]] = None,
-        memory_tier: Optional[bool] = None,
-        remote: Optional[str] = None,
-        remote_options: Optional[Dict[str, Any]] = None,
-        remote_every: Optional[Union[int, str]] = None,
-        remote_bandwidth: Optional[Union[int, str]] = None,
-        layers: Optional[Dict[str, str]] = None,
+        **overrides: Any,
     ):
-        if keep_last is None and config is None:
-            if monitor is not None:
-                keep_last = 1  # the k best are kept by score; of the rest, the newest (selective saves build on it)
-            elif save_top_k == -1:
-                keep_last = 0
-        given = locals()  # the layerckpt Config fields among the arguments, where given
-        fields = {f.name: given[f.name] for f in dataclasses.fields(Config) if given.get(f.name) is not None}
-        base = Config.from_yaml(config) if config is not None else Config()
-        if isinstance(enabled, str) or not isinstance(enabled, bool):
+        if not isinstance(enabled, bool):
             raise ConfigError(f"LayerCheckpoint(enabled=...) must be true or false, got {enabled!r}")
-        self._url: Optional[str] = None  # dirpath given as a URL: the remote tier, staged in a local directory
-        if enabled and is_url(dirpath):
-            self._url = os.fspath(dirpath).rstrip("/")
-            other = fields.get("remote", base.remote)
-            if other is not None and other.rstrip("/") != self._url:
-                raise ConfigError(
-                    f"LayerCheckpoint(dirpath={dirpath!r}) is a URL, which makes it the remote tier, but the remote "
-                    f"tier is also set to {other!r}; give the URL once, as dirpath or as remote (with a local dirpath)")
-            fields["remote"] = self._url
-            dirpath = staging_dir
-        elif staging_dir is not None:
-            why = f"dirpath is {dirpath!r}" + ("" if enabled else " and enabled=False")
-            raise ConfigError(f"LayerCheckpoint(staging_dir={staging_dir!r}) is the local directory of a URL dirpath, "
-                              f"but {why}; pass dirpath='s3://bucket/run' or drop staging_dir")
+        fields = config_overrides(overrides, "LayerCheckpoint")  # checked against each field's type
+        base = as_config(config)
+        if "keep_last" not in fields and config is None:
+            if monitor is not None:
+                fields["keep_last"] = 1  # the k best are kept by score; of the rest, the newest (saves build on it)
+            elif save_top_k == -1:
+                fields["keep_last"] = 0
+        self._url, dirpath = _url_as_remote(dirpath, staging_dir, enabled, fields, base)
         self.layer_config: Config = base.replace(**fields) if fields else base  # validates, names a bad field
         self._enabled = enabled
         self.log_stats = log_stats
@@ -174,6 +142,12 @@ class LayerCheckpoint(ModelCheckpoint):
             train_time_interval=train_time_interval, every_n_epochs=every_n_epochs,
             save_on_train_epoch_end=save_on_train_epoch_end, enable_version_counter=enable_version_counter,
         )
+        self._start_empty()
+        if not enabled:
+            _as_model_checkpoint(self)
+
+    def _start_empty(self) -> None:
+        """No Checkpointer, IO, save or resume yet: what a new callback holds beside ModelCheckpoint's state."""
         self._ckpt: Optional[layerckpt.Checkpointer] = None
         self._io: Optional[LayerCheckpointIO] = None
         self._unlogged: List[layerckpt.PendingSave] = []
@@ -184,8 +158,6 @@ class LayerCheckpoint(ModelCheckpoint):
         self.last_save: Optional[layerckpt.PendingSave] = None
         self.restored: Optional[Dict[str, Any]] = None  # what the last resume read: step, layers, staleness, ...
         self.saves: List[layerckpt.PendingSave] = []
-        if not enabled:
-            _as_model_checkpoint(self)
 
     @property
     def enabled(self) -> bool:
@@ -379,7 +351,7 @@ class LayerCheckpoint(ModelCheckpoint):
     # in that manifest.
 
     def _manifest_path(self, step: int) -> str:
-        return os.path.join(os.fspath(self.dirpath), store.MANIFEST_DIR, store.manifest_name(step))
+        return store.manifest_path(os.fspath(self.dirpath), step)
 
     @override
     def _get_metric_interpolated_filepath_name(self, monitor_candidates: Dict[str, Any], trainer: Any,
@@ -507,6 +479,26 @@ class LayerCheckpoint(ModelCheckpoint):
             }
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=p.step)
+
+
+def _url_as_remote(dirpath: Any, staging_dir: Optional[str], enabled: bool, fields: Dict[str, Any],
+                   base: Config) -> Tuple[Optional[str], Any]:
+    """(the URL, the local dirpath): a URL as dirpath becomes the remote tier (``fields["remote"]``), its saves
+    staged in ``staging_dir``; a staging_dir without a URL dirpath is refused."""
+    if enabled and store.is_url(dirpath):
+        url = os.fspath(dirpath).rstrip("/")
+        other = fields.get("remote", base.remote)
+        if other is not None and other.rstrip("/") != url:
+            raise ConfigError(
+                f"LayerCheckpoint(dirpath={dirpath!r}) is a URL, which makes it the remote tier, but the remote "
+                f"tier is also set to {other!r}; give the URL once, as dirpath or as remote (with a local dirpath)")
+        fields["remote"] = url
+        return url, staging_dir
+    if staging_dir is not None:
+        why = f"dirpath is {dirpath!r}" + ("" if enabled else " and enabled=False")
+        raise ConfigError(f"LayerCheckpoint(staging_dir={staging_dir!r}) is the local directory of a URL dirpath, "
+                          f"but {why}; pass dirpath='s3://bucket/run' or drop staging_dir")
+    return None, dirpath
 
 
 def staging_dir_for(url: str, root: Any) -> str:

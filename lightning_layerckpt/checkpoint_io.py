@@ -5,23 +5,30 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Protocol, Union
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
 import layerckpt
-from layerckpt import _store as store
-from layerckpt._remote import is_url
-from layerckpt._torchfile import TorchFileWriter
+from layerckpt import TorchFileWriter, store
+from layerckpt.adapters import as_config  # noqa: F401 - also imported from here by older code
 from layerckpt.config import Config
-from layerckpt.errors import ConfigError
 
 from ._state import remote_holds_checkpoint, to_lightning
 
-if TYPE_CHECKING:
-    from .callback import LayerCheckpoint
+
+class Attached(Protocol):
+    """What LayerCheckpointIO asks of a callback saving through it (LayerCheckpoint): its store, its Config,
+    to wait for its saves and to close.  A protocol, so that this module does not import the callback's."""
+
+    dirpath: Any
+    layer_config: Config
+
+    def wait(self) -> None: ...
+
+    def _close(self, quiet: bool) -> None: ...
 
 
 class LayerCheckpointIO(CheckpointIO):
@@ -54,7 +61,7 @@ class LayerCheckpointIO(CheckpointIO):
         self.fallback = fallback if fallback is not None else TorchCheckpointIO()
         self._writer = TorchFileWriter(self.config)
         self._outside_fit = False  # after teardown, until a LayerCheckpoint attaches again: saves wait
-        self._callbacks: List["LayerCheckpoint"] = []  # whose saves wait() and teardown() also cover
+        self._callbacks: List[Attached] = []  # whose saves wait() and teardown() also cover
 
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Union[str, os.PathLike],
@@ -80,7 +87,7 @@ class LayerCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Union[str, os.PathLike], map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
         self._writer.wait_for(os.fspath(path))  # a write of ours to path lands first (and raises if it failed)
-        if is_url(os.fspath(path)) and remote_holds_checkpoint(os.fspath(path), self.config):
+        if store.is_url(os.fspath(path)) and remote_holds_checkpoint(os.fspath(path), self.config):
             self.wait()  # our own copies to it land first
             return to_lightning(layerckpt.read_checkpoint(os.fspath(path), config=self.config, strict=False))
         tiered = self._tiered_config(os.fspath(path))
@@ -131,25 +138,13 @@ class LayerCheckpointIO(CheckpointIO):
             finally:
                 self.fallback.teardown()
 
-    def _attach(self, callback: "LayerCheckpoint") -> None:
+    def _attach(self, callback: Attached) -> None:
         """``callback`` saves through this IO's strategy: wait() and teardown() cover its saves too."""
         self._outside_fit = False
         if callback not in self._callbacks:
             self._callbacks.append(callback)
 
-    def _detach(self, callback: "LayerCheckpoint") -> None:
+    def _detach(self, callback: Attached) -> None:
         if callback in self._callbacks:
             self._callbacks.remove(callback)
 
-
-def as_config(config: Optional[Union[Config, str, os.PathLike, Dict[str, Any]]]) -> Config:
-    """A layerckpt Config from a Config, a dict of its fields or a YAML path (None: the defaults)."""
-    if config is None:
-        return Config()
-    if isinstance(config, Config):
-        return config
-    if isinstance(config, dict):
-        return Config.from_dict(config)
-    if isinstance(config, (str, os.PathLike)):
-        return Config.from_yaml(config)
-    raise ConfigError(f"config must be a layerckpt.Config, a dict or a YAML path, got {type(config).__name__}")

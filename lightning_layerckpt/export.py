@@ -12,7 +12,8 @@ from typing import Any, Optional, Type, TypeVar, Union
 import torch
 
 import layerckpt
-from layerckpt._store import fsync_dir
+from layerckpt import store
+from layerckpt.adapters import replace_durably
 
 from ._state import LOADED_KEY, to_lightning
 
@@ -30,9 +31,7 @@ def load_from_checkpoint(cls: Type[M], path: Union[str, os.PathLike], **kwargs: 
     """``cls.load_from_checkpoint`` for a layerckpt checkpoint: ``path`` is a store or a manifest such as
     ``LayerCheckpoint.best_model_path``; ``kwargs`` go to ``cls.load_from_checkpoint`` (``map_location``,
     ``strict``, hyper-parameter overrides, ...).  An ordinary ``.ckpt`` file is passed through."""
-    from layerckpt import _store
-
-    if not _store.is_checkpoint(path):
+    if not store.is_checkpoint(path):
         return cls.load_from_checkpoint(path, **kwargs)  # type: ignore[attr-defined]
     buf = io.BytesIO()
     torch.save(lightning_dict(path), buf)
@@ -51,8 +50,4 @@ def export_ckpt(path: Union[str, os.PathLike], output: Union[str, os.PathLike], 
     tmp = f"{output}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, output)
-    fsync_dir(os.path.dirname(output))
-    return output
+    return replace_durably(tmp, output)

@@ -46,13 +46,12 @@ from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, SingleDe
 from torch.nn.parallel import DistributedDataParallel
 
 import layerckpt
-from layerckpt import _store as store
-from layerckpt._manifest import load_manifest
+from layerckpt import store
+from layerckpt.adapters import StepCounter, as_config, close_all, config_overrides, owners, with_config_fields
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError
 
 from ._state import plain
-from .checkpoint_io import as_config
 
 log = logging.getLogger("layerckpt")
 
@@ -63,10 +62,12 @@ EXTRA_KEY = "fabric"
 class LayerFabricCheckpoint:
     """Makes ``fabric.save``/``fabric.load`` layer-selective until :meth:`close` (see the module docstring)."""
 
+    @with_config_fields  # one typed keyword parameter per Config field
     def __init__(self, fabric: Any, config: Optional[Union[Config, str, os.PathLike, Dict[str, Any]]] = None, *,
                  adopt: bool = True, **config_fields: Any):
+        fields = config_overrides(config_fields, "LayerFabricCheckpoint", none_unset=False)
         base = as_config(config)
-        self.config = base.replace(**config_fields) if config_fields else base  # validates, names a bad field
+        self.config = base.replace(**fields) if fields else base  # validates, names a bad field
         self.adopt = adopt
         self.fabric = fabric
         self.strategy = s = fabric.strategy
@@ -76,14 +77,14 @@ class LayerFabricCheckpoint:
         if "save_checkpoint" in vars(s):
             raise CheckpointError("this Fabric is already routed by a LayerFabricCheckpoint; close that one first")
         self._ckpts: Dict[str, layerckpt.Checkpointer] = {}  # store -> its Checkpointer
-        self._next_step: Dict[str, int] = {}
+        self._steps: Dict[str, StepCounter] = {}  # store -> the step of its next save
         self._loss, self._closed = None, False
         self.last_save: Optional[layerckpt.PendingSave] = None  # this rank's newest save
         self.report: Optional[layerckpt.RestoreReport] = None  # the newest load's restore report
         self._own_save, self._own_load = self.strategy.save_checkpoint, self.strategy.load_checkpoint
         self.strategy.save_checkpoint = self._save_checkpoint
         self.strategy.load_checkpoint = self._load_checkpoint
-        weakref.finalize(self, _close_all, self._ckpts, quiet=True)
+        weakref.finalize(self, close_all, self._ckpts, quiet=True, what="a Fabric save")
 
     def save(self, path: Union[str, os.PathLike], state: Dict[str, Any],
              filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None, *, loss: Any = None) -> None:
@@ -105,7 +106,7 @@ class LayerFabricCheckpoint:
         """Wait for every save, close the stores and give Fabric its own save and load back."""
         self._closed = True
         try:
-            _close_all(self._ckpts)
+            close_all(self._ckpts, what="a Fabric save")
         finally:
             for name, ours in (("save_checkpoint", self._save_checkpoint), ("load_checkpoint", self._load_checkpoint)):
                 if vars(self.strategy).get(name) == ours:
@@ -150,12 +151,10 @@ class LayerFabricCheckpoint:
                           "as strings: " + ", ".join(warned[:8]), stacklevel=4)
         root = store.local_path(path)
         ck = self._open(root, _unwrap(state[mkey]), state[okey] if okey else None)
-        step = state.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            step = self._next_step[root]
+        step = self._steps[root].step(state.get("step"))  # state["step"] if an int, else one past the last
         extra = {EXTRA_KEY: {"module": mkey, "optimizer": okey, "keys": list(state), "state": rest}}
         self.last_save = ck.save(step, extra=extra, loss=self._loss)
-        self._next_step[root] = step + 1
+        self._steps[root].saved(step)
 
     def _load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                          weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -169,7 +168,7 @@ class LayerFabricCheckpoint:
         if ck is not None:  # read our own writes; a later save reopens the store on what was loaded
             ck.close()
         mpath = store.resolve(root, step)
-        m = load_manifest(mpath)
+        m = store.read_manifest(mpath)
         info = (m.extra or {}).get(EXTRA_KEY)
         if not isinstance(info, dict):
             raise CheckpointError(f"{mpath} was not written by fabric.save through LayerFabricCheckpoint; "
@@ -221,16 +220,15 @@ class LayerFabricCheckpoint:
         if ck is not None:  # other objects now: a fresh Checkpointer, whose first save is full
             self._ckpts.pop(root).close()
         ck = self._ckpts[root] = layerckpt.Checkpointer(root, module, optimizer, self.config)
-        self._next_step[root] = max((s for s, _ in store.list_manifests(root)), default=-1) + 1
+        self._steps[root] = StepCounter(store.next_step(root))
         return ck
 
 
 def _pick(state: Dict[str, Any]):
     """The keys of the first module and of the first optimizer over only that module's parameters."""
     mkey = next((k for k, v in state.items() if isinstance(v, torch.nn.Module)), None)
-    params = {id(p) for p in _unwrap(state[mkey]).parameters()} if mkey is not None else set()
     okey = next((k for k, v in state.items() if isinstance(v, torch.optim.Optimizer) and mkey is not None
-                 and all(id(p) in params for g in v.param_groups for p in g["params"])), None)
+                 and owners(v, [_unwrap(state[mkey])]) <= {0}), None)
     return mkey, okey
 
 
@@ -241,17 +239,3 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
-
-def _close_all(ckpts: Dict[str, layerckpt.Checkpointer], quiet: bool = False) -> None:
-    """Close every Checkpointer (each waits for its saves), then raise (``quiet``: log) the first failure."""
-    first: Optional[BaseException] = None
-    while ckpts:
-        _, ck = ckpts.popitem()
-        try:
-            ck.close()
-        except BaseException as e:  # the other stores still close
-            first = first or e
-    if first is not None and quiet:
-        log.error("layerckpt: a Fabric save was not committed: %s", first)
-    elif first is not None:
-        raise first

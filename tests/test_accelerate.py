@@ -446,6 +446,51 @@ def test_export_gives_a_folder_plain_accelerate_loads(tmp_path, runs):
     assert plain.progress.step == step
 
 
+def test_export_fsyncs_every_file_before_the_rename(tmp_path, runs, monkeypatch):
+    """The export is durable as the Lightning one: each file and folder fsynced (through the one helper both
+    exports use), then renamed into place, then the parent folder fsynced."""
+    from accelerate_layerckpt.export import export_folder
+    from layerckpt import adapters
+
+    run = runs(tmp_path / "a", config=FULL)
+    run.train(1)
+    folder = run.acc.save_state()
+    run.plugin.wait()
+    synced, helper = [], []
+    real_fsync, real_helper = os.fsync, adapters.replace_durably
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr("accelerate_layerckpt.export.replace_durably",
+                        lambda tmp, out: (helper.append((tmp, out)), real_helper(tmp, out))[1])
+    out = str(tmp_path / "plain")
+    assert export_folder(folder, out) == out
+    assert helper == [(out + ".tmp", out)]
+    assert not os.path.exists(out + ".tmp")
+    exported = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
+    assert {"pytorch_model.bin", "optimizer.bin"} <= set(exported)
+    assert {os.path.join(out + ".tmp", f) for f in exported} <= set(synced)  # each file, under its tmp name
+    assert synced.index(out + ".tmp") > max(synced.index(os.path.join(out + ".tmp", f)) for f in exported)
+    assert synced[-1] == str(tmp_path)  # the rename made durable last
+
+
+def test_an_explicit_keep_last_is_refused_saying_total_limit_decides(tmp_path, monkeypatch):
+    with pytest.raises(layerckpt.ConfigError, match=r"Config.keep_last=3 does not apply with LayerCheckpointPlugin: "
+                                                    r"accelerate's total_limit decides"):
+        LayerCheckpointPlugin(layerckpt.Config(keep_last=3))
+    with pytest.raises(layerckpt.ConfigError, match="keep_last=0 does not apply"):
+        LayerCheckpointPlugin(layerckpt.Config(threshold=0.0, keep_last=0))
+    path = tmp_path / "layerckpt.yaml"
+    path.write_text("keep_last: 5\n")
+    monkeypatch.setenv("LAYERCKPT_CONFIG", str(path))
+    with pytest.raises(layerckpt.ConfigError, match="keep_last=5 does not apply"):
+        LayerCheckpointPlugin()
+    with pytest.raises(layerckpt.ConfigError, match="keep_last=5 does not apply"):
+        LayerCheckpointPlugin.from_yaml(path)
+    default = layerckpt.Config().keep_last  # the default (not set, or spelled out) is no contradiction
+    assert LayerCheckpointPlugin(layerckpt.Config(keep_last=default)).config.keep_last == default
+    path.write_text("threshold: 0.0\n")
+    assert LayerCheckpointPlugin().config.keep_last == default
+
+
 # ------------------------------------------------------------------ remote tier
 
 def test_remote_tier_resumes_when_the_project_dir_is_gone(tmp_path, runs, s3):

@@ -279,6 +279,69 @@ def test_config_yaml_and_overrides(tmp_path):
         LayerCheckpoint(enabled="no")
 
 
+def test_config_fields_are_typed_parameters_checked_by_type():
+    """One keyword parameter per Config field, generated from dataclasses.fields(Config): a field added to
+    Config is a parameter at once; a wrong type or an unknown name is refused, naming both."""
+    import dataclasses
+    import inspect
+    from typing import Optional, Union
+
+    params = inspect.signature(LayerCheckpoint).parameters
+    assert {f.name for f in dataclasses.fields(layerckpt.Config)} <= set(params)
+    assert params["keep_last"].annotation == Optional[int] and params["keep_last"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["staging_bytes"].annotation == Union[int, str, None] and params["lazy_staging"].default is None
+    assert not [p for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    with pytest.raises(layerckpt.ConfigError, match=r"LayerCheckpoint\(keep_last='three'\): Config.keep_last takes "
+                                                    r"int, got str"):
+        LayerCheckpoint(keep_last="three")
+    with pytest.raises(layerckpt.ConfigError, match=r"LayerCheckpoint\(memory_tier=1\): Config.memory_tier takes "
+                                                    r"bool, got int"):
+        LayerCheckpoint(memory_tier=1)
+    with pytest.raises(layerckpt.ConfigError, match=r"LayerCheckpoint\(\) got unknown argument\(s\) keep_lastt; "):
+        LayerCheckpoint(keep_lastt=3)
+    cb = LayerCheckpoint(staging_bytes="64MiB", lazy_staging=False, keep_last=2.0, fidelity=0)
+    assert cb.layer_config.staging_bytes == 64 << 20 and cb.layer_config.lazy_staging is False
+    assert cb.layer_config.keep_last == 2 and cb.layer_config.fidelity == 0.0
+    assert LayerCheckpoint(monitor="loss").layer_config.keep_last == 1  # the monitor's default, as before
+
+
+def test_lightning_cli_checks_config_fields_by_type(tmp_path, capsys):
+    """LightningCLI (jsonargparse) reads the generated signature: each field's type is checked from YAML."""
+    from lightning.pytorch.cli import LightningCLI
+
+    def cli(extra: str):
+        y = cli_yaml(tmp_path / "cfg.yaml", tmp_path, 2, f"dirpath: {tmp_path / 'ck'}\nevery_n_train_steps: 2\n{extra}")
+        return LightningCLI(FineTuneModule, args=["--config", str(y)], save_config_callback=None, run=False)
+
+    cb = cli("staging_bytes: 64MiB\nlazy_staging: false\nkeep_last: 3").trainer.checkpoint_callback
+    assert cb.layer_config.staging_bytes == 64 << 20 and cb.layer_config.lazy_staging is False
+    assert cb.layer_config.keep_last == 3
+    for bad in ("keep_last: three", "memory_tier: sometimes", "remote_options: 5"):
+        with pytest.raises(SystemExit):  # jsonargparse refuses it by the field's type, before LayerCheckpoint runs
+            cli(bad)
+        assert bad.split(":")[0] in capsys.readouterr().err
+
+
+def cli_yaml(path, root, max_steps: int, init_args: str):
+    """A LightningCLI config: a tiny FineTuneModule, a LayerCheckpoint with ``init_args`` (YAML lines)."""
+    args = "".join(f"        {line}\n" for line in init_args.splitlines())
+    path.write_text(f"""
+trainer:
+  max_steps: {max_steps}
+  accelerator: cpu
+  logger: false
+  enable_progress_bar: false
+  default_root_dir: {root}
+  callbacks:
+    - class_path: lightning_layerckpt.LayerCheckpoint
+      init_args:
+{args}model:
+  n_layer: 2
+  n_embd: 32
+""")
+    return path
+
+
 def test_flush_error_stops_training(tmp_path):
     """A flush that fails raises in the training process (at the next batch or the end of fit)."""
     mnt = tmp_path / "small"
@@ -339,26 +402,9 @@ def test_lightning_cli_yaml(tmp_path):
     from lightning.pytorch.cli import LightningCLI
 
     for enabled in (True, False):
-        y = tmp_path / f"cfg{enabled}.yaml"
         d = tmp_path / f"ck{enabled}"
-        y.write_text(f"""
-trainer:
-  max_steps: 8
-  accelerator: cpu
-  logger: false
-  enable_progress_bar: false
-  default_root_dir: {tmp_path}
-  callbacks:
-    - class_path: lightning_layerckpt.LayerCheckpoint
-      init_args:
-        dirpath: {d}
-        every_n_train_steps: 4
-        threshold: 0.1
-        enabled: {str(enabled).lower()}
-model:
-  n_layer: 2
-  n_embd: 32
-""")
+        y = cli_yaml(tmp_path / f"cfg{enabled}.yaml", tmp_path, 8,
+                     f"dirpath: {d}\nevery_n_train_steps: 4\nthreshold: 0.1\nenabled: {str(enabled).lower()}")
         cli = LightningCLI(FineTuneModule, args=["fit", "--config", str(y)], save_config_callback=None)
         cb = cli.trainer.checkpoint_callback
         assert isinstance(cb, LayerCheckpoint) and cb.enabled is enabled

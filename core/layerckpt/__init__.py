@@ -2,10 +2,16 @@
 
 The public face is what this module exports; modules whose names start with an
 underscore are internal, one per stage of the save and restore paths (see
-``checkpointer`` and ``restore``).  ``layerckpt.cli`` is the ``layerckpt``
-command; ``layerckpt.bench`` holds benchmarks and demo workloads.
+``checkpointer`` and ``restore``).  ``layerckpt.store`` is the public store API
+(list, resolve, release composites; files beside a remote tier) and
+``layerckpt.adapters`` what the framework adapters share; neither they nor any
+code outside the engine needs an underscore module.  ``layerckpt.cli`` is the
+``layerckpt`` command; ``layerckpt.bench`` holds benchmarks and demo workloads.
 """
+from . import store
 from ._flush import PendingSave
+from ._layers import LayerSpec
+from ._torchfile import TorchFileWriter
 from .checkpointer import Checkpointer
 from .config import Config
 from .errors import (
@@ -24,5 +30,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpointer", "Config", "PendingSave", "RestoreReport", "restore", "read_checkpoint", "LoadedCheckpoint",
     "CheckpointError", "CheckpointWriteError", "CheckpointCorruptError", "CheckpointMismatchError",
-    "CheckpointNotFoundError", "ConfigError", "StalenessError",
+    "CheckpointNotFoundError", "ConfigError", "StalenessError", "LayerSpec", "TorchFileWriter", "store",
 ]

@@ -1,0 +1,242 @@
+"""What the framework adapters share (``lightning_layerckpt``, ``accelerate_layerckpt``), in one place.
+
+- the Config an adapter is given: :func:`as_config` (a Config, a dict of fields, a YAML path, or an
+  environment variable's YAML), and Config fields as keyword arguments: :func:`with_config_fields`
+  gives a function one typed keyword parameter per :class:`~layerckpt.Config` field, generated from
+  ``dataclasses.fields(Config)`` (the one list of fields), and :func:`config_overrides` checks what a
+  caller passed against those types;
+- the step of each save into a store: :class:`StepCounter`;
+- closing several Checkpointers at once: :func:`close_all`;
+- which model an optimizer belongs to: :func:`owners`, :func:`pair_optimizers`;
+- writing a file or folder durably under its final name: :func:`replace_durably`.
+"""
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import functools
+import inspect
+import logging
+import os
+import typing
+from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Set, TypeVar, Union
+
+import torch
+
+from . import store
+from .config import Config
+from .errors import CheckpointError, ConfigError
+
+log = logging.getLogger("layerckpt")
+
+F = TypeVar("F", bound=Callable[..., Any])
+ConfigLike = Union[Config, str, "os.PathLike[str]", Mapping[str, Any], None]
+
+
+# ------------------------------------------------------------------ Config
+
+def as_config(config: ConfigLike, *, env: Optional[str] = None, only_config: bool = False) -> Config:
+    """A Config from a Config, a dict of its fields or a YAML path (``only_config``: a Config alone).  None:
+    the YAML file the environment variable ``env`` names, when it is set, else the defaults."""
+    if config is None:
+        path = os.environ.get(env) if env else None
+        return Config.from_yaml(path) if path else Config()
+    if isinstance(config, Config):
+        return config
+    if only_config:
+        raise ConfigError(f"config must be a layerckpt.Config, got {type(config).__name__}")
+    if isinstance(config, Mapping):
+        return Config.from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return Config.from_yaml(config)
+    raise ConfigError(f"config must be a layerckpt.Config, a dict or a YAML path, got {type(config).__name__}")
+
+
+def default_of(name: str) -> Any:
+    """The default of the Config field ``name``."""
+    f = next(f for f in dataclasses.fields(Config) if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types() -> Dict[str, Any]:
+    """Config field -> the type an adapter's keyword argument for it takes (None: not given).  Byte counts
+    (fields named ``*_bytes``, ``*_bandwidth``) also take strings such as ``'16MiB'``, as Config does."""
+    hints = typing.get_type_hints(Config)
+    out = {}
+    for f in dataclasses.fields(Config):
+        t = hints[f.name]
+        if f.name.endswith(("_bytes", "_bandwidth")) and str not in typing.get_args(t):
+            t = Union[t, str]
+        out[f.name] = Optional[t]
+    return out
+
+
+def with_config_fields(fn: F) -> F:
+    """Give ``fn`` (whose last parameter is ``**overrides``) the signature that names its Config fields: its
+    own parameters, then one keyword-only parameter per Config field it does not already take, typed as
+    :func:`config_overrides` checks and defaulting to None.  Tools that read signatures (``help()``,
+    LightningCLI's typed ``init_args`` through jsonargparse) see every field with its type."""
+    sig = inspect.signature(fn)
+    own = typing.get_type_hints(fn)
+    params = [p.replace(annotation=own.get(p.name, p.annotation)) for p in sig.parameters.values()
+              if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    taken = {p.name for p in params}
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=t)
+               for name, t in _field_types().items() if name not in taken]
+    fn.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return fn
+
+
+def config_overrides(given: Mapping[str, Any], where: str, none_unset: bool = True) -> Dict[str, Any]:
+    """The Config fields among ``given``, each checked against its field's type; an unknown name or a value of
+    the wrong type is refused, naming both (Config then checks the values).  ``none_unset``: a None is the
+    signature's default, "not given", and left out; else it is passed on (e.g. ``threshold=None``)."""
+    types = _field_types()
+    unknown = sorted(set(given) - set(types))
+    if unknown:
+        raise ConfigError(f"{where}() got unknown argument(s) {', '.join(unknown)}; the layerckpt Config fields it "
+                          f"also takes: {', '.join(sorted(types))}")
+    out = {}
+    for name, value in given.items():
+        if value is None and none_unset:
+            continue
+        if not _fits(value, types[name]):
+            raise ConfigError(f"{where}({name}={value!r}): Config.{name} takes {_describe(types[name])}, got "
+                              f"{type(value).__name__}")
+        out[name] = value
+    return out
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of the type ``hint`` (the forms Config's fields use; others are left to Config)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin is Union:
+        return any(_fits(value, a) for a in args)
+    if origin is typing.Literal:
+        return value in args
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float) and isinstance(value, bool):
+        return False
+    if hint is int:  # 2.0 is an int to Config, as in YAML
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if hint is float:
+        return isinstance(value, (int, float))
+    if origin in (dict, collections.abc.Mapping) or hint is dict:
+        return isinstance(value, Mapping)
+    return not isinstance(hint, type) or isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    """``Optional[Union[int, str]]`` -> ``'int or str'``: what a field takes besides None."""
+    parts = [a for a in (typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,))
+             if a is not type(None)]
+    return " or ".join(getattr(a, "__name__", None) or str(a).replace("typing.", "") for a in parts)
+
+
+# ------------------------------------------------------------------ steps and Checkpointers
+
+class StepCounter:
+    """The step of each save into one store: a caller's own step where it gives one, else one past the
+    previous save (the first: one past the newest step the store holds, :func:`layerckpt.store.next_step`),
+    so a step never names two composites."""
+
+    def __init__(self, first: int = 0):
+        self.next = first
+
+    def step(self, given: Any = None) -> int:
+        """``given`` when it is a non-negative int, else the next free step."""
+        if isinstance(given, int) and not isinstance(given, bool) and given >= 0:
+            return given
+        return self.next
+
+    def saved(self, step: int) -> None:
+        """A save of ``step`` was made: the next one goes after it."""
+        self.next = step + 1
+
+
+def close_all(checkpointers: Union[MutableMapping[Any, Any], List[Any]], quiet: bool = False,
+              what: str = "a save") -> None:
+    """Close every Checkpointer in ``checkpointers`` (a dict or a list, emptied as they close; each close waits
+    for its saves), then raise the first failure (``quiet``: log it).  One failure never leaves the others open."""
+    first: Optional[BaseException] = None
+    while checkpointers:
+        ck = checkpointers.popitem()[1] if isinstance(checkpointers, MutableMapping) else checkpointers.pop(0)
+        try:
+            ck.close()
+        except BaseException as e:  # the other stores still close
+            first = first or e
+    if first is not None and quiet:
+        log.error("layerckpt: %s was not committed: %s", what, first)
+    elif first is not None:
+        raise first
+
+
+def owners(optimizer: Any, models: Sequence[torch.nn.Module]) -> Set[Optional[int]]:
+    """The indices of the ``models`` that own ``optimizer``'s parameters (None for a parameter none of them
+    owns); an optimizer wrapper with an ``optimizer`` attribute (accelerate's) is looked through."""
+    owner: Dict[int, int] = {}
+    for i, m in enumerate(models):
+        for p in m.parameters():
+            owner.setdefault(id(p), i)
+    opt = getattr(optimizer, "optimizer", optimizer)
+    return {owner.get(id(p)) for g in opt.param_groups for p in g["params"]}
+
+
+def pair_optimizers(models: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> List[Optional[Any]]:
+    """Per model, the one optimizer (unwrapped) over its parameters, or None.  An optimizer over parameters of
+    no model or of several, and a model with two optimizers, are refused, saying what to change."""
+    paired: List[Optional[Any]] = [None] * len(models)
+    paired_from: Dict[int, int] = {}
+    for j, wrapped in enumerate(optimizers):
+        opt = getattr(wrapped, "optimizer", wrapped)
+        idx = owners(opt, models)
+        if len(idx) != 1 or None in idx:
+            what = "parameters of no prepared model" if idx <= {None} else "parameters of several prepared models"
+            raise CheckpointError(
+                f"optimizer {j} ({type(opt).__name__}) holds {what}; layerckpt pairs each optimizer with the one "
+                f"prepared model that owns all its parameters")
+        i = idx.pop()
+        if paired[i] is not None:
+            raise CheckpointError(
+                f"model {i} ({type(models[i]).__name__}) has two optimizers (optimizers {paired_from[i]} and {j}); "
+                f"layerckpt keeps one optimizer per model: split the model or use one optimizer with "
+                f"several param_groups")
+        paired[i], paired_from[i] = opt, j
+    return paired
+
+
+# ------------------------------------------------------------------ durable files
+
+def replace_durably(tmp: str, output: str) -> str:
+    """Move ``tmp`` (a file or a folder, completely written) to ``output`` durably: every file and folder in
+    it fsynced, then the rename, then the parent folder fsynced, so that after a power loss ``output`` is
+    either whole or absent.  Returns ``output``."""
+    _fsync_tree(tmp)
+    os.replace(tmp, output)
+    store.fsync_dir(os.path.dirname(os.path.abspath(output)))
+    return output
+
+
+def _fsync_tree(path: str) -> None:
+    if not os.path.isdir(path):
+        _fsync_file(path)
+        return
+    for d, _, files in os.walk(path, topdown=False):
+        for f in files:
+            _fsync_file(os.path.join(d, f))
+        store.fsync_dir(d)
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+__all__ = ["as_config", "default_of", "with_config_fields", "config_overrides", "StepCounter", "close_all",
+           "owners", "pair_optimizers", "replace_durably"]
