@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import ALIGN
+from ._units import ALIGN
 from .errors import CheckpointError
 
 DTYPES: Dict[torch.dtype, str] = {

@@ -122,7 +122,7 @@ class Selector:
     @property
     def full(self) -> bool:
         """Every layer at every save: no save depends on the one before."""
-        return self.config.threshold == 0.0 and self.config.budget_bytes is None
+        return self.config.full
 
     def owners(self, names: Tuple[str, ...]) -> Dict[str, str]:
         """Each state_dict name's layer.  With the automatic grouping, a layer's frozen parameters (adapters

@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from ._bandwidth import TokenBucket
 from ._store import write_atomic
-from .errors import CheckpointError, ConfigError
+from ._url import _fsspec, check_config, is_url  # noqa: F401 - their home was here; names others import
+from .errors import CheckpointError
 
 log = logging.getLogger("layerckpt")
 
@@ -30,45 +31,6 @@ CAPPED_BURST = 64 << 10  # bytes an upload may send ahead of the cap after a pau
 # Object stores whose PUT makes an object appear whole or not at all: a manifest is put directly; on any
 # other file system it is put under a temporary name and moved into place.
 _ATOMIC_PUT = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"}
-
-
-def is_url(path: Any) -> bool:
-    return isinstance(path, str) and "://" in path
-
-
-def _fsspec():
-    try:
-        import fsspec
-    except ImportError:
-        raise ConfigError("Config.remote needs fsspec: pip install 'layerckpt[remote]'") from None
-    return fsspec
-
-
-def check_config(remote: Any, options: Any) -> None:
-    """Config-time checks of ``Config.remote`` and ``Config.remote_options``: no I/O, only the URL's shape,
-    its protocol and the package that implements it."""
-    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
-        raise ConfigError(f"Config.remote_options must map option names to values (passed to fsspec), "
-                          f"got {options!r}")
-    if remote is None:
-        if options:
-            raise ConfigError("Config.remote_options is set but Config.remote is not; set remote to a URL "
-                              "such as 's3://bucket/prefix'")
-        return
-    if not isinstance(remote, str) or not is_url(remote):
-        raise ConfigError(f"Config.remote must be a URL such as 's3://bucket/prefix' or 'file:///mnt/ckpt', "
-                          f"got {remote!r}")
-    proto = remote.split("://", 1)[0]
-    if not remote.split("://", 1)[1].strip("/"):
-        raise ConfigError(f"Config.remote {remote!r} names no bucket or folder; use e.g. '{proto}://bucket/prefix'")
-    fsspec = _fsspec()
-    if proto not in fsspec.available_protocols():
-        raise ConfigError(f"Config.remote {remote!r}: fsspec knows no protocol {proto!r} (known: s3, gs, az, "
-                          f"file, memory, ...); check the URL's scheme")
-    try:
-        fsspec.get_filesystem_class(proto)
-    except ImportError as e:
-        raise ConfigError(f"Config.remote {remote!r} needs the package that implements {proto}:// ({e})") from None
 
 
 def _name(path: str) -> str:

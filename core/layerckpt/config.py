@@ -1,128 +1,197 @@
-"""The one Config of layerckpt: a validated dataclass, loadable from YAML."""
+"""The one Config of layerckpt: a validated dataclass, loadable from YAML.
+
+Its fields govern four things (``GROUPS``): which layers a save writes (selection), how saves and restores
+move bytes (I/O), where copies go and how many stay (tiers), and what a restore checks and puts back
+(restore).  A combination whose fields contradict each other is refused with a ConfigError naming the field
+to drop; where one field changes what another means, both docstrings say so.
+"""
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from ._units import ALIGN, GiB, KiB, MiB, parse_size  # noqa: F401 - their home is _units; importable here too
+from ._url import check_config
 from .errors import ConfigError
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths
 REMOTE_BASES = "base"  # Config.remote_every: base composites only
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": KiB, "kb": 1000, "kib": KiB, "m": MiB, "mb": 1000**2, "mib": MiB,
-          "g": GiB, "gb": 1000**3, "gib": GiB, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+FIDELITY = 0.004  # Config.fidelity's default
 
 
-def parse_size(value: Union[int, str], name: str) -> int:
-    """Accept 16777216, "16MiB", "1.5GiB", "512kb"."""
-    if isinstance(value, bool):
-        raise ConfigError(f"Config.{name} must be a byte count, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and (m.group(2) or "").lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-    raise ConfigError(f"Config.{name} must be a byte count such as 16777216 or '16MiB', got {value!r}")
+class _Default(float):
+    """Config.fidelity's default value: a plain float to whoever reads it, but one the caller did not give,
+    so that it never contradicts a ``threshold`` or ``full`` that was given."""
+
+    __slots__ = ()
+
+
+_FIDELITY = _Default(FIDELITY)
 
 
 @dataclass
 class Config:
     """What to persist, when, and how to write it.
 
-    ``Config(threshold=0.0)`` persists every layer at every save (a full checkpoint).
+    ``Config(full=True)`` (or its other spelling ``Config(threshold=0.0)``) persists every layer at every
+    save: a full checkpoint.  Flat keyword arguments, ``from_yaml`` and ``from_dict`` all build the same
+    validated object; ``GROUPS`` lists the fields by what they govern.
     """
 
-    fidelity: float = 0.004
+    fidelity: float = _FIDELITY
     """The default selection rule's one knob, with no scale of its own: layers are skipped, cheapest first,
     while a restore of the composite is estimated (first order, from the optimizer's gradient averages) to
     raise the training loss by at most this fraction of it.  Needs the loss: ``save(step, loss=...)``,
     which the Lightning and Accelerate adapters pass; without it a conservative stand-in applies.
-    0.0 writes every layer that moved."""
+    0.0 writes every layer that moved.  ``threshold`` and ``full`` are the other rules: an explicit fidelity
+    beside either is refused (give one rule).  ``budget_bytes`` caps what this rule picks."""
     threshold: Optional[float] = None
-    """Instead of the fidelity budget: persist a layer once its relative drift ||W - W_p|| / ||W_p|| reaches this
-    (0.0: every layer at every save, a full checkpoint)."""
+    """Instead of the fidelity rule: persist a layer once its relative drift ||W - W_p|| / ||W_p|| reaches
+    this.  Refused beside an explicit ``fidelity``.  0.0 without ``budget_bytes`` is the other spelling of
+    ``full=True`` (the two give equal Configs); 0.0 with ``budget_bytes`` is not full: every layer that
+    moved, most drifted first, up to the cap.  ``Config.replace(threshold=...)`` on a full Config leaves the
+    full mode unless the new threshold is 0.0."""
     max_staleness: int = 16
-    """A layer that moves may lag at most this many checkpoints; at the bound it is persisted regardless."""
+    """A layer that moves may lag at most this many checkpoints; at the bound it is persisted regardless.
+    Also restore's bound: ``restore()`` checks a composite against the max_staleness recorded in its manifest,
+    or against this one when it is passed a Config.  Nothing lags in full mode."""
     base_every: int = 0
-    """Write a full (every-layer) checkpoint every N checkpoints; 0 never forces one after the first."""
+    """Write a full (every-layer) checkpoint every N checkpoints; 0 never forces one after the first.  With
+    ``remote_every="base"`` it decides which composites reach the remote tier (so there 0 is refused unless
+    every save is full).  Nothing to force in full mode."""
     keep_last: int = 2
-    """Composites kept restorable; older manifests (and data no kept manifest needs) are deleted. 0 keeps all."""
+    """Composites kept restorable, locally and on the remote tier (besides ``Checkpointer.keep()``'s pins and
+    the composites a tier is still copying); older manifests (and data no kept manifest needs) are deleted.
+    0 keeps all.  The memory tier keeps 1 whatever this says.  The Lightning callback makes it 1 with a
+    ``monitor`` (0 with ``save_top_k=-1``) when neither a config nor keep_last is given; under the Accelerate
+    plugin accelerate's ``total_limit`` decides which folders stay and the composites follow the folders:
+    keep_last does not apply there."""
     staging_bytes: int = 4 * GiB
-    """Bound on pooled host staging memory; a save needing more waits for the flusher (back-pressure)."""
+    """Bound on pooled host staging memory; a save needing more waits for the flusher (back-pressure).
+    At least ``chunk_bytes``."""
     chunk_bytes: int = 16 * MiB
-    """Size of one staging buffer and of one write; small tensors are coalesced into it."""
+    """Size of one staging buffer and of one write; small tensors are coalesced into it.  It also sizes what
+    else moves in pieces: restore reads through ``min(4, queue_depth)`` bounce buffers of this size, and the
+    remote tier uploads a file in parts of ``max(chunk_bytes, 5 MiB)`` (S3's least).  A multiple of 4096,
+    at most 1GiB and at most ``staging_bytes``."""
     queue_depth: int = 8
-    """Writes (or reads) in flight at once."""
+    """Writes in flight at once on save; reads in flight on restore and in the CLI's ``verify``."""
     max_inflight: int = 1
-    """Saves in flight at once; the next save() waits while this many are flushing.  Selective saves too, in
-    one process: each plans on the one before it (across ranks a selective save waits for the one before)."""
+    """Saves in flight at once; the next save() waits while this many are flushing.  Full saves, and selective
+    saves in one process, pipeline: each selective one plans on the one before it.  Across ranks a selective
+    save waits for every save before it whatever this says (the ranks agree on the last committed one)."""
     lazy_staging: bool = True
     """With an optimizer: save() returns once it has decided what to write (the buffers, RNG and extra
     copied); the parameters and optimizer state are copied in the background while training goes on, and
     ``optimizer.step()`` waits for those copies (after its closure, if it has one).  Needs the weights to
     change only through that optimizer's step until the copies are done: a save whose tensors changed
-    otherwise meanwhile fails (nothing committed).  False copies everything before save() returns."""
+    otherwise meanwhile fails (nothing committed).  False (or no optimizer) copies everything before save()
+    returns."""
     backend: str = "auto"
-    """'auto' (io_uring, else threads), 'uring' or 'threads'; LAYERCKPT_BACKEND overrides."""
+    """'auto' (io_uring, else threads), 'uring' or 'threads', for saves and restores; LAYERCKPT_BACKEND
+    overrides."""
     direct_io: bool = True
     """Write and read with O_DIRECT (bypassing the page cache) where the file system allows it."""
     verify_checksums: bool = True
     """Check every tensor's CRC32C on restore."""
     restore_rng: bool = True
-    """Restore the python/numpy/torch RNG states saved with the checkpoint."""
+    """Restore the python/numpy/torch RNG states saved with the checkpoint.  The Accelerate plugin turns it
+    off for its loads: accelerate restores RNG from its own files."""
     budget_bytes: Optional[int] = None
-    """Optional cap on the bytes one checkpoint writes: drifted layers go most-drifted first; forced ones always."""
+    """Optional cap on the bytes one checkpoint writes: drifted layers go most-drifted first; forced ones
+    always.  Applies to the fidelity and threshold rules; refused with ``full=True`` (a capped save is not
+    full)."""
     drift_sample: int = 16384
-    """Elements per layer sampled to estimate drift (0: every element; exact, but keeps a copy of the weights)."""
+    """Elements per layer sampled to estimate drift (0: every element; exact, but keeps a copy of the weights).
+    Unused in full mode: nothing is decided by drift."""
     row_block_bytes: int = 1 * MiB
     """Embedding tables (``nn.Embedding``/``nn.EmbeddingBag`` weights, tied heads too) at least twice this big
     are selected in blocks of this many bytes of rows, each block with the same rows of its optimizer state,
-    so a checkpoint writes only the blocks that moved; 0 keeps every table whole."""
+    so a checkpoint writes only the blocks that moved; 0 keeps every table whole, as full mode always does."""
     layers: Optional[Dict[str, str]] = None
-    """Glob patterns of state_dict names -> layer name, overriding the automatic grouping (first match wins)."""
+    """Glob patterns of state_dict names -> layer name, overriding the automatic grouping (first match wins):
+    the unit every selection rule decides on."""
     memory_tier: bool = False
-    """Also keep the newest composite in shared memory (/dev/shm/layerckpt-<hash of the directory>/, same format):
-    a restart after a process crash restores from there; after a node restart it is gone and the disk is read."""
+    """Also keep the newest composite in shared memory (/dev/shm/layerckpt-<hash of the directory>/, same
+    format), one only whatever ``keep_last`` says: a restart after a process crash restores from there; after
+    a node restart it is gone and the disk is read.  False also removes a memory tier an earlier run of the
+    directory left, when the directory's writer opens it (it would shadow this run's saves)."""
     remote: Optional[str] = None
     """An fsspec URL ('s3://bucket/prefix', 'gs://...', 'file:///mnt/nfs/run1', 'memory://run1') the committed
     composites are copied to in the background, data first and the manifest last (the remote commit point).
-    restore() and the CLI take the URL.  Needs ``pip install 'layerckpt[remote]'`` (fsspec, s3fs)."""
+    restore() and the CLI take the URL; ``restore()`` without a Config looks at the remote the newest local
+    manifest was saved with, with one at this.  ``remote_options``, ``remote_every`` and ``remote_bandwidth``
+    are refused without it.  Needs ``pip install 'layerckpt[remote]'`` (fsspec, s3fs)."""
     remote_options: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the fsspec file system (key/secret, client_kwargs={'endpoint_url': ...}, ...);
-    never written into a manifest."""
+    never written into a manifest.  Refused without ``remote``."""
     remote_every: Union[int, str] = 1
     """Copy every N-th composite to the remote tier (the first, then each N-th); a failed copy is retried with
     the next composite.  ``"base"``: base composites only, those that carry no layer from an older save (the
-    first, every ``base_every``-th, and every save with ``threshold=0.0``), so the remote holds only
-    composites that restore from their own files."""
+    first, every ``base_every``-th, and every save in full mode), so the remote holds only composites that
+    restore from their own files: refused with ``base_every=0`` unless in full mode.  Refused without
+    ``remote``."""
     remote_bandwidth: Optional[int] = None
     """Cap on the remote tier's upload speed, bytes per second over all its uploads at once ('200MB', '1GiB/s',
-    or a number); None: as fast as the network goes.  Uploads take longer; training is not slowed."""
+    or a number); None: as fast as the network goes.  Uploads take longer; training is not slowed.  Refused
+    without ``remote``."""
+    # last, so that every other field keeps its place for positional arguments
+    full: bool = False
+    """Full mode: every layer at every save, so no save depends on the one before (each is a base composite).
+    Besides deciding nothing by drift, it turns off what only selective saves need: drift sampling, row blocks
+    of embedding tables, the exchange of the loss across ranks and the manifest's cost estimates; saves
+    pipeline across ranks up to ``max_inflight``; ``base_every`` and ``max_staleness`` have nothing left to
+    force.  Refused beside an explicit ``fidelity``, a ``threshold`` other than 0.0 or a ``budget_bytes``.
+    ``threshold=0.0`` (without budget_bytes) is the same mode: both spellings give an equal Config, with
+    ``full=True`` and ``threshold=0.0``.  ``Config.replace(full=False)`` returns to the fidelity rule."""
 
     def __post_init__(self) -> None:
-        self.staging_bytes = parse_size(self.staging_bytes, "staging_bytes")
-        self.chunk_bytes = parse_size(self.chunk_bytes, "chunk_bytes")
+        self._check_selection()
+        self._check_io()
+        self._check_tiers()
+        _flags(self, "verify_checksums", "restore_rng")
+
+    def _check_selection(self) -> None:
+        """Which layers a save writes: the rule (full, fidelity or threshold) and its bounds."""
+        fidelity_given = not isinstance(self.fidelity, _Default)
+        _number(self, "fidelity", float, lo=0.0)
+        if not fidelity_given:
+            self.fidelity = _FIDELITY
+        if self.threshold is not None:
+            _number(self, "threshold", float, lo=0.0)
         if self.budget_bytes is not None:
             self.budget_bytes = parse_size(self.budget_bytes, "budget_bytes")
             _number(self, "budget_bytes", int, lo=0)
+        _number(self, "max_staleness", int, lo=1)
+        _number(self, "base_every", int, lo=0)
         _number(self, "drift_sample", int, lo=0)
         self.row_block_bytes = parse_size(self.row_block_bytes, "row_block_bytes")
         _number(self, "row_block_bytes", int, lo=0)
         if self.layers is not None and not (isinstance(self.layers, dict) and all(
                 isinstance(k, str) and isinstance(v, str) and v for k, v in self.layers.items())):
             raise ConfigError(f"Config.layers must map name patterns to layer names, got {self.layers!r}")
-        _number(self, "fidelity", float, lo=0.0)
-        if self.threshold is not None:
-            _number(self, "threshold", float, lo=0.0)
-        _number(self, "max_staleness", int, lo=1)
-        _number(self, "base_every", int, lo=0)
-        _number(self, "keep_last", int, lo=0)
+        _flags(self, "full")
+        self._check_rule(fidelity_given)
+
+    def _check_rule(self, fidelity_given: bool) -> None:
+        """One selection rule: full, threshold or fidelity.  ``threshold=0.0`` without a byte cap is full."""
+        if self.full:
+            _refuse_beside_full(self, fidelity_given)
+            self.threshold = 0.0  # the full mode's other spelling: both spellings give one Config
+        elif self.threshold == 0.0 and self.budget_bytes is None:
+            self.full = True
+        if self.threshold is not None and fidelity_given:
+            rule = "threshold=0.0 (full checkpoints)" if self.full else f"threshold={self.threshold}"
+            raise ConfigError(
+                f"Config.{rule} and Config.fidelity={self.fidelity} are two selection rules, and threshold would "
+                f"override fidelity; give one: drop fidelity to keep the threshold rule, or drop threshold to "
+                f"select by the estimated loss increase")
+
+    def _check_io(self) -> None:
+        """How saves and restores move bytes."""
+        self.staging_bytes = parse_size(self.staging_bytes, "staging_bytes")
+        self.chunk_bytes = parse_size(self.chunk_bytes, "chunk_bytes")
         _number(self, "queue_depth", int, lo=1, hi=256)
         _number(self, "max_inflight", int, lo=1)
         _number(self, "chunk_bytes", int, lo=ALIGN)
@@ -135,40 +204,42 @@ class Config:
         _number(self, "staging_bytes", int, lo=self.chunk_bytes)
         if self.backend not in ("auto", "uring", "threads"):
             raise ConfigError(f"Config.backend must be 'auto', 'uring' or 'threads', got {self.backend!r}")
-        if self.remote_every != REMOTE_BASES:
-            if isinstance(self.remote_every, str):
-                raise ConfigError(f"Config.remote_every must be a positive integer (every N-th composite) or "
-                                  f"{REMOTE_BASES!r} (base composites only), got {self.remote_every!r}")
-            _number(self, "remote_every", int, lo=1)
-        elif self.base_every == 0 and not (self.threshold == 0.0 and self.budget_bytes is None):
-            raise ConfigError(f"Config.remote_every={REMOTE_BASES!r} copies base composites only, but with "
-                              f"base_every=0 only the first save is one; set base_every=N (a base every N saves) "
-                              f"or remote_every=N")
+        _flags(self, "direct_io", "lazy_staging")
+
+    def _check_tiers(self) -> None:
+        """Where copies go and how many stay; the remote_* fields only with a remote."""
+        _number(self, "keep_last", int, lo=0)
+        _flags(self, "memory_tier")
+        self._check_remote_every()
         if self.remote_bandwidth is not None:
-            bw = self.remote_bandwidth
-            if isinstance(bw, str) and bw.strip().lower().endswith("/s"):
-                bw = bw.strip()[:-2]
-            try:
-                self.remote_bandwidth = parse_size(bw, "remote_bandwidth")
-                _number(self, "remote_bandwidth", int, lo=1)
-            except ConfigError:
-                raise ConfigError(f"Config.remote_bandwidth must be bytes per second such as '200MB', '1GiB/s' or "
-                                  f"200000000 (None: no cap), got {self.remote_bandwidth!r}") from None
+            self.remote_bandwidth = _bandwidth(self.remote_bandwidth)
             if self.remote is None:
                 raise ConfigError("Config.remote_bandwidth caps uploads to the remote tier, but Config.remote is "
                                   "not set; set remote to a URL such as 's3://bucket/prefix' or drop the cap")
         if self.remote_options is None:
             self.remote_options = {}
-        if self.remote is not None or self.remote_options:  # fsspec is needed only with a remote tier
-            from ._remote import check_config
+        check_config(self.remote, self.remote_options)  # imports fsspec only with a remote tier
 
-            check_config(self.remote, self.remote_options)
-        for name in ("direct_io", "verify_checksums", "restore_rng", "memory_tier", "lazy_staging"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"Config.{name} must be true or false, got {getattr(self, name)!r}")
+    def _check_remote_every(self) -> None:
+        if self.remote_every != REMOTE_BASES:
+            if isinstance(self.remote_every, str):
+                raise ConfigError(f"Config.remote_every must be a positive integer (every N-th composite) or "
+                                  f"{REMOTE_BASES!r} (base composites only), got {self.remote_every!r}")
+            _number(self, "remote_every", int, lo=1)
+        elif self.base_every == 0 and not self.full:
+            raise ConfigError(f"Config.remote_every={REMOTE_BASES!r} copies base composites only, but with "
+                              f"base_every=0 only the first save is one; set base_every=N (a base every N saves) "
+                              f"or remote_every=N")
+        if self.remote is None and self.remote_every != 1:
+            raise ConfigError(f"Config.remote_every={self.remote_every!r} says which composites go to the remote "
+                              f"tier, but Config.remote is not set; set remote to a URL such as "
+                              f"'s3://bucket/prefix' or drop remote_every")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "config") -> "Config":
+        """A Config from a mapping of its fields (YAML, JSON, ``to_dict()``, a manifest's recorded config).
+        A ``fidelity`` equal to its default counts as not given: ``to_dict()`` and manifests record it beside
+        a ``threshold`` they were made with."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where}: expected a mapping of Config fields, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
@@ -177,7 +248,11 @@ class Config:
             raise ConfigError(
                 f"{where}: unknown Config field(s) {', '.join(map(str, unknown))}; valid fields: {', '.join(sorted(known))}"
             )
-        return cls(**dict(data))
+        data = dict(data)
+        fid = data.get("fidelity")
+        if isinstance(fid, float) and fid == FIDELITY:
+            data["fidelity"] = _FIDELITY
+        return cls(**data)
 
     @classmethod
     def from_yaml(cls, path: Union[str, os.PathLike]) -> "Config":
@@ -198,14 +273,67 @@ class Config:
         return cls.from_dict(data, where=str(path))
 
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _plain(dataclasses.asdict(self))
 
     def recorded(self) -> Dict[str, Any]:
         """What a manifest records: every field but ``remote_options`` (it may hold credentials)."""
-        return dataclasses.asdict(dataclasses.replace(self, remote_options={}))
+        return _plain(dataclasses.asdict(dataclasses.replace(self, remote_options={})))
 
     def replace(self, **changes: Any) -> "Config":
+        """A validated copy with ``changes``.  On a full Config, a new ``threshold`` or ``budget_bytes``
+        decides the mode afresh (``threshold=0.1``: the threshold rule), and ``full=False`` drops the
+        ``threshold=0.0`` that spelled it (back to the fidelity rule)."""
+        if self.full and "full" not in changes and ("threshold" in changes or "budget_bytes" in changes):
+            changes["full"] = False
+        elif self.full and changes.get("full") is False and "threshold" not in changes:
+            changes["threshold"] = None
         return dataclasses.replace(self, **changes)
+
+
+GROUPS: Dict[str, Tuple[str, ...]] = {
+    "selection": ("full", "fidelity", "threshold", "budget_bytes", "max_staleness", "base_every", "drift_sample",
+                  "row_block_bytes", "layers"),
+    "io": ("staging_bytes", "chunk_bytes", "queue_depth", "max_inflight", "lazy_staging", "backend", "direct_io"),
+    "tiers": ("keep_last", "memory_tier", "remote", "remote_options", "remote_every", "remote_bandwidth"),
+    "restore": ("verify_checksums", "restore_rng"),
+}
+"""Every Config field, once, by what it governs (the README's Config table follows it)."""
+
+
+def _refuse_beside_full(cfg: Config, fidelity_given: bool) -> None:
+    """Full mode writes every layer: a field that would pick or cap layers contradicts it."""
+    for name, clash, why in (
+            ("threshold", cfg.threshold not in (None, 0.0), "would select layers by drift"),
+            ("budget_bytes", cfg.budget_bytes is not None, "would cap the bytes a save writes"),
+            ("fidelity", fidelity_given, "would let a save skip layers")):
+        if clash:
+            raise ConfigError(f"Config.full=True writes every layer at every save, but Config.{name}="
+                              f"{getattr(cfg, name)!r} {why}; drop {name} (or full)")
+
+
+def _bandwidth(value: Any) -> int:
+    bw = value
+    if isinstance(bw, str) and bw.strip().lower().endswith("/s"):
+        bw = bw.strip()[:-2]
+    try:
+        bw = parse_size(bw, "remote_bandwidth")
+        if bw >= 1:
+            return bw
+    except ConfigError:
+        pass
+    raise ConfigError(f"Config.remote_bandwidth must be bytes per second such as '200MB', '1GiB/s' or "
+                      f"200000000 (None: no cap), got {value!r}")
+
+
+def _plain(d: Dict[str, Any]) -> Dict[str, Any]:
+    d["fidelity"] = float(d["fidelity"])  # the default's marker stays in the object: YAML dumps plain floats
+    return d
+
+
+def _flags(cfg: Config, *names: str) -> None:
+    for name in names:
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(f"Config.{name} must be true or false, got {getattr(cfg, name)!r}")
 
 
 def _number(cfg: Config, name: str, kind: type, lo: Optional[float] = None, hi: Optional[float] = None) -> None:
