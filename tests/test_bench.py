@@ -1,7 +1,47 @@
 """`layerckpt bench` runs end to end (tiny preset: a smoke test, not a measurement)."""
 import json
+import math
+import statistics
 import subprocess
 import sys
+
+import pytest
+
+from layerckpt.bench.cases import build_state, state_bytes
+
+
+def _layer_bytes(model, opt, prefix: str) -> int:
+    """A layer's weights and AdamW state, counted from the live objects."""
+    return sum(p.numel() * p.element_size() + sum(v.numel() * v.element_size() for v in opt.state[p].values())
+               for n, p in model.named_parameters() if n.startswith(prefix))
+
+
+def _check_timings(run: dict) -> None:
+    """Medians between their min and max; a save is durable no earlier than it returned."""
+    for key in ("durable_s", "restore_s", "stall_s"):
+        if key in run:
+            assert 0 < run[f"{key[:-2]}_min_s"] <= run[key] <= run[f"{key[:-2]}_max_s"], (key, run)
+    if "stall_s" in run:
+        assert run["stall_s"] <= run["durable_s"], run
+
+
+def _check_ratios(res: dict) -> None:
+    """Each ratio is the quotient its name says, of this run's own figures (a tiny state's timings are noise, so
+    no range is asserted for their values beyond being finite)."""
+    lc, runs, disk = res["runs"]["layerckpt"], res["runs"], res["disk"]
+    want = {"durable_vs_odirect_write": lc["durable_s"] / disk["write_s"],
+            "stall_vs_memcpy": lc["stall_s"] / res["memcpy_s"],
+            "restore_vs_odirect_read": lc["restore_s"] / disk["read_s"],
+            "restore_vs_odirect_read_fresh_memory": lc["restore_s"] / disk["read_fresh_s"],
+            "extra_mem_vs_state": lc["extra_mem_bytes"] / res["state_bytes"],
+            "extra_mem_over_pool_vs_state": (lc["extra_mem_bytes"] - lc["pool_bytes"]) / res["state_bytes"],
+            "dcp_async_durable_over_ours": runs["dcp"]["async_durable_s"] / lc["durable_s"],
+            "dcp_async_stall_over_ours": runs["dcp"]["async_stall_s"] / lc["stall_s"]}
+    for name in ("torch.save", "safetensors", "dcp"):
+        want[f"{name}_durable_over_ours"] = runs[name]["durable_s"] / lc["durable_s"]
+        want[f"{name}_restore_over_ours"] = runs[name]["restore_s"] / lc["restore_s"]
+    assert res["ratios"] == pytest.approx(want, rel=1e-9)
+    assert all(math.isfinite(v) and v > 0 for k, v in res["ratios"].items() if k != "extra_mem_over_pool_vs_state")
 
 
 def test_bench_tiny_json(tmp_path):
@@ -11,14 +51,23 @@ def test_bench_tiny_json(tmp_path):
     res = json.loads(r.stdout)
     assert set(res["runs"]) == {"layerckpt", "torch.save", "safetensors", "dcp"}
     lc = res["runs"]["layerckpt"]
-    assert lc["restore_bit_exact"] and lc["bytes"] >= res["state_bytes"]
+    model, opt = build_state("tiny")
+    assert res["state_bytes"] == state_bytes(model, opt)
+    # a full save is the state once (the tied head not again), plus RNG states, header and alignment: 27 KiB here
+    assert lc["restore_bit_exact"] and res["state_bytes"] < lc["bytes"] <= res["state_bytes"] + 40 * 1024
     rows = res["selective"]
-    assert rows[0]["blocks_moved"] == 0 and rows[-1]["blocks_moved"] == 4
-    assert [r["bytes"] for r in rows] == sorted(r["bytes"] for r in rows) and rows[0]["bytes"] < rows[-1]["bytes"]
-    for key in ("durable_vs_odirect_write", "stall_vs_memcpy", "restore_vs_odirect_read", "dcp_durable_over_ours"):
-        assert res["ratios"][key] > 0
-    assert res["disk"]["write_s"] > 0 and res["memcpy_s"] > 0
-    assert res["tiers"]["restore_bit_exact"] and res["tiers"]["restore_memory_s"] > 0  # memory vs disk vs remote
+    assert [r["blocks_moved"] for r in rows] == [0, 1, 2, 4]
+    # each moved block adds its weights and AdamW state (and at most 8 KiB of header and alignment), nothing else
+    block = _layer_bytes(model, opt, "h.0.")
+    assert rows[0]["bytes"] < 32 * 1024  # nothing moved: the small state only
+    for r in rows:
+        k = r["blocks_moved"]
+        assert k * block <= r["bytes"] - rows[0]["bytes"] <= k * (block + 8 * 1024), (r, block)
+    for run in res["runs"].values():
+        _check_timings(run)
+    _check_ratios(res)
+    # the memory and remote tiers each got every save of their run (a warm-up and max(2, reps - 1) timed)
+    assert res["tiers"]["restore_bit_exact"] and res["tiers"]["files_copied"] == [3, 3]
     assert not list(tmp_path.iterdir())  # the bench cleans up after itself
 
 
@@ -29,6 +78,11 @@ def test_bench_restore_tiny_json(tmp_path):
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(r.stdout)["sizes"]
     assert set(row["seconds"]["warm"]) == {"layerckpt", "torch.load", "dcp.load"}
-    assert all(len(ts) == 1 and ts[0] > 0 for ts in row["seconds"]["warm"].values())
-    assert row["bit_exact"]["layerckpt"] is True and row["ratios"]["warm"]["torch.load/ours"] > 0
+    secs = row["seconds"]["warm"]
+    assert all(len(ts) == 1 and ts[0] > 0 for ts in secs.values())
+    assert row["bit_exact"]["layerckpt"] is True
+    # the ratios are the contenders' medians over ours (>1: layerckpt resumes faster)
+    assert row["ratios"]["warm"] == pytest.approx(
+        {f"{k}/ours": statistics.median(secs[k]) / statistics.median(secs["layerckpt"]) for k in ("torch.load", "dcp.load")},
+        rel=1e-9)
     assert not list(tmp_path.iterdir())  # the bench cleans up after itself

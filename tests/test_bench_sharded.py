@@ -1,6 +1,7 @@
 """`layerckpt bench --sharded` runs end to end on 2 processes (tiny size, 1 repeat: a smoke test, not a
 measurement) and prints every contender."""
 import os
+import re
 import subprocess
 import sys
 
@@ -8,6 +9,48 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+
+
+ROWS = {"full": "layerckpt full", "selective": "layerckpt selective", "dcp.save": "dcp.save",
+        "dcp.async_save": "dcp.async_save", "layerckpt.restore": "layerckpt.restore (2->2)",
+        "dcp.load": "dcp.load (2->2)", "layerckpt.restore 2->1": "layerckpt.restore 2->1", "dcp.load 2->1": "dcp.load 2->1"}
+
+
+def _figures(lines):
+    """(row, "blocked"/"durable"/"s") -> the median the tables print (3 decimals)."""
+    out = {}
+    for line in lines:
+        for name in ROWS.values():
+            if line.startswith(name + " "):
+                medians = re.findall(r"(\d+\.\d+) \[", line[len(name):])
+                cols = ("blocked", "durable") if len(medians) == 2 else ("s",)
+                out.update({(name, c): float(v) for c, v in zip(cols, medians)})
+    ref = next(line for line in lines if line.startswith("reference "))
+    out[("O_DIRECT write", "s")] = float(re.search(r"O_DIRECT write (\d+\.\d+)s", ref).group(1))
+    return out
+
+
+def _operand(text: str):
+    *name, col = text.strip().split(" ")
+    name = " ".join(name)
+    if col not in ("blocked", "durable"):  # a restore row, or the O_DIRECT reference: its only figure
+        name, col = text.strip(), "s"
+    return ROWS.get(name, name), col
+
+
+def _check_ratios(out: str) -> None:
+    """Every ratio printed is the quotient of the two medians it names (within the tables' rounding)."""
+    lines = out.splitlines()
+    figures = _figures(lines)
+    line = next(line for line in lines if line.startswith("ratios (medians, same run): "))
+    ratios = re.findall(r"([^,:]+?) = (\d+\.\d+)x", line.split(": ", 1)[1])
+    assert len(ratios) == 7, line
+    for label, value in ratios:
+        a, b = (figures[_operand(t)] for t in label.split(" / "))
+        lo, hi = (a - 5e-4) / (b + 5e-4), (a + 5e-4) / max(b - 5e-4, 1e-9)  # each median printed to 3 decimals
+        assert lo - 0.005 <= float(value) <= hi + 0.005, (label, value, a, b)
+    target = re.search(r"target: full sharded save at least 2x faster to durable than dcp.save: (\d+\.\d+)x", out)
+    assert target and target.group(1) == dict(ratios)["dcp.save durable / full durable"], out
 
 
 def test_bench_sharded_tiny(tmp_path):
@@ -26,5 +69,5 @@ def test_bench_sharded_tiny(tmp_path):
         else:
             assert " / " in row[0], row[0]  # bytes of both ranks
     assert any(line.startswith("machine: ") for line in lines) and "O_DIRECT write" in r.stdout
-    assert "ratios (medians, same run):" in r.stdout and "target: full sharded save" in r.stdout
+    _check_ratios(r.stdout)
     assert not list(tmp_path.iterdir())  # the bench cleans up after itself
