@@ -1,26 +1,27 @@
 """Reading across tiers: which tier holds the freshest committed composite, and a local view of it.
 
-``restore``/``read_checkpoint`` ask :func:`source` first.  For a remote URL, or
-a local directory whose memory or remote tier holds a fresher composite, it
-returns a :class:`Source`; the normal reader then runs on a local folder: the
-memory tier's own, or a temporary folder the remote composite's manifest and
-referenced data files were downloaded into (checksums are verified by the
-reader as always).  Freshness is commit order (``seq``, which a Checkpointer
-continues past what its tiers hold), then the commit time (two runs that forked
-from one remote composite), so an older tier never shadows a newer one; copies of
-one composite tie, and the faster tier is read.
+``restore``/``read_checkpoint`` open a :func:`view` first: the local directory
+itself, or, for a remote URL or a local directory whose memory or remote tier
+holds a fresher composite, a local folder of that composite: the memory tier's
+own, or a temporary folder its manifest and referenced data files were
+downloaded into (checksums are verified by the reader as always).  The reader
+then reads that folder once, as it reads any local directory.  Freshness is
+commit order (``seq``, which a Checkpointer continues past what its tiers
+hold), then the commit time (two runs that forked from one remote composite),
+so an older tier never shadows a newer one; copies of one composite tie, and
+the faster tier is read.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 import logging
 import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from . import _store
 from ._flush import wait_for_saves
@@ -33,7 +34,6 @@ from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundE
 
 log = logging.getLogger("layerckpt")
 
-_local_only = contextvars.ContextVar("layerckpt_local_only", default=False)
 _SPEED = {"memory": 2, "local": 1, "remote": 0}  # on a tie in freshness, the faster tier is read
 
 
@@ -104,6 +104,18 @@ def download(store, manifests: Mapping[str, Manifest], dest: str, data: bool = T
             fut.result()
 
 
+@dataclass(frozen=True)
+class View:
+    """A local place one read takes a composite from: ``path`` (a directory, or for the local directory as
+    given, maybe one of its manifests) at ``step`` (None: as ``path`` names it)."""
+    path: Any
+    step: Optional[int]
+    #: the manifest a report names, where not the one read: the tier's (a remote's URL), or the local copy
+    #: of the memory tier's composite, so that ``Checkpointer.adopt(report)`` continues it
+    manifest: Optional[str] = None
+    opened: float = field(default_factory=time.perf_counter)  # when the view was opened (a report's seconds)
+
+
 class Source:
     """A committed composite outside the local directory: on the memory tier, or on a remote one."""
 
@@ -111,32 +123,45 @@ class Source:
         self.kind, self.store, self.name, self.m = kind, store, name, m
         self.local = local  # the local directory whose tier this is, if any
 
-    def read(self, fn: Callable[[str, int], Any]) -> Any:
-        """``fn(local directory, step)`` on a local view of the composite; its report names the tier's manifest."""
+    @contextlib.contextmanager
+    def open(self) -> Iterator[View]:
+        """A local view of the composite: the memory tier's own folder, or a temporary folder the remote
+        composite is downloaded into (removed on exit)."""
         t0 = time.perf_counter()
-        token = _local_only.set(True)
+        if self.kind == "memory":
+            yield View(self.store.root, self.m.step, self._local_copy(), t0)
+            return
+        with tempfile.TemporaryDirectory(prefix="layerckpt-fetch-") as tmp:
+            self._download(tmp)
+            yield View(tmp, self.m.step, self.store.where(MANIFESTS, self.name), t0)
+
+    def _local_copy(self) -> Optional[str]:
+        """The local directory's manifest of the same composite (same commit), if it has it."""
+        mine = os.path.join(self.local or "", _store.MANIFEST_DIR, self.name)
+        if self.local and os.path.exists(mine) and load_manifest(mine).seq == self.m.seq:
+            return mine
+        return None
+
+    def _download(self, dest: str) -> None:
         try:
-            if self.kind == "memory":
-                out = fn(self.store.root, self.m.step)
-                # the same composite in the local directory, so that Checkpointer.adopt(report) continues it
-                mine = os.path.join(self.local or "", _store.MANIFEST_DIR, self.name)
-                if self.local and os.path.exists(mine) and load_manifest(mine).seq == self.m.seq:
-                    out.manifest = mine
-                return out
-            with tempfile.TemporaryDirectory(prefix="layerckpt-fetch-") as tmp:
-                try:
-                    download(self.store, {self.name: self.m}, tmp)
-                except CheckpointError:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    raise CheckpointError(f"downloading the composite of step {self.m.step} from {self.store.url} "
-                                          f"failed: {type(e).__name__}: {e}") from None
-                out = fn(tmp, self.m.step)
-            out.manifest = self.store.where(MANIFESTS, self.name)
-            out.seconds = time.perf_counter() - t0
-            return out
-        finally:
-            _local_only.reset(token)
+            download(self.store, {self.name: self.m}, dest)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"downloading the composite of step {self.m.step} from {self.store.url} "
+                                  f"failed: {type(e).__name__}: {e}") from None
+
+
+@contextlib.contextmanager
+def view(path: Any, step: Optional[int], config: Optional[Config]) -> Iterator[View]:
+    """Where one read of ``path`` takes its composite from (see the module's docstring): the local
+    directory as given, or a local view of the fresher tier's composite."""
+    src = source(path, step, config)
+    if src is None:
+        yield View(path, step)
+        return
+    with src.open() as v:
+        yield v
 
 
 def remote_store(url: str, config: Optional[Config]) -> FsspecStore:
@@ -145,61 +170,81 @@ def remote_store(url: str, config: Optional[Config]) -> FsspecStore:
 
 
 def source(path: Any, step: Optional[int], config: Optional[Config]) -> Optional[Source]:
-    """Where to read from when it is not simply the local directory ``path``; None to read it as before."""
-    if _local_only.get():
-        return None
+    """Where to read from when it is not simply the local directory ``path``; None to read that."""
     if is_url(path):
-        url, located = split_url(path)
-        if step is not None and located is not None and step != located:
-            raise CheckpointError(f"{path} is the checkpoint of step {located}, but step={step} was asked for")
-        try:
-            store = remote_store(url, config)
-            return Source("remote", store, *pick(store, located if step is None else step))
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001 - fsspec implementations raise their own types
-            raise CheckpointError(f"{url} cannot be read: {type(e).__name__}: {e}; pass its options as "
-                                  f"config=Config(remote=URL, remote_options={{...}})") from None
+        return _url_source(path, step, config)
     root = os.path.abspath(os.fspath(path))
     if not os.path.isdir(root) and os.path.exists(root):
         return None  # a manifest file: that one is read
     wait_for_saves(root)
-    found: List[Tuple[Tuple[int, float, int], str, Optional[Source]]] = []
-    recorded: Dict[str, Any] = {}
-    try:
-        m = load_manifest(_store.resolve(root, step))
-        found.append(((m.seq, m.created, _SPEED["local"]), "local", None))
-        recorded = m.config
-    except CheckpointNotFoundError:
-        pass
-    mem = memory_path(root)
-    if os.path.isdir(os.path.join(mem, _store.MANIFEST_DIR)):
-        from ._remote import LocalStore
-
-        try:
-            name, mm = pick(LocalStore(mem), step)
-            src = Source("memory", LocalStore(mem), name, mm, root)
-            found.append(((mm.seq, mm.created, _SPEED["memory"]), "memory", src))
-        except CheckpointError as e:  # a stale or damaged memory tier: the disk is read
-            log.info("layerckpt: memory tier %s not used: %s", mem, e)
+    found: List[_Found] = []
+    recorded = _local_candidate(root, step, found)
+    _memory_candidate(root, step, found)
     # the Config given decides; without one, the remote the newest local manifest was saved with
-    url = config.remote if config is not None else recorded.get("remote")
-    if url:
-        try:
-            store = remote_store(url, config)
-            name, rm = pick(store, step)
-            found.append(((rm.seq, rm.created, _SPEED["remote"]), "remote", Source("remote", store, name, rm)))
-        except CheckpointNotFoundError:
-            pass
-        except Exception as e:  # noqa: BLE001 - an unreachable remote must not hide a local checkpoint
-            if not found:
-                raise
-            log.warning("layerckpt: the remote tier %s could not be read (%s: %s); restoring from %s",
-                        url, type(e).__name__, e, "memory" if found[-1][1] == "memory" else root)
+    _remote_candidate(config.remote if config is not None else recorded.get("remote"), root, step, config, found)
     if not found:
         return None  # the local reader says what is missing
-    best = max(found, key=lambda f: f[0])
-    return best[2]
+    return max(found, key=lambda f: f[0])[2]
+
+
+#: a tier holding the composite asked for: ((seq, commit time, speed), tier, its Source; None for the local one)
+_Found = Tuple[Tuple[int, float, int], str, Optional[Source]]
+
+
+def _url_source(path: str, step: Optional[int], config: Optional[Config]) -> Source:
+    url, located = split_url(path)
+    if step is not None and located is not None and step != located:
+        raise CheckpointError(f"{path} is the checkpoint of step {located}, but step={step} was asked for")
+    try:
+        store = remote_store(url, config)
+        return Source("remote", store, *pick(store, located if step is None else step))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - fsspec implementations raise their own types
+        raise CheckpointError(f"{url} cannot be read: {type(e).__name__}: {e}; pass its options as "
+                              f"config=Config(remote=URL, remote_options={{...}})") from None
+
+
+def _local_candidate(root: str, step: Optional[int], found: List[_Found]) -> Dict[str, Any]:
+    """The local directory's composite, if it has it; returns the config it was saved with."""
+    try:
+        m = load_manifest(_store.resolve(root, step))
+    except CheckpointNotFoundError:
+        return {}
+    found.append(((m.seq, m.created, _SPEED["local"]), "local", None))
+    return m.config
+
+
+def _memory_candidate(root: str, step: Optional[int], found: List[_Found]) -> None:
+    mem = memory_path(root)
+    if not os.path.isdir(os.path.join(mem, _store.MANIFEST_DIR)):
+        return
+    from ._remote import LocalStore
+
+    try:
+        name, mm = pick(LocalStore(mem), step)
+    except CheckpointError as e:  # a stale or damaged memory tier: the disk is read
+        log.info("layerckpt: memory tier %s not used: %s", mem, e)
+        return
+    found.append(((mm.seq, mm.created, _SPEED["memory"]), "memory", Source("memory", LocalStore(mem), name, mm, root)))
+
+
+def _remote_candidate(url: Optional[str], root: str, step: Optional[int], config: Optional[Config],
+                      found: List[_Found]) -> None:
+    if not url:
+        return
+    try:
+        store = remote_store(url, config)
+        name, rm = pick(store, step)
+    except CheckpointNotFoundError:
+        return
+    except Exception as e:  # noqa: BLE001 - an unreachable remote must not hide a local checkpoint
+        if not found:
+            raise
+        log.warning("layerckpt: the remote tier %s could not be read (%s: %s); restoring from %s",
+                    url, type(e).__name__, e, "memory" if found[-1][1] == "memory" else root)
+        return
+    found.append(((rm.seq, rm.created, _SPEED["remote"]), "remote", Source("remote", store, name, rm)))
 
 
 @contextlib.contextmanager

@@ -88,6 +88,36 @@ def _finite(x: float) -> Optional[float]:
     return x if math.isfinite(x) else None
 
 
+def _compose(prev, layer_keys: Dict[str, List[str]], states: Dict[str, policy.LayerState], reasons: Dict[str, str],
+             persist: Set[str], owner_rank: Dict[str, int], nbytes: Dict[str, int], step: int, fname: Optional[str]
+             ) -> Tuple[Dict[str, LayerEntry], Dict[str, TensorEntry], Dict[str, object]]:
+    """The composite's layer map after this save: a persisted layer's new entry (in ``fname``), a skipped
+    layer's entry carried forward from ``prev``.  Returns it, the tensors carried from committed files, and
+    the layers carried from a save still in flight (layer -> that save's token)."""
+    layers: Dict[str, LayerEntry] = {}
+    carried: Dict[str, TensorEntry] = {}
+    deferred: Dict[str, object] = {}
+    pending = prev if isinstance(prev, SavePlan) else None
+    for layer, keys in layer_keys.items():
+        st = states[layer]
+        info = dict(reason=reasons[layer], drift=_finite(st.drift), frozen=st.frozen,
+                    cost=0.0 if layer in persist else _finite(st.cost))
+        if layer in persist:
+            layers[layer] = LayerEntry(step=step, file=fname, rank=owner_rank.get(layer, 0),
+                                       age=0, tensors=keys, nbytes=nbytes[layer], **info)
+            continue
+        before = prev.layers[layer]
+        layers[layer] = dataclasses.replace(before, age=before.age + 1, **info)
+        if pending is not None and layer in pending.persisted:  # written by a save still in flight
+            deferred[layer] = pending.token
+        elif pending is not None and layer in pending.deferred:
+            deferred[layer] = pending.deferred[layer]
+        else:
+            known = pending.carried if pending is not None else prev.tensors
+            carried.update({k: known[k] for k in before.tensors})
+    return layers, carried, deferred
+
+
 class Selector:
     def __init__(self, model: torch.nn.Module, config: Config, layers: LayerSpec = None,
                  group: Optional[Group] = None):
@@ -215,11 +245,35 @@ class Selector:
              loss: Optional[float] = None) -> SavePlan:
         """With several ranks each persisted layer is written by one rank (balanced by bytes), or, sharded,
         by every rank that holds a shard of it; ``file`` is filled in when the ranks' results are merged."""
-        cfg = self.config
         key_layer, layer_keys, weights, grads, nbytes = self._by_layer(entries)
-        frozen = self._owner[2]  # layers whose parameters all have requires_grad off
         shapes = self._shapes(entries)
+        prev, measures, snaps = self._measure(layer_keys, weights, grads)
+        chain = 0 if prev is None else prev.chain + 1
+        states, forced = self._states(prev, layer_keys, measures, nbytes, shapes)
+        reasons = self._decide(states, forced, prev is None, chain, loss)
+        persist = {layer for layer, why in reasons.items() if why in policy.WRITE or why in (NEW, "full")}
+        # a sharded layer is written by every rank, each its own shards (its unsharded tensors, such as
+        # an optimizer's step count, by rank 0); any other layer by one rank, balanced by bytes
+        shard_keys = {pk for _, pk, _, _ in self._shard_pieces}
+        sharded = {key_layer[pk] for pk in shard_keys if pk in key_layer}
+        owner_rank = assign(persist - sharded, nbytes, world)
+        layers, carried, deferred = _compose(prev, layer_keys, states, reasons, persist, owner_rank, nbytes,
+                                             step, fname if world == 1 else None)
+        out = SavePlan(
+            write=[(k, t) for k, t in entries
+                   if _mine(k, key_layer.get(k), persist, owner_rank, rank, sharded, shard_keys)],
+            layers=layers, carried=carried, files={e.file: prev.files[e.file] for e in carried.values()},
+            persisted=persist, chain=chain,
+            # the persisted layers' samples become their drift references: copies, taken now
+            samples={layer: snaps[layer][0] for layer in persist if layer in snaps},
+            cost=policy.composite_cost(states, persist),
+            progress=sum(st.progress for st in states.values() if not st.frozen), deferred=deferred, shapes=shapes)
+        self._planned_now(out, snaps, world)
+        return out
 
+    def _measure(self, layer_keys: Dict[str, List[str]], weights, grads):
+        """(the composite this save builds on: the newest plan still in flight, else the last committed one;
+        each layer's drift, cost and progress measured against its reference; this save's samples)."""
         with self._lock:
             prev = self.composite if self._planned is None else self._planned
             # full checkpoints decide nothing by drift: keep their stall to the copy alone
@@ -228,7 +282,13 @@ class Selector:
             measures, snaps = self.tracker.measure(now)
         if not self.full:
             measures = self._measure_across_ranks(layer_keys, measures)
-        chain = 0 if prev is None else prev.chain + 1
+        return prev, measures, snaps
+
+    def _states(self, prev, layer_keys: Dict[str, List[str]], measures: Dict[str, Measure], nbytes: Dict[str, int],
+                shapes) -> Tuple[Dict[str, policy.LayerState], Set[str]]:
+        """Each layer's state for the policy, and the layers that are written whatever it decides: new, or
+        whose tensors changed since ``prev`` (added, reshaped, new optimizer state)."""
+        frozen = self._owner[2]  # layers whose parameters all have requires_grad off
         prev_shapes = prev.shapes if isinstance(prev, SavePlan) else self._prev_shapes
         states, forced = {}, set()
         for layer, keys in layer_keys.items():
@@ -241,62 +301,30 @@ class Selector:
                 drift=ms.drift if ms else math.inf, age=before.age if before else 0, nbytes=nbytes[layer],
                 frozen=layer in frozen, cost=ms.cost if ms else math.inf,
                 progress=ms.progress if ms else 0.0)
-        if self.full:
-            reasons = {layer: "full" for layer in states}
-        else:
-            reasons = policy.decide(states, first=prev is None,
-                                    base_due=cfg.base_every > 0 and chain % cfg.base_every == 0,
-                                    threshold=cfg.threshold, fidelity=cfg.fidelity, loss=loss,
-                                    max_staleness=cfg.max_staleness,
-                                    budget_bytes=cfg.budget_bytes)
-            for layer in forced:
-                if reasons[layer] not in policy.WRITE:
-                    reasons[layer] = NEW
-        persist = {layer for layer, why in reasons.items() if why in policy.WRITE or why in (NEW, "full")}
+        return states, forced
 
-        # a sharded layer is written by every rank, each its own shards (its unsharded tensors, such as
-        # an optimizer's step count, by rank 0); any other layer by one rank, balanced by bytes
-        shard_keys = {pk for _, pk, _, _ in self._shard_pieces}
-        sharded = {key_layer[pk] for pk in shard_keys if pk in key_layer}
-        owner_rank = assign(persist - sharded, nbytes, world)
-        layers: Dict[str, LayerEntry] = {}
-        carried: Dict[str, TensorEntry] = {}
-        deferred: Dict[str, object] = {}
-        pending = prev if isinstance(prev, SavePlan) else None
-        for layer, keys in layer_keys.items():
-            st = states[layer]
-            info = dict(reason=reasons[layer], drift=_finite(st.drift), frozen=st.frozen,
-                        cost=0.0 if layer in persist else _finite(st.cost))
-            if layer in persist:
-                layers[layer] = LayerEntry(step=step, file=fname if world == 1 else None, rank=owner_rank.get(layer, 0),
-                                           age=0, tensors=keys, nbytes=nbytes[layer], **info)
-            else:
-                before = prev.layers[layer]
-                layers[layer] = dataclasses.replace(before, age=before.age + 1, **info)
-                if pending is not None and layer in pending.persisted:  # written by a save still in flight
-                    deferred[layer] = pending.token
-                elif pending is not None and layer in pending.deferred:
-                    deferred[layer] = pending.deferred[layer]
-                else:
-                    known = pending.carried if pending is not None else prev.tensors
-                    carried.update({k: known[k] for k in before.tensors})
-        files = {e.file: prev.files[e.file] for e in carried.values()} if carried else {}
-        write = [(k, t) for k, t in entries
-                 if _mine(k, key_layer.get(k), persist, owner_rank, rank, sharded, shard_keys)]
-        # the persisted layers' samples become their drift references (below): copies, taken now
-        samples = {layer: snaps[layer][0] for layer in persist if layer in snaps}
-        out = SavePlan(write=write, layers=layers, carried=carried, files=files, persisted=persist, chain=chain,
-                       samples=samples, cost=policy.composite_cost(states, persist),
-                       progress=sum(st.progress for st in states.values() if not st.frozen), deferred=deferred,
-                       shapes=shapes)
+    def _decide(self, states: Dict[str, policy.LayerState], forced: Set[str], first: bool, chain: int,
+                loss: Optional[float]) -> Dict[str, str]:
+        """Why each layer is written or skipped: the policy's reasons, ``NEW`` for a forced layer it skips."""
+        if self.full:
+            return {layer: "full" for layer in states}
+        cfg = self.config
+        reasons = policy.decide(states, first=first, base_due=cfg.base_every > 0 and chain % cfg.base_every == 0,
+                                threshold=cfg.threshold, fidelity=cfg.fidelity, loss=loss,
+                                max_staleness=cfg.max_staleness, budget_bytes=cfg.budget_bytes)
+        for layer in forced:
+            if reasons[layer] not in policy.WRITE:
+                reasons[layer] = NEW
+        return reasons
+
+    def _planned_now(self, out: SavePlan, snaps, world: int) -> None:
         with self._lock:
             self.tracker.advance(snaps)
             # the persisted layers' references move now, so that a save planned while this one is in
             # flight measures against them; should this one fail, they are forgotten (failed())
-            self.tracker.commit(samples)
+            self.tracker.commit(out.samples)
             if not self.full and world == 1:
                 self._planned = out
-        return out
 
     def resolve(self, plan: SavePlan, m: Manifest) -> None:
         """At this save's commit (the saves before it have committed or failed, in order): the tensors of the

@@ -18,7 +18,7 @@ Large tensors are estimated on a fixed strided sample (``Config.drift_sample``
 elements per layer, spread over the layer's tensors by size, the same elements
 every save), scaled up by each tensor's sampling ratio, so memory and time stay
 bounded however big the model is.  The reference W_p moves, and a layer's cost
-restarts from zero, only when a save that persisted the layer commits.
+restarts from zero, only when a save that persists the layer is planned (forgotten if that save fails).
 """
 from __future__ import annotations
 

@@ -1,25 +1,31 @@
-"""restore(): read a committed checkpoint back into a model (and optimizer)."""
+"""restore(): read a committed checkpoint back into a model (and optimizer); read_checkpoint(): into dicts.
+
+Both take their composite from a local view (``_fetch.view``: the directory,
+its memory tier, or a remote tier's composite downloaded) and read it once
+through one :class:`~layerckpt._reader.Reader`; what differs is where the
+tensors go.  ``restore`` matches the model and optimizer with the manifest
+before anything is read, reads the optimizer state, RNG and extra first (so
+that damage there leaves the model untouched), then the model's tensors
+straight into its memory.
+"""
 from __future__ import annotations
 
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar, Union
 
 import torch
 
-from . import _dist, _fetch, _policy as policy, _store
-from ._backend import checksum_function, make_backend
+from . import _dist, _fetch, _policy as policy
 from ._codec import decode, tensor_refs
-from ._flush import wait_for_saves
-from ._gather import model_state, optimizer_params, param_names, set_rng_state, shard_rows
-from ._layout import CODES, DTYPES
-from ._manifest import Manifest, is_rng, load_manifest, model_key, model_name, parse_once, row_pieces, split_piece
-from ._read import Want, read_into, read_views
-from ._stage import BufferPool
+from ._gather import model_state, optimizer_params, param_names, set_rng_state
+from ._layout import DTYPES
+from ._manifest import Manifest, is_rng, model_key, model_name, parse_once, split_piece
+from ._reader import Reader, is_row_sharded, local_rows, open_reader, read_tensors  # noqa: F401 (cli)
 from .config import Config
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, StalenessError
+from .errors import CheckpointMismatchError, StalenessError
 
 log = logging.getLogger("layerckpt")
 
@@ -30,14 +36,21 @@ MAX_LAG = 1.0
 
 
 @dataclass
-class RestoreReport:
+class _Summary:
+    """What every read of a committed composite reports: :class:`RestoreReport` and :class:`LoadedCheckpoint`."""
     step: int
     layers: Dict[str, int]  # layer -> step its newest version was persisted at
     staleness: Dict[str, int]  # layer -> checkpoints it lags the restored step
     max_staleness: int
     bytes_read: int
     extra: Dict[str, Any]
+    #: the manifest read; a remote tier's URL, or the local directory's own copy of the memory tier's
+    #: composite, so that ``Checkpointer.adopt(report)`` continues it
     manifest: str
+
+
+@dataclass
+class RestoreReport(_Summary):
     seconds: float = 0.0
     missing: List[str] = field(default_factory=list)
     unexpected: List[str] = field(default_factory=list)
@@ -47,6 +60,22 @@ class RestoreReport:
     cost: Optional[float] = None  # estimated fidelity cost: first-order loss the stale layers give up
     lag: Optional[float] = None  # the same in checkpoint intervals of training progress
     loss_increase: Optional[float] = None  # the same as a fraction of the training loss at the save
+
+
+@dataclass
+class LoadedCheckpoint(_Summary):
+    """A committed checkpoint read into fresh memory, for frameworks that load from dicts."""
+    model: Dict[str, torch.Tensor]  # every state_dict name (tied names share one tensor) -> tensor
+    model_other: Dict[str, Any]  # non-tensor state_dict entries
+    optimizer: Optional[Dict[str, Any]]  # Optimizer.state_dict() form; parameters numbered in saved order
+    rng: Optional[Dict[str, Any]]  # this rank's RNG states; apply with restore_rng()
+    seconds: float = 0.0
+    _rng_tensors: Dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def restore_rng(self) -> None:
+        """Set python/numpy/torch (and CUDA) RNG to their state at the save."""
+        if self.rng:
+            set_rng_state(self.rng, self._rng_tensors)
 
 
 @parse_once()
@@ -68,88 +97,32 @@ def restore(
 
     ``dirpath`` may be a remote URL (``s3://bucket/prefix``, with ``config=Config(remote=URL,
     remote_options=...)`` for credentials); for a local directory whose memory or remote tier holds
-    a fresher composite, that one is read (``_fetch``).
+    a fresher composite, that one is read (``_fetch.view``).
     """
-    src = _fetch.source(dirpath, step, config)  # a URL, or a fresher composite on the memory or remote tier
-    if src is not None:
-        return src.read(lambda root, s: restore(root, model, optimizer, s, strict, config=config))
-    t0 = time.perf_counter()
-    cfg = config or Config()
-    root = _store.local_path(dirpath)
-    wait_for_saves(root)  # a save of this process into root commits (or fails) first
-    mpath = _store.resolve(root, step)
-    m = load_manifest(mpath)
+    with _fetch.view(dirpath, step, config) as v, open_reader(v, config, manifest_paths=False) as r:
+        report = _restore_from(r, model, optimizer, strict, _bound(config))
+    return _as_viewed(report, v)
 
-    # -- what goes where: model tensors, optimizer state, rng, extra
-    plan = _ModelPlan(model, m, strict)
+
+def _restore_from(r: Reader, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], strict: bool,
+                  bound: Optional[int]) -> RestoreReport:
+    """restore() of the composite ``r`` reads: match, check, read what the model does not hold, then the model."""
+    m = r.m
+    plan = _ModelPlan(model, m, strict)  # names, shapes and dtypes: every difference before anything is read
     opt_keys = _optimizer_keys(optimizer, model, m, strict) if optimizer is not None else []
-    rng = _rng_for_this_rank(m)
-    meta_keys = set(tensor_refs(rng or {})) if cfg.restore_rng else set()
-    meta_keys |= set(tensor_refs(m.extra or {}))
-    other = m.model_other  # non-tensor state_dict entries, e.g. a module's _extra_state
-    meta_keys |= set(tensor_refs(other))
-    meta_keys |= set(tensor_refs((m.optimizer or {}).get("param_groups", []))) if optimizer is not None else set()
-    needed = set(plan.keys) | set(opt_keys) | meta_keys
-    _check_staleness(m, config.max_staleness if config is not None else None, strict)
-
-    # -- read.  Optimizer state, RNG and extra go into one fresh buffer each file
-    # and stay there as views (no second copy); they are read and verified first,
-    # so damage there leaves the model untouched.  Model tensors already have
-    # memory: they are read through a few reused bounce buffers straight into it.
-    check = checksum_function(m.checksum) if cfg.verify_checksums else None
-    backend = make_backend(cfg.backend, cfg.queue_depth)
-    pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * min(4, cfg.queue_depth))  # bounce buffers
-    try:
-        tensors, total = read_tensors(root, m, mpath, sorted(needed - set(plan.keys)), backend, check, cfg,
-                                      windows=_shard_windows(model, m) if optimizer is not None else None)
-        total += _read_model(root, m, mpath, plan, backend, pool, check, cfg)
-    except CheckpointCorruptError as e:
-        raise _with_layer(e, m) from None
-    finally:
-        backend.close()
-        pool.close()
-
-    if other:
-        wanted = set(model.state_dict())
-        model.load_state_dict({k: v for k, v in decode(other, tensors).items() if k in wanted}, strict=False)
-    if optimizer is not None:
-        optimizer.load_state_dict(_optimizer_state_dict(optimizer, model, m, tensors))
-    if cfg.restore_rng and rng:
-        set_rng_state(rng, tensors)
-    layers = {name: e.step for name, e in m.layers.items()}
-    ages = {name: e.age for name, e in m.layers.items()}
-    layer_bytes = {name: sum(m.tensors[k].nbytes for k in e.tensors if split_piece(k)[0] in needed)
-                   for name, e in m.layers.items()}
+    rng = m.rng_for(_dist.rank()) if r.cfg.restore_rng else None
+    other_keys = set(opt_keys) | _state_keys(m, rng, with_optimizer=optimizer is not None)
+    _check_staleness(m, bound, strict)
+    # optimizer state, RNG and extra: into one fresh buffer per file, where they stay as views (no second copy),
+    # read and verified first, so that damage there leaves the model untouched
+    tensors = r.tensors(sorted(other_keys - set(plan.keys)),
+                        windows=_shard_windows(model, m) if optimizer is not None else None)
+    r.into([(key, plan.targets[name]) for name, key in plan.pairs])  # through bounce buffers into its memory
+    _load_state(model, optimizer, m, tensors, rng)
     return RestoreReport(
-        step=m.step, layers=layers, staleness=ages, max_staleness=max(ages.values(), default=0),
-        bytes_read=total, extra=decode(m.extra or {}, tensors), manifest=mpath,
-        seconds=time.perf_counter() - t0, missing=plan.missing, unexpected=plan.unexpected,
-        mismatched=plan.mismatched, layer_bytes=layer_bytes, staleness_steps=m.steps_behind(), cost=m.cost,
-        lag=m.lag, loss_increase=m.loss_increase,
-    )
-
-
-@dataclass
-class LoadedCheckpoint:
-    """A committed checkpoint read into fresh memory, for frameworks that load from dicts."""
-    step: int
-    model: Dict[str, torch.Tensor]  # every state_dict name (tied names share one tensor) -> tensor
-    model_other: Dict[str, Any]  # non-tensor state_dict entries
-    optimizer: Optional[Dict[str, Any]]  # Optimizer.state_dict() form; parameters numbered in saved order
-    extra: Dict[str, Any]
-    rng: Optional[Dict[str, Any]]  # this rank's RNG states; apply with restore_rng()
-    manifest: str
-    layers: Dict[str, int]
-    staleness: Dict[str, int]
-    max_staleness: int
-    bytes_read: int
-    seconds: float = 0.0
-    _rng_tensors: Dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-
-    def restore_rng(self) -> None:
-        """Set python/numpy/torch (and CUDA) RNG to their state at the save."""
-        if self.rng:
-            set_rng_state(self.rng, self._rng_tensors)
+        **_summary(r, tensors), missing=plan.missing, unexpected=plan.unexpected, mismatched=plan.mismatched,
+        layer_bytes=_layer_bytes(m, set(plan.keys) | other_keys), staleness_steps=m.steps_behind(), cost=m.cost,
+        lag=m.lag, loss_increase=m.loss_increase)
 
 
 @parse_once()
@@ -161,182 +134,82 @@ def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *
     as a state dict and the optimizer state in ``Optimizer.state_dict()`` form.
     Checksums are verified; nothing is unpickled.  ``path`` may also be a remote URL, as for :func:`restore`.
     """
-    src = _fetch.source(path, step, config)  # a URL, or a fresher composite on the memory or remote tier
-    if src is not None:
-        return src.read(lambda root, s: read_checkpoint(root, s, config=config, strict=strict))
-    t0 = time.perf_counter()
-    cfg = config or Config()
-    root, located = _store.locate(path)
-    wait_for_saves(root)
-    if step is not None and located is not None and step != located:
-        raise CheckpointError(f"{path} is the checkpoint of step {located}, but step={step} was asked for")
-    mpath = _store.resolve(root, located if step is None else step)
-    m = load_manifest(mpath)
-    _check_staleness(m, config.max_staleness if config is not None else None, strict)
-    rng = _rng_for_this_rank(m)
-    saved_opt = m.optimizer
-    keys = {k for k in m.logical_keys() if not is_rng(k)}
-    keys |= set(tensor_refs(rng or {}))
-    check = checksum_function(m.checksum) if cfg.verify_checksums else None
-    backend = make_backend(cfg.backend, cfg.queue_depth)
-    try:
-        tensors, total = read_tensors(root, m, mpath, sorted(keys), backend, check, cfg)
-    except CheckpointCorruptError as e:
-        raise _with_layer(e, m) from None
-    finally:
-        backend.close()
+    with _fetch.view(path, step, config) as v, open_reader(v, config, manifest_paths=True) as r:
+        loaded = _load_from(r, strict, _bound(config))
+    return _as_viewed(loaded, v)
+
+
+def _load_from(r: Reader, strict: bool, bound: Optional[int]) -> LoadedCheckpoint:
+    """read_checkpoint() of the composite ``r`` reads: every tensor but other ranks' RNG, into fresh memory."""
+    m = r.m
+    _check_staleness(m, bound, strict)
+    rng = m.rng_for(_dist.rank())
+    keys = {k for k in m.logical_keys() if not is_rng(k)} | set(tensor_refs(rng or {}))
+    tensors = r.tensors(sorted(keys))
+    return LoadedCheckpoint(
+        **_summary(r, tensors), model=_model_dict(m, tensors), model_other=decode(m.model_other, tensors),
+        optimizer=_saved_optimizer_state(m, tensors), rng=rng if r.cfg.restore_rng else None,
+        _rng_tensors=tensors)
+
+
+_Out = TypeVar("_Out", RestoreReport, LoadedCheckpoint)
+
+
+def _summary(r: Reader, tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """The fields of :class:`_Summary`, of the composite ``r`` read."""
+    m = r.m
+    ages = {name: e.age for name, e in m.layers.items()}
+    return dict(step=m.step, layers={name: e.step for name, e in m.layers.items()}, staleness=ages,
+                max_staleness=max(ages.values(), default=0), bytes_read=r.bytes_read,
+                extra=decode(m.extra or {}, tensors), manifest=r.mpath)
+
+
+def _as_viewed(out: _Out, v: _fetch.View) -> _Out:
+    """``out`` naming the manifest the view stands for, and timed from the view's opening (a download's too)."""
+    if v.manifest is not None:
+        out.manifest = v.manifest
+    out.seconds = time.perf_counter() - v.opened
+    return out
+
+
+def _bound(config: Optional[Config]) -> Optional[int]:
+    """The staleness bound a Config passed sets; None: the one the checkpoint was saved with."""
+    return config.max_staleness if config is not None else None
+
+
+def _state_keys(m: Manifest, rng: Optional[Dict[str, Any]], with_optimizer: bool) -> Set[str]:
+    """The tensors restore() reads besides the model's and the optimizer state's: RNG, extra, non-tensor model
+    state (a module's _extra_state) and, with an optimizer, tensors in its param_groups."""
+    keys = set(tensor_refs(rng or {})) | set(tensor_refs(m.extra or {})) | set(tensor_refs(m.model_other))
+    if with_optimizer:
+        keys |= set(tensor_refs((m.optimizer or {}).get("param_groups", [])))
+    return keys
+
+
+def _load_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], m: Manifest,
+                tensors: Dict[str, torch.Tensor], rng: Optional[Dict[str, Any]]) -> None:
+    """Non-tensor model state, the optimizer's state and the RNG, once every tensor is read."""
+    if m.model_other:
+        wanted = set(model.state_dict())
+        model.load_state_dict({k: v for k, v in decode(m.model_other, tensors).items() if k in wanted}, strict=False)
+    if optimizer is not None:
+        optimizer.load_state_dict(_optimizer_state_dict(optimizer, model, m, tensors))
+    if rng:
+        set_rng_state(rng, tensors)
+
+
+def _layer_bytes(m: Manifest, read: Set[str]) -> Dict[str, int]:
+    """Layer -> bytes of its tensors that were read."""
+    return {name: sum(m.tensors[k].nbytes for k in e.tensors if split_piece(k)[0] in read)
+            for name, e in m.layers.items()}
+
+
+def _model_dict(m: Manifest, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Every state_dict name -> its tensor; tied names share one."""
     model = {model_name(k): t for k, t in tensors.items() if model_name(k) is not None}
     for alias, canon in m.aliases.items():
         model[alias] = model[canon]
-    optimizer = None
-    if saved_opt is not None:
-        index: Dict[str, int] = {}
-        for g in saved_opt["param_groups"]:
-            for n in g["params"]:
-                index.setdefault(n, len(index))
-        groups = []
-        for g in saved_opt["param_groups"]:
-            d = {k: decode(v, tensors) for k, v in g.items() if k != "params"}
-            d["params"] = [index[n] for n in g["params"]]
-            groups.append(d)
-        optimizer = {"state": {index[n]: decode(st, tensors) for n, st in saved_opt["state"].items()},
-                     "param_groups": groups}
-    ages = {name: e.age for name, e in m.layers.items()}
-    return LoadedCheckpoint(
-        step=m.step, model=model, model_other=decode(m.model_other, tensors),
-        optimizer=optimizer, extra=decode(m.extra or {}, tensors), rng=rng if cfg.restore_rng else None,
-        manifest=mpath, layers={name: e.step for name, e in m.layers.items()}, staleness=ages,
-        max_staleness=max(ages.values(), default=0), bytes_read=total, seconds=time.perf_counter() - t0,
-        _rng_tensors=tensors,
-    )
-
-
-def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, check, cfg: Config,
-                 windows: Optional[Dict[str, Tuple[int, int]]] = None) -> Tuple[Dict[str, torch.Tensor], int]:
-    """Read the named tensors of manifest ``m`` (file by file, checksums verified); a tensor stored in
-    row blocks comes back whole, or, for a key in ``windows``, only its rows [a, b) (e.g. this rank's
-    shard), read from the blocks that hold them."""
-    windows = windows or {}
-    out: Dict[str, torch.Tensor] = {}
-    targets: List[Tuple[str, torch.Tensor, int, int]] = []
-    plain: List[str] = []
-    for k in keys:
-        desc = m.describe(k)
-        if desc is None:
-            raise CheckpointCorruptError(f"manifest {mpath} refers to tensor {k!r} but has no entry for it",
-                                         path=mpath, tensor=k)
-        if k in (m.blocks or {}) or k in windows:
-            a, b = windows.get(k, (0, desc[1][0] if desc[1] else 1))
-            out[k] = t = torch.empty([b - a, *desc[1][1:]], dtype=CODES[desc[0]])
-            targets.append((k, t, a, b))
-        else:
-            plain.append(k)
-    pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * min(4, cfg.queue_depth))  # bounce buffers
-    try:
-        read, total = _read_targets(root, m, mpath, targets, plain, backend, pool, check, cfg)
-    finally:
-        pool.close()
-    out.update({k: read[k] for k in plain})
-    return out, total
-
-
-def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str], backend, pool, check,
-                  cfg: Config) -> Tuple[Dict[str, torch.Tensor], int]:
-    """Read the ``plain`` keys into fresh memory, and each target's rows (see :func:`_route`) into the
-    target, file by file; returns the fresh tensors and the bytes read."""
-    direct, partial = _route(m, targets)
-    by_file: Dict[str, List[Want]] = {}
-    for k in list(dict.fromkeys(plain + sorted({src for src, _, _, _ in partial}))) + list(direct):
-        by_file.setdefault(m.tensors[k].file, []).append(Want.from_entry(k, m.tensors[k]))
-    total = 0
-    read: Dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for fname, wants in sorted(by_file.items()):
-            path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
-            ins = [w for w in wants if w.key in direct]
-            if ins:
-                total += read_into(backend, pool, path, m.files[fname].size, ins, direct, check, direct=cfg.direct_io)
-            rest = [w for w in wants if w.key not in direct]
-            if rest:
-                views, n = read_views(backend, path, m.files[fname].size, rest, check, cfg.chunk_bytes,
-                                      direct=cfg.direct_io)
-                read.update(views)
-                total += n
-        _copy_partial(partial, read)
-    return read, total
-
-
-def _route(m: Manifest, targets) -> Tuple[Dict[str, torch.Tensor], List[Tuple[str, torch.Tensor, int, int]]]:
-    """Where each stored block of the targets goes: straight into the target's rows where the block lies
-    inside them (``direct``: block key -> byte view), else read whole and its overlap copied
-    (``partial``: (stored key, target rows view, first stored row, end stored row))."""
-    direct: Dict[str, torch.Tensor] = {}
-    partial: List[Tuple[str, torch.Tensor, int, int]] = []
-    blocks = m.blocks or {}
-    for key, t, a, b in targets:
-        flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else None
-        if key in blocks:
-            parts = row_pieces(blocks, key)
-        else:
-            n = m.tensors[key].shape[0] if m.tensors[key].shape else 1
-            parts = [(key, 0, n)]
-        row = (t.numel() // max(b - a, 1)) * t.element_size()
-        for pk, pa, pb in parts:
-            lo, hi = max(a, pa), min(b, pb)
-            if lo >= hi:
-                continue
-            if flat is not None and pa >= a and pb <= b:
-                direct[pk] = flat[(pa - a) * row:(pb - a) * row]
-            else:
-                partial.append((pk, t[lo - a:hi - a], lo - pa, hi - pa))
-    return direct, partial
-
-
-def _copy_partial(partial, read: Dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for src, dst, a, b in partial:
-            v = read[src]
-            dst.copy_(v.reshape(dst.shape) if v.dim() == 0 else v[a:b])
-
-
-def _read_model(root, m, mpath, plan: "_ModelPlan", backend, pool, check, cfg: Config) -> int:
-    """Model tensors read straight into their memory (a DTensor's: its shard's rows)."""
-    targets = []
-    copy_back = []  # targets that cannot be written in place: read into a flat copy, then copied
-    for name, key in plan.pairs:
-        t, a, b = _local_rows(plan.targets[name])
-        flat = _flat_target(t)
-        if not t.is_contiguous():
-            copy_back.append((t, flat))
-        targets.append((key, flat.view(t.dtype).reshape(t.shape), a, b))
-    _, total = _read_targets(root, m, mpath, targets, [], backend, pool, check, cfg)
-    with torch.no_grad():
-        for t, flat in copy_back:
-            t.copy_(flat.view(t.dtype).reshape(t.shape))
-    return total
-
-
-def _local_rows(t: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
-    """The tensor a restore writes into, and the rows of the saved tensor it takes: a DTensor sharded on
-    dim 0 takes its shard's rows, into its local tensor; anything else every row."""
-    if hasattr(t, "to_local"):
-        mesh = t.device_mesh
-        a, b = shard_rows(t.shape[0], mesh.size(), mesh.get_local_rank()) if _is_row_sharded(t) else (0, t.shape[0])
-        return t.to_local().detach(), a, b
-    return t.detach(), 0, t.shape[0] if t.dim() else 1
-
-
-def _is_row_sharded(t) -> bool:
-    from torch.distributed.tensor import Shard
-
-    return t.device_mesh.ndim == 1 and isinstance(t.placements[0], Shard) and t.placements[0].dim == 0
-
-
-def _flat_target(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.is_contiguous():
-        return t.reshape(-1).view(torch.uint8)
-    return torch.empty(t.shape, dtype=t.dtype).reshape(-1).view(torch.uint8)
+    return model
 
 
 class _ModelPlan:
@@ -407,8 +280,8 @@ def _shard_windows(model: torch.nn.Module, m: Manifest) -> Dict[str, Tuple[int, 
     out: Dict[str, Tuple[int, int]] = {}
     saved = (m.optimizer or {}).get("state", {})
     for name, p in model.named_parameters():
-        if hasattr(p, "to_local") and _is_row_sharded(p):
-            _, a, b = _local_rows(p)
+        if hasattr(p, "to_local") and is_row_sharded(p):
+            _, a, b = local_rows(p)
             for k in tensor_refs(saved.get(name, {})):
                 d = m.describe(k)
                 if d is not None and d[1] == list(p.shape):
@@ -418,7 +291,7 @@ def _shard_windows(model: torch.nn.Module, m: Manifest) -> Dict[str, Tuple[int, 
 
 def _as_shards(state: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
     """A sharded parameter's optimizer state, read as its shard's rows, made DTensors like the parameter."""
-    if not (hasattr(p, "to_local") and _is_row_sharded(p)):
+    if not (hasattr(p, "to_local") and is_row_sharded(p)):
         return state
     from torch.distributed.tensor import DTensor
 
@@ -428,39 +301,40 @@ def _as_shards(state: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
             for k, v in state.items()}
 
 
-def _optimizer_state_dict(optimizer, model, m, tensors) -> Dict[str, Any]:
-    saved = m.optimizer
+
+def _optimizer_state_dict(optimizer, model, m: Manifest, tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """The saved optimizer state for ``optimizer.load_state_dict``: numbered as the live optimizer holds its
+    parameters (load_state_dict zips ids with its own params), a sharded parameter's state made DTensors."""
     names = param_names(model)
     params = optimizer_params(optimizer)
     index = {names[id(p)]: i for i, p in enumerate(params)}
-    state = {index[n]: _as_shards(decode(st, tensors), params[index[n]])
-             for n, st in saved["state"].items() if n in index}
+    order = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    return _numbered(m.optimizer, tensors, index, order, lambda n, st: _as_shards(st, params[index[n]]))
+
+
+def _saved_optimizer_state(m: Manifest, tensors: Dict[str, torch.Tensor]) -> Optional[Dict[str, Any]]:
+    """The saved optimizer state in ``Optimizer.state_dict()`` form, its parameters numbered in saved order."""
+    saved = m.optimizer
+    if saved is None:
+        return None
+    index: Dict[str, int] = {}
+    for g in saved["param_groups"]:
+        for n in g["params"]:
+            index.setdefault(n, len(index))
+    return _numbered(saved, tensors, index, [g["params"] for g in saved["param_groups"]])
+
+
+def _numbered(saved: Dict[str, Any], tensors: Dict[str, torch.Tensor], index: Dict[str, int],
+              order: List[List[str]], as_state=lambda n, st: st) -> Dict[str, Any]:
+    """The manifest's optimizer record ``saved`` in ``Optimizer.state_dict()`` form: each parameter's state
+    under its number in ``index`` (``as_state`` shapes it), each group's parameters in ``order``."""
+    state = {index[n]: as_state(n, decode(st, tensors)) for n, st in saved["state"].items() if n in index}
     groups = []
-    for g, cur in zip(saved["param_groups"], optimizer.param_groups):
+    for g, names in zip(saved["param_groups"], order):
         d = {k: decode(v, tensors) for k, v in g.items() if k != "params"}
-        # order as the live optimizer holds them: load_state_dict zips ids with its own params
-        d["params"] = [index[names[id(p)]] for p in cur["params"]]
+        d["params"] = [index[n] for n in names]
         groups.append(d)
     return {"state": state, "param_groups": groups}
-
-
-def _rng_for_this_rank(m: Manifest) -> Optional[Dict[str, Any]]:
-    return m.rng_for(_dist.rank())
-
-
-def _with_layer(e: CheckpointCorruptError, m: Manifest) -> CheckpointCorruptError:
-    """Say which layer, and the step it was persisted at, a damaged tensor or file belongs to."""
-    where = []
-    for name, info in sorted(m.layers.items()):
-        if (e.tensor is not None and e.tensor in info.tensors) or (
-                e.tensor is None and e.path is not None and os.path.basename(e.path) == info.file):
-            where.append(f"layer {name!r} persisted at step {info.step}")
-    if not where:
-        return e
-    shown = ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
-    out = CheckpointCorruptError(f"{e} [{shown}]", path=e.path, tensor=e.tensor)
-    out.layers = [w.split("'")[1] for w in where]
-    return out
 
 
 def _check_staleness(m: Manifest, bound: Optional[int], strict: bool) -> None:

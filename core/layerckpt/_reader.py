@@ -1,0 +1,244 @@
+"""One local read of a committed composite: its manifest, then the tensors asked for, file by file.
+
+``restore`` and ``read_checkpoint`` open a :class:`Reader` on a local view
+(``_fetch.view``: the directory itself, its memory tier's folder, or a remote
+composite downloaded) and read from it once.  A tensor stored in row blocks
+comes back whole, or only the rows a rank's shard takes; model tensors are read
+straight into their memory through a few reused bounce buffers, everything else
+into one fresh buffer per file (``_read``).  A damaged tensor or file is
+reported with the layer, and the step, it belongs to.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _store
+from ._backend import checksum_function, make_backend
+from ._fetch import View
+from ._flush import wait_for_saves
+from ._gather import shard_rows
+from ._layout import CODES
+from ._manifest import Manifest, load_manifest, row_pieces
+from ._read import Want, read_into, read_views
+from ._stage import BufferPool
+from .config import Config
+from .errors import CheckpointCorruptError, CheckpointError
+
+
+@contextlib.contextmanager
+def open_reader(v: View, config: Optional[Config], *, manifest_paths: bool) -> Iterator["Reader"]:
+    """A :class:`Reader` of the composite the local view ``v`` names (see :func:`locate`), closed on exit."""
+    root, mpath = locate(v, manifest_paths)
+    r = Reader(root, mpath, config)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def locate(v: View, manifest_paths: bool) -> Tuple[str, str]:
+    """(directory, manifest path) of the composite ``v`` names: its step's, else the newest committed.  With
+    ``manifest_paths`` (``read_checkpoint``) ``v.path`` may also be one of the directory's manifests."""
+    if not manifest_paths:
+        root = _store.local_path(v.path)
+        wait_for_saves(root)  # a save of this process into root commits (or fails) first
+        return root, _store.resolve(root, v.step)
+    root, located = _store.locate(v.path)
+    wait_for_saves(root)
+    if v.step is not None and located is not None and v.step != located:
+        raise CheckpointError(f"{v.path} is the checkpoint of step {located}, but step={v.step} was asked for")
+    return root, _store.resolve(root, located if v.step is None else v.step)
+
+
+class Reader:
+    """The manifest ``m`` of one committed composite in the local directory ``root``, and its tensors read
+    with the checksum, backend and bounce buffers the Config chooses; ``bytes_read`` counts what was read."""
+
+    def __init__(self, root: str, mpath: str, config: Optional[Config]):
+        self.root, self.mpath = root, mpath
+        self.m = load_manifest(mpath)
+        self.cfg = config or Config()
+        self.check = checksum_function(self.m.checksum) if self.cfg.verify_checksums else None
+        self.bytes_read = 0
+        self._backend = None
+        self._pool: Optional[BufferPool] = None
+
+    def tensors(self, keys: List[str], windows: Optional[Dict[str, Tuple[int, int]]] = None) -> Dict[str, torch.Tensor]:
+        """The named tensors in fresh memory (see :func:`read_tensors`)."""
+        with self._naming_layers():
+            out, n = read_tensors(self.root, self.m, self.mpath, keys, self.backend, self.check, self.cfg, windows)
+        self.bytes_read += n
+        return out
+
+    def into(self, pairs: Sequence[Tuple[str, torch.Tensor]]) -> None:
+        """Each (key, tensor) pair's stored tensor read straight into the tensor's memory (a DTensor's: its
+        shard's rows); a tensor that cannot be written in place is read into a flat copy, then copied."""
+        targets = []
+        copy_back = []
+        for key, dest in pairs:
+            t, a, b = local_rows(dest)
+            flat = _flat_target(t)
+            if not t.is_contiguous():
+                copy_back.append((t, flat))
+            targets.append((key, flat.view(t.dtype).reshape(t.shape), a, b))
+        if self._pool is None:
+            self._pool = BufferPool(self.cfg.chunk_bytes, self.cfg.chunk_bytes * min(4, self.cfg.queue_depth))
+        with self._naming_layers():
+            _, n = _read_targets(self.root, self.m, self.mpath, targets, [], self.backend, self._pool, self.check,
+                                 self.cfg)
+        self.bytes_read += n
+        with torch.no_grad():
+            for t, flat in copy_back:
+                t.copy_(flat.view(t.dtype).reshape(t.shape))
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            self._backend = make_backend(self.cfg.backend, self.cfg.queue_depth)
+        return self._backend
+
+    @contextlib.contextmanager
+    def _naming_layers(self) -> Iterator[None]:
+        try:
+            yield
+        except CheckpointCorruptError as e:
+            raise with_layer(e, self.m) from None
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+        if self._pool is not None:
+            self._pool.close()
+
+
+def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, check, cfg: Config,
+                 windows: Optional[Dict[str, Tuple[int, int]]] = None) -> Tuple[Dict[str, torch.Tensor], int]:
+    """Read the named tensors of manifest ``m`` (file by file, checksums verified); a tensor stored in
+    row blocks comes back whole, or, for a key in ``windows``, only its rows [a, b) (e.g. this rank's
+    shard), read from the blocks that hold them."""
+    windows = windows or {}
+    out: Dict[str, torch.Tensor] = {}
+    targets: List[Tuple[str, torch.Tensor, int, int]] = []
+    plain: List[str] = []
+    for k in keys:
+        desc = m.describe(k)
+        if desc is None:
+            raise CheckpointCorruptError(f"manifest {mpath} refers to tensor {k!r} but has no entry for it",
+                                         path=mpath, tensor=k)
+        if k in (m.blocks or {}) or k in windows:
+            a, b = windows.get(k, (0, desc[1][0] if desc[1] else 1))
+            out[k] = t = torch.empty([b - a, *desc[1][1:]], dtype=CODES[desc[0]])
+            targets.append((k, t, a, b))
+        else:
+            plain.append(k)
+    pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * min(4, cfg.queue_depth))  # bounce buffers
+    try:
+        read, total = _read_targets(root, m, mpath, targets, plain, backend, pool, check, cfg)
+    finally:
+        pool.close()
+    out.update({k: read[k] for k in plain})
+    return out, total
+
+
+def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str], backend, pool, check,
+                  cfg: Config) -> Tuple[Dict[str, torch.Tensor], int]:
+    """Read the ``plain`` keys into fresh memory, and each target's rows (see :func:`_route`) into the
+    target, file by file; returns the fresh tensors and the bytes read."""
+    direct, partial = _route(m, targets)
+    by_file: Dict[str, List[Want]] = {}
+    for k in list(dict.fromkeys(plain + sorted({src for src, _, _, _ in partial}))) + list(direct):
+        by_file.setdefault(m.tensors[k].file, []).append(Want.from_entry(k, m.tensors[k]))
+    total = 0
+    read: Dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for fname, wants in sorted(by_file.items()):
+            path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
+            ins = [w for w in wants if w.key in direct]
+            if ins:
+                total += read_into(backend, pool, path, m.files[fname].size, ins, direct, check, direct=cfg.direct_io)
+            rest = [w for w in wants if w.key not in direct]
+            if rest:
+                views, n = read_views(backend, path, m.files[fname].size, rest, check, cfg.chunk_bytes,
+                                      direct=cfg.direct_io)
+                read.update(views)
+                total += n
+        _copy_partial(partial, read)
+    return read, total
+
+
+def _route(m: Manifest, targets) -> Tuple[Dict[str, torch.Tensor], List[Tuple[str, torch.Tensor, int, int]]]:
+    """Where each stored block of the targets goes: straight into the target's rows where the block lies
+    inside them (``direct``: block key -> byte view), else read whole and its overlap copied
+    (``partial``: (stored key, target rows view, first stored row, end stored row))."""
+    direct: Dict[str, torch.Tensor] = {}
+    partial: List[Tuple[str, torch.Tensor, int, int]] = []
+    blocks = m.blocks or {}
+    for key, t, a, b in targets:
+        flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else None
+        if key in blocks:
+            parts = row_pieces(blocks, key)
+        else:
+            n = m.tensors[key].shape[0] if m.tensors[key].shape else 1
+            parts = [(key, 0, n)]
+        row = (t.numel() // max(b - a, 1)) * t.element_size()
+        for pk, pa, pb in parts:
+            lo, hi = max(a, pa), min(b, pb)
+            if lo >= hi:
+                continue
+            if flat is not None and pa >= a and pb <= b:
+                direct[pk] = flat[(pa - a) * row:(pb - a) * row]
+            else:
+                partial.append((pk, t[lo - a:hi - a], lo - pa, hi - pa))
+    return direct, partial
+
+
+def _copy_partial(partial, read: Dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for src, dst, a, b in partial:
+            v = read[src]
+            dst.copy_(v.reshape(dst.shape) if v.dim() == 0 else v[a:b])
+
+
+
+def local_rows(t: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
+    """The tensor a restore writes into, and the rows of the saved tensor it takes: a DTensor sharded on
+    dim 0 takes its shard's rows, into its local tensor; anything else every row."""
+    if hasattr(t, "to_local"):
+        mesh = t.device_mesh
+        a, b = shard_rows(t.shape[0], mesh.size(), mesh.get_local_rank()) if is_row_sharded(t) else (0, t.shape[0])
+        return t.to_local().detach(), a, b
+    return t.detach(), 0, t.shape[0] if t.dim() else 1
+
+
+def is_row_sharded(t) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return t.device_mesh.ndim == 1 and isinstance(t.placements[0], Shard) and t.placements[0].dim == 0
+
+
+def _flat_target(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.is_contiguous():
+        return t.reshape(-1).view(torch.uint8)
+    return torch.empty(t.shape, dtype=t.dtype).reshape(-1).view(torch.uint8)
+
+
+
+def with_layer(e: CheckpointCorruptError, m: Manifest) -> CheckpointCorruptError:
+    """Say which layer, and the step it was persisted at, a damaged tensor or file belongs to."""
+    where = []
+    for name, info in sorted(m.layers.items()):
+        if (e.tensor is not None and e.tensor in info.tensors) or (
+                e.tensor is None and e.path is not None and os.path.basename(e.path) == info.file):
+            where.append(f"layer {name!r} persisted at step {info.step}")
+    if not where:
+        return e
+    shown = ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
+    out = CheckpointCorruptError(f"{e} [{shown}]", path=e.path, tensor=e.tensor)
+    out.layers = [w.split("'")[1] for w in where]
+    return out
+
