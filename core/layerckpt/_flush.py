@@ -1,18 +1,19 @@
 """Flush: on one background thread, checksum and write each staged chunk, fdatasync, then hand the
-result to the commit stage.  ``PendingSave`` is the caller's handle on one save."""
+result to the commit stage, then tell the commit listeners (tiers, retention).  ``PendingSave`` is the
+caller's handle on one save."""
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import queue
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Protocol, Sequence
 
-from . import _commit, _faults, _retain
+from . import _commit, _faults, _registry
 from ._backend import CHECKSUM, Backend, open_file
 from ._dist import Group
 from ._layout import Layout
@@ -26,15 +27,7 @@ from .errors import CheckpointError, CheckpointWriteError
 log = logging.getLogger("layerckpt")
 
 
-_in_flight: "weakref.WeakSet[PendingSave]" = weakref.WeakSet()  # this process's saves not yet finished
-
-
-def wait_for_saves(root: str) -> None:
-    """Read your writes: wait for every save of this process into ``root`` still flushing (its outcome,
-    success or failure, is the caller's to see in the directory; errors stay with their PendingSave)."""
-    for p in list(_in_flight):
-        if p.root == root:
-            p._done.wait()
+wait_for_saves = _registry.wait_for_saves  # read your writes: this process's saves into a root, finished
 
 
 class Pending:
@@ -113,40 +106,37 @@ class FlushJob:
     crcs: Dict[int, int] = field(default_factory=dict)  # item -> checksum, of those the stager took itself
 
 
-class Flusher:
-    """One daemon thread that runs flush jobs in order."""
+class CommitListener(Protocol):
+    """Told of each commit on the flusher thread, in the order given to the Flusher (rank 0: the tiers
+    first, which queue their copies, then the local retention, which keeps what they copy from)."""
 
-    def __init__(self, backend: Backend, pool: BufferPool, config: Config, root: str, group: Optional[Group] = None):
-        self.group = group if group is not None else Group()
-        self.backend = backend
-        self.pool = pool
-        self.config = config
-        self.root = root
-        self._jobs: "queue.Queue[Any]" = queue.Queue()  # FlushJob, a callable (then()), or None (stop)
+    def committed(self, m: Manifest) -> None: ...
+
+
+class FlushThread:
+    """The flusher thread: one daemon thread that runs callables in the order queued, started by the
+    first.  The Flusher queues its jobs here; the local retention (``_retain.Retention``) queues its runs
+    after a tier's copy, so that retention never runs beside a flush."""
+
+    def __init__(self) -> None:
+        self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()  # None: stop
         self._thread: Optional[threading.Thread] = None
-        #: manifest file names retention keeps whatever their age (set by Checkpointer.keep())
-        self.pinned: AbstractSet[str] = frozenset()
-        #: the memory and remote tiers (_tiers): told of each commit (rank 0), and the manifest names they
-        #: still copy from, which retention keeps too
-        self.after_commit: Optional[Callable[[Manifest], None]] = None
-        self.held: AbstractSet[str] = frozenset()
 
-    def submit(self, job: FlushJob) -> None:
-        _in_flight.add(job.pending)
+    def submit(self, fn: Callable[[], None]) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="layerckpt-flusher", daemon=True)
             self._thread.start()
-        self._jobs.put(job)
+        self._jobs.put(fn)
 
     def then(self, fn: Callable[[], None]) -> None:
-        """Call ``fn`` on the flusher thread once every job queued so far is done (at once if none ran)."""
+        """Call ``fn`` on the thread once everything queued so far is done (at once if none ran)."""
         if self._thread is None:
             fn()
         else:
             self._jobs.put(fn)
 
     def stop(self) -> None:
-        """Finish the jobs queued, then end the thread (from the thread itself, e.g. when a dropped
+        """Finish what is queued, then end the thread (from the thread itself, e.g. when a dropped
         Checkpointer is collected there, it only asks)."""
         if self._thread is not None:
             self._jobs.put(None)
@@ -156,30 +146,58 @@ class Flusher:
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
+            fn = self._jobs.get()
+            if fn is None:
                 return
-            if not isinstance(job, FlushJob):  # a callable from then()
-                job()
-                continue
-            try:
-                self._flush(job)
-            except BaseException as e:  # noqa: BLE001 - kept and re-raised from wait()
-                if job.on_fail is not None:
-                    job.on_fail()
-                if not os.path.isdir(self.root):  # the user removed the directory: nothing to fight over
-                    job.pending.cancelled = True
-                    log.info("layerckpt: %s was removed while step %d was flushing; that save is dropped",
-                             self.root, job.pending.step)
-                else:
-                    job.pending.error = _as_checkpoint_error(e, job.pending.path)
-                    log.debug("layerckpt: flush of step %d failed: %s", job.pending.step, e)
-            finally:
-                if not job.pending.durable_s:
-                    job.pending.durable_s = time.perf_counter() - job.t0
-                job.pending._done.set()
-                _in_flight.discard(job.pending)
-                del job  # hold nothing of a finished save while waiting for the next
+            fn()
+            del fn  # hold nothing of a finished job while waiting for the next
+
+
+class Flusher:
+    """Runs flush jobs in order on the flusher thread; after each commit tells ``listeners`` (rank 0's
+    tiers and retention; none on other ranks) in order.  ``thread``: the flusher thread, shared with
+    the local retention's runs after a tier's copy (a new one by default)."""
+
+    def __init__(self, backend: Backend, pool: BufferPool, config: Config, root: str, group: Optional[Group] = None,
+                 listeners: Sequence[CommitListener] = (), thread: Optional[FlushThread] = None):
+        self.group = group if group is not None else Group()
+        self.backend = backend
+        self.pool = pool
+        self.config = config
+        self.root = root
+        self.listeners = tuple(listeners)
+        self.thread = thread if thread is not None else FlushThread()
+
+    def submit(self, job: FlushJob) -> None:
+        _registry.save_started(job.pending.root, job.pending)  # read your writes: restore waits for it
+        self.thread.submit(functools.partial(self._run, job))
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` on the flusher thread once every job queued so far is done (at once if none ran)."""
+        self.thread.then(fn)
+
+    def stop(self) -> None:
+        """Finish the jobs queued, then end the thread (from the thread itself it only asks)."""
+        self.thread.stop()
+
+    def _run(self, job: FlushJob) -> None:
+        try:
+            self._flush(job)
+        except BaseException as e:  # noqa: BLE001 - kept and re-raised from wait()
+            if job.on_fail is not None:
+                job.on_fail()
+            if not os.path.isdir(self.root):  # the user removed the directory: nothing to fight over
+                job.pending.cancelled = True
+                log.info("layerckpt: %s was removed while step %d was flushing; that save is dropped",
+                         self.root, job.pending.step)
+            else:
+                job.pending.error = _as_checkpoint_error(e, job.pending.path)
+                log.debug("layerckpt: flush of step %d failed: %s", job.pending.step, e)
+        finally:
+            if not job.pending.durable_s:
+                job.pending.durable_s = time.perf_counter() - job.t0
+            job.pending._done.set()
+            _registry.save_ended(job.pending.root, job.pending)
 
     def _flush(self, job: FlushJob) -> None:
         """Write this rank's file, then agree with every rank; rank 0 commits only if all succeeded."""
@@ -207,13 +225,8 @@ class Flusher:
             job.on_commit(m)
         job.pending.bytes_written = job.layout.size
         job.pending.bytes_all_ranks = sum(r.size for r in ranks)
-        if self.group.rank == 0:
-            if self.after_commit is not None:
-                self.after_commit(m)
-            try:
-                _retain.retain(self.root, self.config.keep_last, self.pinned | self.held)
-            except OSError as e:  # retention failing must not fail a committed save
-                log.warning("layerckpt: retention after step %d failed: %s", m.step, e)
+        for listener in self.listeners:  # the tiers queue their copies, then the local retention runs
+            listener.committed(m)
         job.pending.phases["retention"] = time.perf_counter() - t
 
     def _write_local(self, job: FlushJob) -> list:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import AbstractSet, Dict, List, Set
+import threading
+from typing import AbstractSet, Callable, Dict, Iterable, List, Set
 
 from . import _faults
 from ._manifest import Manifest
@@ -49,6 +50,59 @@ def retain(root: str, keep_last: int, pinned: AbstractSet[str] = frozenset()) ->
     good, bad = read_all(root)
     order = sorted(good, key=recency(good), reverse=True)
     return drop(root, good, bad, [n for n in order[keep_last:] if n not in pinned])
+
+
+class Retention:
+    """The one owner of a writer's local retention (rank 0): after each commit it keeps the composites
+    pinned by ``Checkpointer.keep()`` (:meth:`pin`), those a tier copies from or has queued (:meth:`hold`,
+    told by the tiers) and the ``keep_last`` newest, and deletes the rest.  It always runs on the flusher
+    thread: as a commit listener, or through ``later`` (the flusher thread's queue) when a tier's copy
+    ends (:meth:`soon`)."""
+
+    def __init__(self, root: str, keep_last: int, later: Callable[[Callable[[], None]], None]):
+        self.root = root
+        self.keep_last = keep_last
+        self._later = later
+        self._lock = threading.Lock()
+        self._pinned: AbstractSet[str] = frozenset()
+        self._held: AbstractSet[str] = frozenset()
+
+    def pin(self, names: Iterable[str]) -> None:
+        """Manifest file names kept whatever their age; replaces the previous set."""
+        with self._lock:
+            self._pinned = frozenset(names)
+
+    def pinned(self) -> AbstractSet[str]:
+        with self._lock:
+            return self._pinned
+
+    def hold(self, names: Iterable[str]) -> None:
+        """The manifest names the tiers still copy from or have queued; replaces the previous set."""
+        with self._lock:
+            self._held = frozenset(names)
+
+    def keep(self) -> AbstractSet[str]:
+        """What stays besides the ``keep_last`` newest."""
+        with self._lock:
+            return self._pinned | self._held
+
+    def committed(self, m: Manifest) -> None:
+        """Commit listener, on the flusher thread, after the tiers were told of ``m``."""
+        try:
+            retain(self.root, self.keep_last, self.keep())
+        except OSError as e:  # retention failing must not fail a committed save
+            log.warning("layerckpt: retention after step %d failed: %s", m.step, e)
+
+    def soon(self) -> None:
+        """A tier's copy ended: what it held may go, on the flusher thread."""
+        if self.keep_last > 0:
+            self._later(self._run)
+
+    def _run(self) -> None:
+        try:
+            retain(self.root, self.keep_last, self.keep())
+        except OSError as e:
+            log.warning("layerckpt: retention in %s failed: %s", self.root, e)
 
 
 def drop(root: str, good: Dict[str, Manifest], bad: List[str], names: List[str]) -> List[str]:

@@ -8,9 +8,11 @@
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import stat
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ._manifest import Manifest, load_manifest
@@ -91,23 +93,28 @@ WRITER_LOCK = ".writer.lock"
 
 
 class WriterLock:
-    """One writer per store: an exclusive ``flock`` on ``<root>/.writer.lock``, held while a Checkpointer is
-    open (released by the kernel if its process dies).  Readers never take it."""
+    """One writing process per store: an exclusive ``flock`` on ``<root>/.writer.lock``, held while a
+    Checkpointer is open (released by the kernel if its process dies).  Readers never take it.  Inside one
+    process a newer Checkpointer takes over from the older one before it locks (see ``_registry``)."""
 
     def __init__(self, root: str):
         import fcntl
         import socket
 
         path = os.path.join(root, WRITER_LOCK)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._fd: Optional[int] = _open_lock_file(path)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = os.pread(self._fd, 256, 0).decode("utf-8", "replace").strip() or "another Checkpointer"
             os.close(self._fd)
+            ours = holder.startswith(f"pid {os.getpid()} ")
             raise CheckpointError(
                 f"{root} already has a writer ({holder}): a store takes one Checkpointer at a time, in one "
-                f"process; close() that one first, or save into another directory") from None
+                + ("process; a Checkpointer of this process holds it under another path: open it by the same "
+                   "path to take over, or close() that one first" if ours else
+                   "process; close() that one (or end that process) first, or save into another directory")
+            ) from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
 
@@ -115,6 +122,24 @@ class WriterLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor drops the flock
             self._fd = None
+
+
+def _open_lock_file(path: str) -> int:
+    """The lock file, opened for writing; never through a symbolic link, never anything but a plain file."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(path):
+            raise CheckpointError(
+                f"{path} is a symbolic link; layerckpt never writes through one: remove it (the store's writer "
+                f"lock is a plain file it creates itself)") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path} is not a plain file; remove it (the store's writer lock is a plain file "
+                              f"layerckpt creates itself)")
+    return fd
 
 
 def local_path(path: Union[str, "os.PathLike[str]"], what: str = "checkpoint directory") -> str:

@@ -9,7 +9,7 @@ tier copies every ``remote_every``-th composite, or base composites only, and
 its uploads share one token bucket when ``remote_bandwidth`` caps them.  Copies never
 block training: the flusher only queues the composite (``Tiers.committed``),
 and while a tier copies from a composite the local retention keeps it
-(``Flusher.held``).  When copies fall behind, a queued composite is replaced by
+(``Retention.hold``).  When copies fall behind, a queued composite is replaced by
 a newer one.  A failed copy is logged and retried with the next composite;
 ``wait()``/``close()`` of the Checkpointer raise it if the tier is still
 behind.  One writer per tier, as per directory: the tier's retention deletes
@@ -23,11 +23,10 @@ import logging
 import os
 import shutil
 import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import AbstractSet, Dict, List, Optional, Tuple, Union
 
-from . import _faults, _retain, _store
+from . import _faults, _registry, _retain, _store
 from ._manifest import Manifest
 from ._memtier import memory_path
 from ._remote import DATA, MANIFESTS, FsspecStore, LocalStore
@@ -37,7 +36,7 @@ from .errors import CheckpointCorruptError, CheckpointError, CheckpointWriteErro
 log = logging.getLogger("layerckpt")
 
 COPIES_IN_FLIGHT = 4  # files copied at once by one tier
-_open: "weakref.WeakSet[Tier]" = weakref.WeakSet()  # this process's tiers, for read-your-writes
+wait_for_tiers = _registry.wait_for_tiers  # read your writes: this process's copies into a tier URL or folder
 
 
 def read_all(store) -> Tuple[Dict[str, Manifest], List[str]]:
@@ -183,7 +182,7 @@ class Tier:
         self.files_reused = 0
         self.seq = 0  # the highest commit number the tier held at open
         self.newest: Optional[Tuple[int, int]] = None  # (seq, step) of its newest composite at open
-        _open.add(self)
+        _registry.tier_opened(root, self)
 
     def open(self) -> None:
         """Reach the store (a bad URL, credentials or bucket fail here) and read what it holds."""
@@ -270,12 +269,13 @@ class Tier:
 
 
 class Tiers:
-    """The memory and remote tiers of one Checkpointer (rank 0)."""
+    """The memory and remote tiers of one Checkpointer (rank 0): a commit listener of its flusher.  The
+    local ``retention`` learns from them what they still copy from, and runs when a copy ends."""
 
-    def __init__(self, root: str, config: Config):
+    def __init__(self, root: str, config: Config, retention: _retain.Retention):
         self.root = root
         self.config = config
-        self.flusher = None
+        self.retention = retention
         self._lock = threading.Lock()
         self.tiers: List[Tier] = []
         if config.memory_tier:
@@ -291,11 +291,9 @@ class Tiers:
             t.open()
         self.seq = max(t.seq for t in self.tiers)
 
-    def attach(self, flusher) -> None:
-        """Receive the flusher's commits; queue a copy of the newest local composite where a tier lacks it
-        (a run that was killed while copying resumes here)."""
-        self.flusher = flusher
-        flusher.after_commit = self.committed
+    def catch_up(self) -> None:
+        """Queue a copy of the newest local composite where a tier lacks it (a run that was killed while
+        copying resumes here)."""
         good, _ = _store.read_all(self.root)
         name = _store.newest(good)
         if name is None:
@@ -317,28 +315,17 @@ class Tiers:
         self._hold()
 
     def pinned(self) -> AbstractSet[str]:
-        return self.flusher.pinned if self.flusher is not None else frozenset()
+        return self.retention.pinned()
 
     def _hold(self) -> None:
-        """What the local retention keeps for the tiers: the composites they copy or have queued."""
+        """Tell the local retention what to keep for the tiers: the composites they copy or have queued."""
         with self._lock:
-            if self.flusher is not None:
-                self.flusher.held = frozenset(n for t in self.tiers for n in t.held())
+            self.retention.hold(n for t in self.tiers for n in t.held())
 
     def released(self) -> None:
         """A copy ended: what it held may go, by the local retention, on the flusher thread."""
         self._hold()
-        f = self.flusher
-        if f is None or self.config.keep_last <= 0:
-            return
-
-        def retain() -> None:
-            try:
-                _retain.retain(self.root, self.config.keep_last, f.pinned | f.held)
-            except OSError as e:
-                log.warning("layerckpt: retention in %s failed: %s", self.root, e)
-
-        f.then(retain)
+        self.retention.soon()
 
     def wait(self) -> None:
         errors = []
@@ -355,21 +342,14 @@ class Tiers:
             t.close()
 
 
-def open_tiers(root: str, config: Config) -> Optional[Tiers]:
+def open_tiers(root: str, config: Config, retention: _retain.Retention) -> Optional[Tiers]:
     """The tiers of the directory ``root``'s writer (rank 0), or None without any."""
     if not config.memory_tier:
         # a memory tier left by an earlier run of this directory would only shadow this run's saves
         shutil.rmtree(memory_path(root), ignore_errors=True)
     if not config.memory_tier and config.remote is None:
         return None
-    return Tiers(root, config)
-
-
-def wait_for_tiers(where: str) -> None:
-    """Read your writes: wait for this process's copies into the tier at ``where`` (URL or folder)."""
-    for t in list(_open):
-        if t.store.url.rstrip("/") == where.rstrip("/"):
-            t.drain()
+    return Tiers(root, config, retention)
 
 
 def _as_write_error(e: BaseException, tier: Tier, step: int) -> CheckpointWriteError:

@@ -6,7 +6,11 @@ the file (``_layout``).  Then stage into pooled buffers (``_stage``): on a
 background thread under lazy staging (the optimizer's step waits for it), else
 on the caller's.  On the flusher thread: write + checksum + fdatasync
 (``_flush``) -> agree across ranks and commit the manifest (``_commit``) ->
-retention (``_retain``).
+the commit listeners: the tiers (``_tiers``), then retention (``_retain.Retention``).
+
+One open writer per store: another process is refused (``_store.WriterLock``);
+a newer Checkpointer of this process on the same store takes over from the
+older one once its saves in flight have ended (``_registry``).
 """
 from __future__ import annotations
 
@@ -21,9 +25,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from . import _dist, _retain, _store, _tiers
+from . import _dist, _registry, _retain, _store, _tiers
 from ._backend import make_backend
-from ._flush import FlushJob, Flusher, PendingSave
+from ._flush import FlushJob, Flusher, FlushThread, PendingSave
 from ._blocks import split, table_names
 from ._codec import Entries
 from ._gather import gather, shard_entries
@@ -66,75 +70,112 @@ class Checkpointer:
         layers: LayerSpec = None,
         distributed: bool = True,
     ):
-        if not isinstance(model, torch.nn.Module):
-            raise CheckpointError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise CheckpointError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-        if config is None:
-            config = Config()
-        elif not isinstance(config, Config):
-            raise CheckpointError(f"config must be a layerckpt.Config, got {type(config).__name__}")
+        self.config = _checked(model, optimizer, config)
         self.dirpath = _store.local_path(dirpath)
         self.model = model
         self.optimizer = optimizer
-        self.config = config
+        # an older Checkpointer of this process on this store: its saves in flight end, then it closes
+        _registry.take_over(self.dirpath)
         # every rank builds its Checkpointer together: the group and the cleanup are collective
         self.group = _dist.Group(enabled=distributed)
         self.rank = self.group.rank
-        # one writer per store: rank 0 holds the lock for the Checkpointer's life, and only the holder
-        # may clean up, so no opener ever deletes what another one is still writing
-        self._writer: Optional[_store.WriterLock] = None
-        self._tiers: Optional[_tiers.Tiers] = None
+        thread = FlushThread()
+        self._retention = _retain.Retention(self.dirpath, self.config.keep_last, later=thread.then)
+        self._writer, self._tiers = self._open_store()
+        self._seq, self.backend, self.pool = self._start_io()
+        self._flusher = Flusher(self.backend, self.pool, self.config, self.dirpath, self.group,
+                                listeners=self._listeners(), thread=thread)
+        if self._tiers is not None:
+            self._tiers.catch_up()
+        self._pending: List[PendingSave] = []
+        self._closed = False
+        self._replaced = False
+        self._lock = threading.Lock()  # one save() at a time
+        self._stager = LazyStager()
+        self._lazy, hook = self._guard_optimizer()
+        self._release = self._arrange_release(hook)
+        self._layout_cache = LayoutCache()
+        self.selector = Selector(model, self.config, layers, self.group)
+
+    # ------------------------------------------------------------ opening
+
+    def _open_store(self) -> Tuple[Optional[_store.WriterLock], Optional[_tiers.Tiers]]:
+        """Rank 0 locks the store, removes torn leftovers and opens the tiers; every rank learns whether it
+        did, so all of them go on or all refuse together."""
+        writer: Optional[_store.WriterLock] = None
+        tiers: Optional[_tiers.Tiers] = None
         refused: Optional[str] = None
         if self.rank == 0:
             try:
-                _store.ensure_layout(self.dirpath)
-                self._writer = _store.WriterLock(self.dirpath)
-                removed = _retain.cleanup(self.dirpath)
-                if removed:
-                    log.info("layerckpt: removed %d leftover file(s) of interrupted saves", len(removed))
-                self._tiers = _tiers.open_tiers(self.dirpath, config)  # memory/remote: a bad URL fails here
+                writer, tiers = self._lock_and_clean()
             except (CheckpointError, OSError) as e:
                 refused = str(e)
         if self.group.world > 1:  # no rank writes before the leftovers are gone, or all refuse together
             refused = self.group.exchange(refused)[0]
         if refused is not None:
-            if self._writer is not None:
-                self._writer.release()
+            if tiers is not None:
+                tiers.close()
+            if writer is not None:
+                writer.release()
             raise CheckpointError(refused)
+        return writer, tiers
+
+    def _lock_and_clean(self) -> Tuple[_store.WriterLock, Optional[_tiers.Tiers]]:
+        """One writer per store: rank 0 holds the lock for the Checkpointer's life, and only the holder
+        cleans up, so no opener ever deletes what another one is still writing."""
+        _store.ensure_layout(self.dirpath)
+        writer = _store.WriterLock(self.dirpath)
+        try:
+            removed = _retain.cleanup(self.dirpath)
+            if removed:
+                log.info("layerckpt: removed %d leftover file(s) of interrupted saves", len(removed))
+            # memory/remote: a bad URL fails here
+            return writer, _tiers.open_tiers(self.dirpath, self.config, self._retention)
+        except BaseException:
+            writer.release()
+            raise
+
+    def _start_io(self) -> Tuple[int, Any, BufferPool]:
+        """The commit number to continue from, the writer backend and the staging buffers."""
         try:
             good, _ = _store.read_all(self.dirpath)
-            self._seq = max((m.seq for m in good.values()), default=0)
+            seq = max((m.seq for m in good.values()), default=0)
             if self._tiers is not None:  # commit order continues past what the tiers hold
-                self._seq = max(self._seq, self._tiers.seq)
-            self.backend = make_backend(config.backend, config.queue_depth)
-            self.pool = BufferPool(config.chunk_bytes, config.staging_bytes)
+                seq = max(seq, self._tiers.seq)
+            return seq, make_backend(self.config.backend, self.config.queue_depth), \
+                BufferPool(self.config.chunk_bytes, self.config.staging_bytes)
         except BaseException:
             if self._writer is not None:  # a Checkpointer that never came to be holds no lock
                 self._writer.release()
             raise
-        self._flusher = Flusher(self.backend, self.pool, config, self.dirpath, self.group)
-        if self._tiers is not None:
-            self._tiers.attach(self._flusher)
-        self._pending: List[PendingSave] = []
-        self._closed = False
-        self._stager = LazyStager()
-        # lazy staging: the optimizer's step waits for the copies of a save still being staged
-        hook = optimizer.register_step_pre_hook(self._stager.guard) if (
-            optimizer is not None and config.lazy_staging) else None
-        self._lazy = hook is not None
-        # dropped without close(): the flusher finishes what it has, then thread, ring, pool and lock go
-        self._release = weakref.finalize(self, _shutdown, self._flusher, self.backend, self.pool, self._writer,
-                                         self._tiers, hook)
-        # A flush in flight completes before a normal interpreter exit, even without close().  It
-        # must run before thread pools refuse new work at shutdown, hence threading's exit hooks
-        # (run newest first, before concurrent.futures' own) where this Python has them.
+
+    def _listeners(self) -> list:
+        """What runs after each commit, in order (rank 0): the tiers queue their copies, then the local
+        retention keeps what they copy from, the pinned composites and the ``keep_last`` newest."""
+        if self.rank != 0:
+            return []
+        return ([self._tiers] if self._tiers is not None else []) + [self._retention]
+
+    def _guard_optimizer(self) -> Tuple[bool, Any]:
+        """Lazy staging: the optimizer's step waits for the copies of a save still being staged."""
+        if self.optimizer is None or not self.config.lazy_staging:
+            return False, None
+        return True, self.optimizer.register_step_pre_hook(self._stager.guard)
+
+    def _arrange_release(self, hook: Any) -> "weakref.finalize":
+        """What frees the thread, ring, pool, lock and hook: ``close()``, the Checkpointer being dropped
+        (the flusher finishes what it has first), or a newer Checkpointer of this process on this store
+        (after this one's saves in flight end).  A flush in flight also completes before a normal exit."""
         ref = weakref.ref(self)
+        owner = _registry.Owner(self.dirpath, functools.partial(_retire, ref))
+        release = weakref.finalize(self, _shutdown, self._flusher, self.backend, self.pool, self._writer,
+                                   self._tiers, hook, owner)
+        owner.claim()
+        # It must run before thread pools refuse new work at shutdown, hence threading's exit hooks (run
+        # newest first, before concurrent.futures' own) where this Python has them.
         getattr(threading, "_register_atexit", atexit.register)(
             lambda: ref() is not None and ref()._finish_at_exit())
-        self._lock = threading.Lock()  # one save() at a time
-        self._layout_cache = LayoutCache()
-        self.selector = Selector(model, config, layers, self.group)
+        return release
 
     # ------------------------------------------------------------ public
 
@@ -150,16 +191,11 @@ class Checkpointer:
         the default selection rule (``Config.fidelity``): pass it and the layers that barely matter
         are skipped; without it a conservative rule writes more.  ``name``: recorded in the manifest
         (``layerckpt inspect`` shows it), e.g. a templated file name of the framework's."""
-        if self._closed:
-            raise CheckpointError("save() on a closed Checkpointer; create a new one")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
-        if extra is not None and not isinstance(extra, dict):
-            raise CheckpointError(f"extra must be a dict of tensors and plain values, got {type(extra).__name__}")
-        if name is not None and not isinstance(name, str):
-            raise CheckpointError(f"name must be a string, got {type(name).__name__}")
+        self._check_open("save()")
+        _check_save_args(step, extra, name)
         loss = _as_loss(loss)
         with self._lock:
+            self._check_open("save()")  # a newer Checkpointer may have taken over meanwhile
             self._stager.wait()  # one save's copies at a time
             self._raise_unreported()
             # a selective save composes on the one before it: in one process on its plan, completed at the
@@ -172,12 +208,14 @@ class Checkpointer:
         """Composites (manifest paths of this directory) that retention keeps besides the
         ``keep_last`` newest, e.g. the best by a monitored metric; replaces the previous set.  One
         dropped from the set goes at the next retention, after the next commit."""
-        self._flusher.pinned = frozenset(os.path.basename(os.fspath(m)) for m in manifests)
+        self._check_replaced("keep()")
+        self._retention.pin(os.path.basename(os.fspath(m)) for m in manifests)
 
     def adopt(self, restored: Any) -> None:
         """Continue from a checkpoint of this directory that was just restored into the model (a
         :class:`RestoreReport`, a :class:`LoadedCheckpoint` or its manifest path): the next save is
         then selective against it instead of full.  Call it before the weights change again."""
+        self._check_replaced("adopt()")
         path = restored if isinstance(restored, (str, os.PathLike)) else getattr(restored, "manifest", None)
         if path is None:
             raise CheckpointError(f"adopt() takes a RestoreReport, a LoadedCheckpoint or a manifest path, "
@@ -187,6 +225,7 @@ class Checkpointer:
             raise CheckpointError(f"adopt(): {path} belongs to {root}, not to this Checkpointer's {self.dirpath}")
         m = load_manifest(_store.resolve(root, step))
         with self._lock:
+            self._check_replaced("adopt()")
             if self._pending or self.selector.composite is not None:
                 raise CheckpointError("adopt() must come before the first save() of this Checkpointer")
             self._stager.wait()
@@ -198,7 +237,9 @@ class Checkpointer:
         self._raise_unreported()
 
     def wait(self) -> None:
-        """Wait for every flush in flight; raises the first unreported error."""
+        """Wait for every flush in flight; raises the first unreported error.  After a newer Checkpointer
+        on the same directory took over, ``wait()``, ``check()`` and ``close()`` still report this one's
+        saves (they had all ended); ``save()``, ``keep()`` and ``adopt()`` raise."""
         self._throttle(0)
         self._raise_unreported()
         if self._tiers is not None:  # and every copy to the memory and remote tiers
@@ -246,6 +287,28 @@ class Checkpointer:
 
     # ------------------------------------------------------------ internals
 
+    def _replace(self) -> None:
+        """A newer Checkpointer of this process takes over this one's store: no save starts any more, the
+        copies of one being staged end (the optimizer hook still guards them), then everything is freed
+        once the saves in flight have ended; each PendingSave keeps its outcome."""
+        with self._lock:
+            self._replaced = True
+            self._closed = True
+            self._stager.wait()
+        self._release()
+
+    def _check_replaced(self, what: str) -> None:
+        if self._replaced:
+            raise CheckpointError(
+                f"{what} on a Checkpointer of {self.dirpath} that was replaced by a newer Checkpointer on the same "
+                f"directory in this process; its saves in flight ended first (each PendingSave holds its outcome) "
+                f"and it is closed: use the newer one")
+
+    def _check_open(self, what: str) -> None:
+        self._check_replaced(what)
+        if self._closed:
+            raise CheckpointError(f"{what} on a closed Checkpointer; create a new one")
+
     def _throttle(self, allowed: int) -> None:
         running = [p for p in self._pending if not p.done()]
         for p in running[: max(0, len(running) - allowed)]:
@@ -274,23 +337,39 @@ class Checkpointer:
         t0 = time.perf_counter()
         entries, meta = self._gather(extra)
         fname = self._fresh_name(step)
-        if self.group.world > 1 and not self.selector.full:
-            # every rank must take the same decisions: the ranks' mean loss (or none if one lacks it)
-            losses = self.group.exchange(loss)
-            loss = None if None in losses else sum(losses) / len(losses)
+        loss = self._agreed_loss(loss)
         lazy = self._lazy and _lazy_split(entries, self.model)
         plan = self.selector.plan(step, fname, entries, self.rank, self.group.world, loss)
         layout = self._layout_cache.plan(plan.write)
-        verify = _unchanged_since(layout, lazy, step) if lazy else None
-        after = caller_events(layout) if lazy and torch.cuda.is_available() else None
+        manifest = self._manifest(step, plan, meta, loss, name)
+        pending = PendingSave(step, os.path.join(self.dirpath, _store.DATA_DIR, fname))
+        job = self._submit(pending, plan, layout, fname, manifest, t0)
+        pending.phases["plan"] = time.perf_counter() - t0
+        self._stage(job, lazy, step)
+        _tell(pending, plan, layout, t0)
+        return pending
+
+    def _agreed_loss(self, loss: Optional[float]) -> Optional[float]:
+        """Every rank must take the same decisions: the ranks' mean loss (or none if one lacks it)."""
+        if self.group.world > 1 and not self.selector.full:
+            losses = self.group.exchange(loss)
+            loss = None if None in losses else sum(losses) / len(losses)
+        return loss
+
+    def _manifest(self, step: int, plan, meta: Dict[str, Any], loss: Optional[float],
+                  name: Optional[str]) -> Manifest:
+        """The commit record of this save, as far as it is known before the flush."""
         self._seq += 1
-        manifest = Manifest(
+        full = self.selector.full
+        return Manifest(
             step=step, seq=self._seq, chain=plan.chain, world_size=self.group.world, created=time.time(),
             config=self.config.recorded(), files=dict(plan.files), tensors=dict(plan.carried), layers=plan.layers,
             model=meta["model"], optimizer=meta["optimizer"], rng=meta["rng"], extra=meta["extra"],
-            cost=None if self.selector.full else plan.cost, progress=None if self.selector.full else plan.progress,
+            cost=None if full else plan.cost, progress=None if full else plan.progress,
             loss=loss, name=name, blocks=meta["blocks"] or None)
-        pending = PendingSave(step, os.path.join(self.dirpath, _store.DATA_DIR, fname))
+
+    def _submit(self, pending: PendingSave, plan, layout, fname: str, manifest: Manifest, t0: float) -> FlushJob:
+        """Queue the flush; it writes what the stager hands it, chunk by chunk."""
         job = FlushJob(pending=pending, layout=layout, fname=fname, manifest=manifest, t0=t0,
                        on_commit=functools.partial(self.selector.committed, samples=plan.samples, plan=plan),
                        resolve=functools.partial(self.selector.resolve, plan) if plan.deferred else None,
@@ -298,34 +377,17 @@ class Checkpointer:
         self.pool.reserve(layout.size)
         self._flusher.submit(job)
         self._pending.append(pending)
+        return job
 
-        pending.phases["plan"] = time.perf_counter() - t0
-
-        def copy() -> None:
-            t = time.perf_counter()
-
-            def copied() -> None:  # every byte is in the buffers; the flusher may commit once this returns
-                pending.phases["stage"] = time.perf_counter() - t
-                if verify is not None:
-                    verify()
-
-            try:
-                stage(layout, self.pool, job.chunks, job.staged, copied, job.crcs if lazy else None, after)
-            except BaseException as e:
-                job.abort_error = e if lazy else None
-                job.chunks.put(ABORT)
-                raise
-
+    def _stage(self, job: FlushJob, lazy: Optional[Dict[str, torch.Tensor]], step: int) -> None:
+        """Copy the save into the pool: on the stager thread under lazy staging, else now."""
+        verify = _unchanged_since(job.layout, lazy, step) if lazy else None
+        after = caller_events(job.layout) if lazy and torch.cuda.is_available() else None
+        copy = functools.partial(_copy, job, self.pool, verify, after, bool(lazy))
         if lazy:
             self._stager.start(functools.partial(_quietly, copy))
         else:
             copy()
-        pending.stall_s = time.perf_counter() - t0
-        pending.nbytes = layout.size
-        pending.layers_total = len(plan.layers)
-        pending.layers_persisted = len(plan.persisted)
-        pending.max_staleness = max((e.age for e in plan.layers.values()), default=0)
-        return pending
 
     def _fresh_name(self, step: int) -> str:
         """A data file name no committed manifest uses, so a re-save never overwrites committed data."""
@@ -377,6 +439,32 @@ def _unchanged_since(layout, later: Dict[str, torch.Tensor], step: int) -> Calla
     return verify
 
 
+def _copy(job: FlushJob, pool: BufferPool, verify: Optional[Callable[[], None]], after: Any, lazy: bool) -> None:
+    """Stage ``job``'s bytes into the pool's chunks, handed to the flusher as they fill."""
+    t = time.perf_counter()
+
+    def copied() -> None:  # every byte is in the buffers; the flusher may commit once this returns
+        job.pending.phases["stage"] = time.perf_counter() - t
+        if verify is not None:
+            verify()
+
+    try:
+        stage(job.layout, pool, job.chunks, job.staged, copied, job.crcs if lazy else None, after)
+    except BaseException as e:
+        job.abort_error = e if lazy else None
+        job.chunks.put(ABORT)
+        raise
+
+
+def _tell(pending: PendingSave, plan, layout, t0: float) -> None:
+    """What the caller learns of a save once ``save()`` returns."""
+    pending.stall_s = time.perf_counter() - t0
+    pending.nbytes = layout.size
+    pending.layers_total = len(plan.layers)
+    pending.layers_persisted = len(plan.persisted)
+    pending.max_staleness = max((e.age for e in plan.layers.values()), default=0)
+
+
 def _quietly(fn: Callable[[], None]) -> None:
     """On the stager thread: a failure is already with the flusher (ABORT), which reports it."""
     try:
@@ -386,16 +474,50 @@ def _quietly(fn: Callable[[], None]) -> None:
 
 
 def _shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_store.WriterLock],
-              tiers: Optional[_tiers.Tiers] = None, hook=None) -> None:
-    if hook is not None:
-        hook.remove()
-    flusher.stop()
-    if tiers is not None:  # after the flusher: no more copies are queued
-        tiers.close()
-    backend.close()
-    pool.close()
-    if writer is not None:
-        writer.release()
+              tiers: Optional[_tiers.Tiers] = None, hook=None, owner: Optional[_registry.Owner] = None) -> None:
+    try:
+        if hook is not None:
+            hook.remove()
+        flusher.stop()
+        if tiers is not None:  # after the flusher: no more copies are queued
+            tiers.close()
+        backend.close()
+        pool.close()
+        if writer is not None:
+            writer.release()
+    finally:
+        if owner is not None:  # a newer Checkpointer waiting to take over may lock the store now
+            owner.closed()
+
+
+def _retire(ref: "weakref.ref[Checkpointer]") -> None:
+    """How a newer Checkpointer of this process on the same store takes over from the one ``ref`` names
+    (if it was collected meanwhile, its release has run or is running)."""
+    ck = ref()
+    if ck is not None:
+        ck._replace()
+
+
+def _checked(model: Any, optimizer: Any, config: Any) -> Config:
+    """The Checkpointer's arguments, checked; returns the Config to use."""
+    if not isinstance(model, torch.nn.Module):
+        raise CheckpointError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise CheckpointError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    if config is None:
+        return Config()
+    if not isinstance(config, Config):
+        raise CheckpointError(f"config must be a layerckpt.Config, got {type(config).__name__}")
+    return config
+
+
+def _check_save_args(step: Any, extra: Any, name: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+    if extra is not None and not isinstance(extra, dict):
+        raise CheckpointError(f"extra must be a dict of tensors and plain values, got {type(extra).__name__}")
+    if name is not None and not isinstance(name, str):
+        raise CheckpointError(f"name must be a string, got {type(name).__name__}")
 
 
 def _as_loss(loss: Any) -> Optional[float]:
