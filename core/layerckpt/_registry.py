@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ._flush import PendingSave
-    from ._tiers import Tier
+
+class PendingSave(Protocol):
+    """What the registry needs of a save in flight (``_flush.PendingSave``): a leaf module, so it names
+    no other module of the package."""
+
+    _done: threading.Event
+
+
+class Tier(Protocol):
+    """What the registry needs of a tier's copier (``_tiers.Tier``): its store's URL, and waiting for its copies."""
+
+    store: Any
+
+    def drain(self) -> None: ...
 
 
 class Owner:
