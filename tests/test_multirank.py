@@ -11,7 +11,8 @@ import layerckpt
 from conftest import assert_same_optimizer, assert_same_state, small_model, trained
 
 CHILD = r"""
-import os, resource, sys, torch, torch.distributed as dist, layerckpt
+import os, resource, sys, threading, torch, torch.distributed as dist, layerckpt
+from torch.distributed import distributed_c10d as c10d
 rank, world, root, port, here, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -33,7 +34,11 @@ try:
 except layerckpt.CheckpointWriteError as e:
     print("FAIL2", e.errno, str(e).replace(chr(10), " "), flush=True)
 print("RNG", torch.rand(1).item(), flush=True)
+groups = len(c10d._world.pg_map)
 ck.close()
+# nothing of ours outlives close(): its gloo group is destroyed, its threads are joined
+print("LEFT", groups - len(c10d._world.pg_map), sum(t.name.startswith("layerckpt") for t in threading.enumerate()),
+      flush=True)
 dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks aborts the peer
 dist.destroy_process_group()
 """
@@ -63,6 +68,7 @@ def test_two_ranks_share_the_bytes_and_commit_once(tmp_path):
     m = json.loads((tmp_path / "manifests" / "step-00000001.json").read_text())
     assert m["world_size"] == 2 and sorted(m["files"]) == ["step-00000001.rank0.safetensors",
                                                            "step-00000001.rank1.safetensors"]
+    assert [o["LEFT"] for o in outs] == [["1", "0"], ["1", "0"]]  # one group destroyed, no thread left, per rank
     n0, n1 = (int(o["SAVE1"][0]) for o in outs)
     assert abs(n0 - n1) < 0.35 * (n0 + n1), (n0, n1)  # each rank wrote about half
     assert {e["rank"] for e in m["layers"].values()} == {0, 1}

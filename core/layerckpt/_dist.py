@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 from typing import Any, List
 
 import torch.distributed as _dist
+
+log = logging.getLogger("layerckpt")
 
 
 def initialized() -> bool:
@@ -30,6 +33,22 @@ class Group:
         self._pg = None
         if self.world > 1:
             self._pg = _dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    def close(self) -> None:
+        """Destroy the group, once its Checkpointer's collectives are over (they all complete before its
+        flusher stops).  Nothing of layerckpt then holds a process group past ``close()``: a group still
+        referenced when the interpreter exits is torn down while Python finalizes, where gloo's threads
+        releasing their last work can abort the process ("terminate called without an active exception")."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            if initialized() and pg in c10d._world.pg_map:  # not already gone with destroy_process_group()
+                _dist.destroy_process_group(pg)
+        except Exception as e:  # noqa: BLE001 - a peer gone at exit must not turn close() into an error
+            log.warning("layerckpt: its process group could not be destroyed cleanly: %s", e)
 
     def barrier(self) -> None:
         if self._pg is not None:

@@ -169,7 +169,7 @@ class Checkpointer:
         ref = weakref.ref(self)
         owner = _registry.Owner(self.dirpath, functools.partial(_retire, ref))
         release = weakref.finalize(self, _shutdown, self._flusher, self.backend, self.pool, self._writer,
-                                   self._tiers, hook, owner)
+                                   self._tiers, hook, owner, self.group)
         owner.claim()
         # It must run before thread pools refuse new work at shutdown, hence threading's exit hooks (run
         # newest first, before concurrent.futures' own) where this Python has them.
@@ -474,7 +474,8 @@ def _quietly(fn: Callable[[], None]) -> None:
 
 
 def _shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_store.WriterLock],
-              tiers: Optional[_tiers.Tiers] = None, hook=None, owner: Optional[_registry.Owner] = None) -> None:
+              tiers: Optional[_tiers.Tiers] = None, hook=None, owner: Optional[_registry.Owner] = None,
+              group: Optional[_dist.Group] = None) -> None:
     try:
         if hook is not None:
             hook.remove()
@@ -485,6 +486,8 @@ def _shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_sto
         pool.close()
         if writer is not None:
             writer.release()
+        if group is not None:  # last: no collective of ours is left (see _dist.Group.close)
+            group.close()
     finally:
         if owner is not None:  # a newer Checkpointer waiting to take over may lock the store now
             owner.closed()
