@@ -215,10 +215,11 @@ class Manifest:
         tensors = {key: _tensor_entry(key, e, files, path) for key, e in m["tensors"].items()}
         layers = {name: _layer_entry(name, e, path) for name, e in m["layers"].items()}
         rest = {k: m[k] for k in _OTHER_FIELDS if k in m}
-        _check_other(rest, path)
-        _check_model(m["model"], path)
         if rest.get("blocks") is not None:
             rest["blocks"] = _read_blocks(rest["blocks"], tensors, path)
+        known = set(tensors) | set(rest.get("blocks") or {})
+        _check_other(rest, path, known)
+        _check_model(m["model"], path, known)
         return cls(step=m["step"], world_size=m["world_size"], files=files, tensors=tensors, layers=layers,
                    model=m["model"], **rest)
 
@@ -337,7 +338,7 @@ _OTHER_TYPES = {"seq": int, "chain": int, "created": _NUMBER, "config": dict, "o
                 "loss": _NUMBER + (type(None),), "name": (str, type(None)), "format": str, "version": int}
 
 
-def _check_other(rest: Dict[str, Any], path: str) -> None:
+def _check_other(rest: Dict[str, Any], path: str, known: set) -> None:
     """The optional fields: of their types; the optimizer's groups and state shaped as a restore reads them;
     every tensor reference (in optimizer state, RNG, extra) a string."""
     for k, kind in _OTHER_TYPES.items():
@@ -356,30 +357,31 @@ def _check_other(rest: Dict[str, Any], path: str) -> None:
         raise _corrupt(path, "field 'optimizer' is malformed (param_groups: a list of objects with a 'params' "
                              "list of names; state: an object of objects)")
     for k in ("optimizer", "rng", "rng_ranks", "extra"):
-        _check_refs(rest.get(k), k, path)
+        _check_refs(rest.get(k), k, path, known)
 
 
-def _check_model(model: Dict[str, Any], path: str) -> None:
+def _check_model(model: Dict[str, Any], path: str, known: set) -> None:
     aliases, other = model.get("aliases", {}), model.get("other")
     if not (isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values())):
         raise _corrupt(path, "field 'model.aliases' is not an object of names")
     if not isinstance(other, (dict, type(None))):
         raise _corrupt(path, "field 'model.other' is not an object")
-    _check_refs(other, "model.other", path)
+    _check_refs(other, "model.other", path, known)
 
 
-def _check_refs(obj: Any, field_name: str, path: str) -> None:
-    """Every ``{"__tensor__": key}`` (or ``__ndarray__``) reference inside a field names its key by a string."""
+def _check_refs(obj: Any, field_name: str, path: str, known: set) -> None:
+    """Every ``{"__tensor__": key}`` (or ``__ndarray__``) reference inside a field names, by a string, a tensor
+    the manifest has an entry for."""
     stack = [obj]
     while stack:
         o = stack.pop()
         if isinstance(o, list):
             stack.extend(o)
         elif isinstance(o, dict):
-            if len(o) == 1 and next(iter(o)) in ("__tensor__", "__ndarray__") and not isinstance(
-                    next(iter(o.values())), str):
-                raise _corrupt(path, f"field {field_name!r} refers to a tensor by {_short(next(iter(o.values())))}, "
-                                     f"not by its key")
+            ref = next(iter(o.values())) if len(o) == 1 and next(iter(o)) in ("__tensor__", "__ndarray__") else None
+            if ref is not None and not (isinstance(ref, str) and ref in known):
+                raise _corrupt(path, f"field {field_name!r} refers to tensor {_short(ref)}, which the manifest has "
+                                     f"no entry for")
             stack.extend(o.values())
 
 

@@ -217,8 +217,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _on_local_view(args)
     except CheckpointError as e:
         print(f"layerckpt {args.cmd}: {e}", file=sys.stderr)
-        # verify: 1 for a checkpoint found damaged, wherever that was found; 2 for nothing to verify
-        return 1 if args.cmd == "verify" and isinstance(e, CheckpointCorruptError) else 2
+        return 1 if args.cmd == "verify" and isinstance(e, CheckpointCorruptError) else 2  # 1: damage found
 
 
 def _on_local_view(args) -> int:
