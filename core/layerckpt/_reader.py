@@ -47,7 +47,9 @@ def retry_gone(fn: F) -> F:
         except CheckpointGoneError:
             given = sig.bind(*args, **kwargs).arguments
             path = next(iter(given.values()))
-            if given.get("step") is not None or (isinstance(path, (str, os.PathLike)) and os.path.isfile(path)):
+            named = isinstance(path, (str, os.PathLike)) and _store.manifest_step(
+                os.path.basename(os.fspath(path))) is not None  # a manifest's path asks for its step
+            if given.get("step") is not None or named:
                 raise
         return fn(*args, **kwargs)
 
