@@ -17,6 +17,7 @@ from .config import Config
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointGoneError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpointer", "Config", "PendingSave", "RestoreReport", "restore", "read_checkpoint", "LoadedCheckpoint",
-    "CheckpointError", "CheckpointWriteError", "CheckpointCorruptError", "CheckpointMismatchError",
+    "CheckpointError", "CheckpointWriteError", "CheckpointCorruptError", "CheckpointGoneError",
+    "CheckpointMismatchError",
     "CheckpointNotFoundError", "ConfigError", "StalenessError", "LayerSpec", "TorchFileWriter", "store",
 ]

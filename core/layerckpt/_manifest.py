@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ._layout import CODES, ITEMSIZE
-from .errors import CheckpointCorruptError, CheckpointNotFoundError
+from ._json import load_strict, loads_strict  # noqa: F401 - loads_strict: the JSON reader of every store file
+from .errors import CheckpointCorruptError
 
 FORMAT_NAME = "layerckpt"
 FORMAT_VERSION = 1
@@ -208,52 +209,17 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, m: Any, path: str) -> "Manifest":
-        """Validate a parsed manifest; any damage is a CheckpointCorruptError naming the file."""
-        if not isinstance(m, dict):
-            raise CheckpointCorruptError(f"manifest {path} is not a JSON object", path=path)
-        for k, kind in _REQUIRED.items():
-            if not isinstance(m.get(k), kind) or isinstance(m.get(k), bool):
-                raise CheckpointCorruptError(f"manifest {path} lacks a valid {k!r} field", path=path)
-        if m["format"] != FORMAT_NAME:
-            raise CheckpointCorruptError(f"{path} is not a layerckpt manifest (format={m['format']!r})", path=path)
-        if m["version"] > FORMAT_VERSION:
-            raise CheckpointCorruptError(
-                f"manifest {path} has format version {m['version']}, newer than this layerckpt reads "
-                f"({FORMAT_VERSION}); upgrade layerckpt", path=path)
-        files = {}
-        for name, e in m["files"].items():
-            if not (isinstance(e, dict) and all(isinstance(e.get(k, 0), int) for k in ("step", "rank", "size"))):
-                raise CheckpointCorruptError(f"manifest {path}: entry for file {name!r} is malformed", path=path)
-            files[name] = FileEntry(step=e.get("step", m["step"]), rank=e.get("rank", 0), size=e.get("size", 0))
-        tensors = {}
-        for key, e in m["tensors"].items():
-            if not (isinstance(e, dict) and isinstance(e.get("file"), str) and e.get("dtype") in CODES
-                    and isinstance(e.get("shape"), list) and all(isinstance(s, int) and s >= 0 for s in e["shape"])
-                    and isinstance(e.get("offset"), int) and e["offset"] >= 0
-                    and isinstance(e.get("nbytes"), int) and e["nbytes"] >= 0 and isinstance(e.get("crc"), int)):
-                raise CheckpointCorruptError(f"manifest {path}: entry for tensor {key!r} is malformed", path=path,
-                                             tensor=key)
-            if e["nbytes"] != math.prod(e["shape"]) * ITEMSIZE[e["dtype"]]:
-                raise CheckpointCorruptError(
-                    f"manifest {path}: tensor {key!r} has shape {e['shape']} and dtype {e['dtype']} but "
-                    f"{e['nbytes']} bytes", path=path, tensor=key)
-            if e["file"] not in files:
-                raise CheckpointCorruptError(
-                    f"manifest {path}: tensor {key!r} points to file {e['file']!r} that the manifest does not list",
-                    path=path, tensor=key)
-            tensors[key] = TensorEntry(**{k: e[k] for k in _TENSOR_FIELDS})
-        layers = {}
-        for name, e in m["layers"].items():
-            if not (isinstance(e, dict) and isinstance(e.get("step"), int) and isinstance(e.get("tensors", []), list)):
-                raise CheckpointCorruptError(f"manifest {path}: entry for layer {name!r} is malformed", path=path)
-            known = {k: e[k] for k in _LAYER_FIELDS if k in e}
-            known.setdefault("file", None)
-            known.setdefault("tensors", [])
-            known.setdefault("nbytes", 0)
-            layers[name] = LayerEntry(**known)
+        """Validate a parsed manifest; any damage is a CheckpointCorruptError naming the file and the field."""
+        _check_header(m, path)
+        files = {name: _file_entry(name, e, m["step"], path) for name, e in m["files"].items()}
+        tensors = {key: _tensor_entry(key, e, files, path) for key, e in m["tensors"].items()}
+        layers = {name: _layer_entry(name, e, path) for name, e in m["layers"].items()}
         rest = {k: m[k] for k in _OTHER_FIELDS if k in m}
         if rest.get("blocks") is not None:
             rest["blocks"] = _read_blocks(rest["blocks"], tensors, path)
+        known = set(tensors) | set(rest.get("blocks") or {})
+        _check_other(rest, path, known)
+        _check_model(m["model"], path, known)
         return cls(step=m["step"], world_size=m["world_size"], files=files, tensors=tensors, layers=layers,
                    model=m["model"], **rest)
 
@@ -264,6 +230,159 @@ _TENSOR_FIELDS = [f.name for f in dataclasses.fields(TensorEntry)]
 _LAYER_FIELDS = [f.name for f in dataclasses.fields(LayerEntry)]
 _OTHER_FIELDS = [f.name for f in dataclasses.fields(Manifest)
                  if f.name not in ("step", "world_size", "files", "tensors", "layers", "model")]
+#: bounds of a manifest's counters: far above any real run, far below what breaks arithmetic on them
+MAX_STEP = (1 << 62) - 1
+MAX_WORLD = 1 << 24
+MAX_DIMS = 64
+_NAME_RE = re.compile(r"^step-(\d{8,})\.json$")
+_NUMBER = (int, float)
+
+
+def _corrupt(path: str, msg: str, tensor: Optional[str] = None) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"manifest {path}: {msg}", path=path, tensor=tensor)
+
+
+def _is_int(v: Any, lo: int = 0, hi: int = MAX_STEP) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _check_header(m: Any, path: str) -> None:
+    """The top-level fields: present, of their types, in range; the step the file is named after."""
+    if not isinstance(m, dict):
+        raise CheckpointCorruptError(f"manifest {path} is not a JSON object", path=path)
+    for k, kind in _REQUIRED.items():
+        if not isinstance(m.get(k), kind) or isinstance(m.get(k), bool):
+            raise CheckpointCorruptError(f"manifest {path} lacks a valid {k!r} field", path=path)
+    if m["format"] != FORMAT_NAME:
+        raise CheckpointCorruptError(f"{path} is not a layerckpt manifest (format={m['format']!r})", path=path)
+    if m["version"] > FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"manifest {path} has format version {m['version']}, newer than this layerckpt reads "
+            f"({FORMAT_VERSION}); upgrade layerckpt", path=path)
+    if m["version"] < 1:
+        raise _corrupt(path, f"'version' is {m['version']}; format versions start at 1")
+    if not _is_int(m["step"]):
+        raise _corrupt(path, f"'step' is {_short(m['step'])}, outside 0..{MAX_STEP}")
+    if not _is_int(m["world_size"], 1, MAX_WORLD):
+        raise _corrupt(path, f"'world_size' is {_short(m['world_size'])}, outside 1..{MAX_WORLD}")
+    named = _NAME_RE.match(os.path.basename(str(path)))
+    if named is not None and int(named.group(1)) != m["step"]:
+        raise _corrupt(path, f"'step' is {m['step']} but the file is named for step {int(named.group(1))}: "
+                             f"a manifest was renamed or edited")
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _file_entry(name: str, e: Any, step: int, path: str) -> FileEntry:
+    if not (isinstance(e, dict) and all(_is_int(e.get(k, 0)) for k in ("step", "rank", "size"))
+            and e.get("rank", 0) < MAX_WORLD):
+        raise _corrupt(path, f"entry for file {name!r} is malformed (step, rank and size must be non-negative "
+                             f"integers)")
+    return FileEntry(step=e.get("step", step), rank=e.get("rank", 0), size=e.get("size", 0))
+
+
+def _tensor_entry(key: str, e: Any, files: Dict[str, FileEntry], path: str) -> TensorEntry:
+    if not (isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(e.get("dtype"), str)
+            and e["dtype"] in CODES and isinstance(e.get("shape"), list) and len(e["shape"]) <= MAX_DIMS
+            and all(_is_int(s) for s in e["shape"]) and _is_int(e.get("offset"))
+            and _is_int(e.get("nbytes")) and _is_int(e.get("crc"), 0, (1 << 64) - 1)):
+        raise _corrupt(path, f"entry for tensor {key!r} is malformed", tensor=key)
+    if e["nbytes"] != math.prod(e["shape"]) * ITEMSIZE[e["dtype"]]:
+        raise _corrupt(path, f"tensor {key!r} has shape {_short(e['shape'])} and dtype {e['dtype']} but "
+                             f"{e['nbytes']} bytes", tensor=key)
+    f = files.get(e["file"])
+    if f is None:
+        raise _corrupt(path, f"tensor {key!r} points to file {e['file']!r} that the manifest does not list",
+                       tensor=key)
+    if e["offset"] + e["nbytes"] > f.size:
+        raise _corrupt(path, f"tensor {key!r} claims bytes {e['offset']}..{e['offset'] + e['nbytes']} of file "
+                             f"{e['file']!r}, which the manifest says holds {f.size}", tensor=key)
+    return TensorEntry(**{k: e[k] for k in _TENSOR_FIELDS})
+
+
+_LAYER_TYPES = {"step": int, "file": (str, type(None)), "tensors": list, "nbytes": int, "rank": int, "age": int,
+                "reason": str, "drift": (int, float, type(None)), "frozen": bool,
+                "cost": (int, float, type(None))}
+
+
+def _layer_entry(name: str, e: Any, path: str) -> LayerEntry:
+    bad = "not an object" if not isinstance(e, dict) else next(
+        (k for k, kind in _LAYER_TYPES.items() if k in e and not _typed(e[k], kind)), None)
+    if bad is None and not isinstance(e.get("step"), int):
+        bad = "step"
+    if bad is None and not (_is_int(e["step"]) and all(isinstance(t, str) for t in e.get("tensors", []))
+                            and all(_is_int(e.get(k, 0)) for k in ("nbytes", "rank", "age"))):
+        bad = "step, tensors, nbytes, rank or age"
+    if bad is not None:
+        raise _corrupt(path, f"entry for layer {name!r} is malformed ({bad})")
+    known = {k: e[k] for k in _LAYER_FIELDS if k in e}
+    known.setdefault("file", None)
+    known.setdefault("tensors", [])
+    known.setdefault("nbytes", 0)
+    return LayerEntry(**known)
+
+
+def _typed(v: Any, kind) -> bool:
+    """isinstance, where a bool is no int (JSON's true is not a step); an int passes for a float."""
+    if isinstance(v, bool) and kind is not bool:
+        return False
+    return isinstance(v, kind)
+
+
+_OTHER_TYPES = {"seq": int, "chain": int, "created": _NUMBER, "config": dict, "optimizer": (dict, type(None)),
+                "rng": (dict, type(None)), "rng_ranks": (dict, type(None)), "checksum": str,
+                "cost": _NUMBER + (type(None),), "progress": _NUMBER + (type(None),),
+                "loss": _NUMBER + (type(None),), "name": (str, type(None)), "format": str, "version": int}
+
+
+def _check_other(rest: Dict[str, Any], path: str, known: set) -> None:
+    """The optional fields: of their types; the optimizer's groups and state shaped as a restore reads them;
+    every tensor reference (in optimizer state, RNG, extra) a string."""
+    for k, kind in _OTHER_TYPES.items():
+        if k in rest and not _typed(rest[k], kind):
+            raise _corrupt(path, f"field {k!r} is {_short(rest[k])}, not of the type a manifest records")
+    for k in ("seq", "chain"):
+        if k in rest and not _is_int(rest[k]):
+            raise _corrupt(path, f"field {k!r} is {_short(rest[k])}, outside 0..{MAX_STEP}")
+    opt = rest.get("optimizer")
+    if opt is not None and not (
+            isinstance(opt.get("param_groups", []), list) and isinstance(opt.get("state", {}), dict)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                    and all(isinstance(p, str) for p in g["params"]) for g in opt.get("param_groups", []))
+            and all(isinstance(st, dict) for st in opt.get("state", {}).values())
+            and isinstance(opt.get("class", ""), (str, type(None)))):
+        raise _corrupt(path, "field 'optimizer' is malformed (param_groups: a list of objects with a 'params' "
+                             "list of names; state: an object of objects)")
+    for k in ("optimizer", "rng", "rng_ranks", "extra"):
+        _check_refs(rest.get(k), k, path, known)
+
+
+def _check_model(model: Dict[str, Any], path: str, known: set) -> None:
+    aliases, other = model.get("aliases", {}), model.get("other")
+    if not (isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values())):
+        raise _corrupt(path, "field 'model.aliases' is not an object of names")
+    if not isinstance(other, (dict, type(None))):
+        raise _corrupt(path, "field 'model.other' is not an object")
+    _check_refs(other, "model.other", path, known)
+
+
+def _check_refs(obj: Any, field_name: str, path: str, known: set) -> None:
+    """Every ``{"__tensor__": key}`` (or ``__ndarray__``) reference inside a field names, by a string, a tensor
+    the manifest has an entry for."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, list):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            ref = next(iter(o.values())) if len(o) == 1 and next(iter(o)) in ("__tensor__", "__ndarray__") else None
+            if ref is not None and not (isinstance(ref, str) and ref in known):
+                raise _corrupt(path, f"field {field_name!r} refers to tensor {_short(ref)}, which the manifest has "
+                                     f"no entry for")
+            stack.extend(o.values())
 
 
 def _read_blocks(blocks: Any, tensors: Dict[str, TensorEntry], path: str) -> Dict[str, RowBlocks]:
@@ -312,23 +431,19 @@ def parse_once():
 
 
 def load_manifest(path: str) -> Manifest:
-    """Read, parse and validate the manifest at ``path``."""
+    """Read, parse and validate the manifest at ``path`` (see ``_json``: never a hang, never unbounded, never a
+    bare Python exception on a damaged or hostile file)."""
     memo = _parsed.get()
-    try:
-        with open(path, "rb") as f:
-            if memo is not None:
-                st = os.fstat(f.fileno())
-                key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
-                if key in memo:
-                    return memo[key]
-            raw = f.read()
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"manifest {path} does not exist") from None
-    try:
-        m = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointCorruptError(f"manifest {path} is truncated or malformed ({e})", path=path) from None
-    out = Manifest.from_dict(m, path)
+    key = None
     if memo is not None:
+        try:
+            st = os.stat(path)  # no open: a FIFO is refused by read_regular, not waited on here
+            key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            key = None
+        if key in memo:
+            return memo[key]
+    out = Manifest.from_dict(load_strict(path, "manifest", follow=False), path)
+    if memo is not None and key is not None:
         memo[key] = out
     return out

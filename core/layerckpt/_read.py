@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import queue
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -307,7 +308,10 @@ def _cached(path: str, wants: Sequence[Want], probes: int = 16) -> bool:
     total = sum(w.nbytes for w in wanted)
     step = max(1, total // probes)
     one = bytearray(1)
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
     try:
         base, j = 0, 0
         for k in range(0, total, step):
@@ -344,19 +348,28 @@ def _verify(check: Optional[Callable], crc: int, w: Want, path: str) -> None:
             path=path, tensor=w.key)
 
 
+class MissingDataError(CheckpointCorruptError):
+    """A data file the manifest names is not there: damage, or retention deleted it with its manifest
+    (the reader, which knows the manifest, tells which: see ``_reader``)."""
+
+
 def _open_checked(path: str, size: int, wants: Sequence[Want], direct: bool) -> Tuple[int, bool]:
+    """The data file opened for reading, after checking, without blocking and without following a link, that
+    it is a regular file holding every byte the manifest places in it."""
     first = wants[0].key if wants else None
+    st = _probe(path, first)
     try:
         fd, direct = open_file(path, write=False, direct=direct)
     except FileNotFoundError:
-        raise CheckpointCorruptError(f"data file {path} is missing (it holds tensor {first!r})",
-                                     path=path) from None  # the whole file: every layer in it is named
-    have = os.fstat(fd).st_size
+        raise MissingDataError(f"data file {path} is missing (it holds tensor {first!r})", path=path) from None
+    have = os.fstat(fd)
     bad = None
-    if have < size:
-        lost = next((w.key for w in wants if w.offset + w.nbytes > have), None)
+    if (have.st_dev, have.st_ino) != (st.st_dev, st.st_ino):  # replaced between the two opens
+        bad = CheckpointCorruptError(f"data file {path} was replaced while it was opened; read it again", path=path)
+    elif have.st_size < size:
+        lost = next((w.key for w in wants if w.offset + w.nbytes > have.st_size), None)
         bad = CheckpointCorruptError(
-            f"data file {path} is truncated: {have} bytes, the manifest expects {size}"
+            f"data file {path} is truncated: {have.st_size} bytes, the manifest expects {size}"
             + (f"; tensor {lost!r} is cut off" if lost else ""), path=path, tensor=lost)
     elif any(w.offset + w.nbytes > size for w in wants):
         key = next(w.key for w in wants if w.offset + w.nbytes > size)
@@ -366,6 +379,27 @@ def _open_checked(path: str, size: int, wants: Sequence[Want], direct: bool) -> 
         os.close(fd)
         raise bad
     return fd, direct
+
+
+def _probe(path: str, first: Optional[str]) -> os.stat_result:
+    """What ``path`` is, looked at through a descriptor opened without blocking (a FIFO would wait for a
+    writer forever) or following a link: only a regular file is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise MissingDataError(f"data file {path} is missing (it holds tensor {first!r})", path=path) from None
+    except OSError as e:
+        what = ("a symbolic link; layerckpt reads the files it wrote itself, never through a link"
+                if e.errno == errno.ELOOP else f"unreadable: {os.strerror(e.errno or errno.EIO)}")
+        raise CheckpointCorruptError(f"data file {path} is {what}", path=path) from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorruptError(f"data file {path} is not a regular file (mode {stat.filemode(st.st_mode)}); "
+                                     f"the store is damaged: restore another step", path=path)
+    return st
 
 
 def _extents(wants: Sequence[Want]) -> List[List[int]]:

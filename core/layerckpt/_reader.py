@@ -11,8 +11,11 @@ reported with the layer, and the step, it belongs to.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+import stat
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -23,10 +26,34 @@ from ._flush import wait_for_saves
 from ._gather import shard_rows
 from ._layout import CODES
 from ._manifest import Manifest, load_manifest, row_pieces
-from ._read import Want, read_into, read_views
+from ._read import MissingDataError, Want, read_into, read_views
 from ._stage import BufferPool
 from .config import Config
-from .errors import CheckpointCorruptError, CheckpointError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointGoneError, CheckpointNotFoundError
+
+F = TypeVar("F", bound=Callable)
+
+
+def retry_gone(fn: F) -> F:
+    """``restore``/``read_checkpoint``: where no step was asked for and retention deleted the newest composite
+    while it was being read (:class:`CheckpointGoneError`), read the newest again, once.  Readers never lock,
+    so a writer's ``keep_last`` may always win such a race; a second loss is raised."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CheckpointGoneError:
+            given = sig.bind(*args, **kwargs).arguments
+            path = next(iter(given.values()))
+            named = isinstance(path, (str, os.PathLike)) and _store.manifest_step(
+                os.path.basename(os.fspath(path))) is not None  # a manifest's path asks for its step
+            if given.get("step") is not None or named:
+                raise
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -60,7 +87,11 @@ class Reader:
 
     def __init__(self, root: str, mpath: str, config: Optional[Config]):
         self.root, self.mpath = root, mpath
-        self.m = load_manifest(mpath)
+        try:
+            self.m = load_manifest(mpath)
+        except CheckpointNotFoundError:  # it was there when the composite was picked
+            raise CheckpointGoneError(f"the checkpoint {mpath} was deleted while it was being read",
+                                      path=mpath) from None
         self.cfg = config or Config()
         self.check = checksum_function(self.m.checksum) if self.cfg.verify_checksums else None
         self.bytes_read = 0
@@ -105,6 +136,12 @@ class Reader:
     def _naming_layers(self) -> Iterator[None]:
         try:
             yield
+        except MissingDataError as e:
+            if os.path.exists(self.mpath):  # its manifest is still committed: real damage
+                raise with_layer(e, self.m) from None
+            raise with_layer(CheckpointGoneError(
+                f"data file {e.path} of the checkpoint {self.mpath} was deleted while it was being read",
+                path=e.path, tensor=e.tensor), self.m) from None
         except CheckpointCorruptError as e:
             raise with_layer(e, self.m) from None
 
@@ -121,6 +158,7 @@ def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, c
     row blocks comes back whole, or, for a key in ``windows``, only its rows [a, b) (e.g. this rank's
     shard), read from the blocks that hold them."""
     windows = windows or {}
+    check_claims(root, m, mpath, keys)
     out: Dict[str, torch.Tensor] = {}
     targets: List[Tuple[str, torch.Tensor, int, int]] = []
     plain: List[str] = []
@@ -142,6 +180,32 @@ def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, c
         pool.close()
     out.update({k: read[k] for k in plain})
     return out, total
+
+
+def check_claims(root: str, m: Manifest, mpath: str, keys: List[str]) -> None:
+    """Before any memory is allocated for them: every file holding the named tensors is a regular file as big
+    as the manifest says (whose entries were checked to lie inside those sizes), so a damaged manifest's 4 TB
+    tensor is refused by name instead of asked of the allocator."""
+    blocks = m.blocks or {}
+    by_file: Dict[str, List[str]] = {}
+    for k in keys:
+        for pk in [p for p, _, _ in row_pieces(blocks, k)] if k in blocks else [k] if k in m.tensors else []:
+            by_file.setdefault(m.tensors[pk].file, []).append(pk)
+    for fname, held in sorted(by_file.items()):
+        path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise MissingDataError(f"data file {path} is missing (it holds tensor {held[0]!r})", path=path) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(f"data file {path} is not a regular file (mode {stat.filemode(st.st_mode)});"
+                                         f" the store is damaged: restore another step", path=path)
+        if st.st_size < m.files[fname].size:
+            lost = next((k for k in sorted(held, key=lambda k: m.tensors[k].offset)
+                         if m.tensors[k].offset + m.tensors[k].nbytes > st.st_size), None)
+            raise CheckpointCorruptError(
+                f"data file {path} is truncated: {st.st_size} bytes, the manifest expects {m.files[fname].size}"
+                + (f"; tensor {lost!r} is cut off" if lost else ""), path=path, tensor=lost)
 
 
 def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str], backend, pool, check,
@@ -238,7 +302,8 @@ def with_layer(e: CheckpointCorruptError, m: Manifest) -> CheckpointCorruptError
     if not where:
         return e
     shown = ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
-    out = CheckpointCorruptError(f"{e} [{shown}]", path=e.path, tensor=e.tensor)
+    out = CheckpointCorruptError.__new__(type(e))  # the same kind: a CheckpointGoneError stays one
+    CheckpointCorruptError.__init__(out, f"{e} [{shown}]", path=e.path, tensor=e.tensor)
     out.layers = [w.split("'")[1] for w in where]
     return out
 

@@ -158,14 +158,23 @@ def ensure_layout(root: str) -> None:
 
 
 def read_all(root: str) -> Tuple[Dict[str, Manifest], List[str]]:
-    """All committed manifests that parse, by name, and the names of those that do not."""
-    good, bad = {}, []
+    """All committed manifests that parse, by name, and the names of those that do not; one that retention
+    deleted since the listing is neither."""
+    good, bad, _ = _read_listed(root)
+    return good, bad
+
+
+def _read_listed(root: str) -> Tuple[Dict[str, Manifest], List[str], int]:
+    """:func:`read_all`, and how many listed manifests vanished before they were read (retention)."""
+    good, bad, gone = {}, [], 0
     for _, name in list_manifests(root):
         try:
             good[name] = load_manifest(os.path.join(root, MANIFEST_DIR, name))
+        except CheckpointNotFoundError:
+            gone += 1
         except CheckpointError:
             bad.append(name)
-    return good, bad
+    return good, bad, gone
 
 
 def recency(manifests: Dict[str, Manifest]):
@@ -195,8 +204,11 @@ def resolve(root: str, step: Optional[int] = None) -> str:
             raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {root}; committed steps: {have}")
         return path
     # the manifests are the only commit record: `latest` may lag them after a crash, so it decides nothing
-    good, bad = read_all(root)
-    name = newest(good)
+    for _ in range(3):  # a writer's retention may delete what was listed: list again
+        good, bad, gone = _read_listed(root)
+        name = newest(good)
+        if name is not None or not gone:
+            break
     if name is None:
         hint = f" ({len(bad)} damaged manifest(s): {', '.join(bad)})" if bad else ""
         raise CheckpointNotFoundError(f"no committed checkpoint in {root}{hint}")
@@ -218,6 +230,9 @@ def is_checkpoint(path: Union[str, os.PathLike]) -> bool:
 def locate(path: Union[str, os.PathLike]) -> Tuple[str, Optional[int]]:
     """(checkpoint directory, step or None for the newest) named by a directory or a manifest path."""
     p = local_path(path)
+    if os.path.exists(p) and not (os.path.isfile(p) or os.path.isdir(p)):
+        raise CheckpointCorruptError(f"{p} is neither a directory nor a regular file; pass a checkpoint directory "
+                                     f"or one of its {MANIFEST_DIR}/step-N.json", path=p)
     if os.path.isfile(p):
         parent = os.path.dirname(p)
         step = manifest_step(os.path.basename(p))

@@ -25,7 +25,7 @@ def check_config(remote: Any, options: Any) -> None:
     its protocol and the package that implements it."""
     if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
         raise ConfigError(f"Config.remote_options must map option names to values (passed to fsspec), "
-                          f"got {options!r}")
+                          f"got a {type(options).__name__}")  # never its values: they may be credentials
     if remote is None:
         if options:
             raise ConfigError("Config.remote_options is set but Config.remote is not; set remote to a URL "

@@ -1,4 +1,7 @@
-"""Command line: layerckpt inspect | verify | export | bench."""
+"""Command line: layerckpt inspect | verify | export | bench.
+
+Exit codes: 0 done (verify: every checkpoint verified); 1 verify found a damaged checkpoint or file;
+2 any other error (nothing there, bad arguments), its message on stderr."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +15,7 @@ from . import _store
 from ._backend import checksum_function, make_backend
 from ._manifest import Manifest, load_manifest, model_name
 from .config import Config
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .restore import read_tensors
 
 
@@ -67,7 +70,7 @@ def cmd_verify(args) -> int:
     good, bad = _store.read_all(root)
     if not good and not bad:
         raise CheckpointNotFoundError(f"no committed checkpoint in {root}: nothing to verify")
-    failures = [f"{n}: damaged manifest" for n in bad]
+    failures = [f"{n}: damaged manifest: {_damage(root, n)}" for n in bad]
     checked = 0
     for name, m in sorted(good.items()):
         try:
@@ -75,10 +78,27 @@ def cmd_verify(args) -> int:
             checked += 1
         except CheckpointError as e:
             failures.append(f"{name}: {e}")
+        except _UNREADABLE as e:  # whatever else a damaged store provokes is a failure of that checkpoint too
+            failures.append(f"{name}: cannot be read ({type(e).__name__}: {e})")
     for f in failures:
         print(f"FAIL {f}")
     print(f"{checked} of {len(good) + len(bad)} checkpoint(s) verified" + ("" if not failures else f", {len(failures)} failed"))
     return 1 if failures else 0
+
+
+#: what verify counts as a failed checkpoint beside the library's own errors: a damaged store must never make
+#: verify stop with a traceback, or pass
+_UNREADABLE = (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError, RuntimeError,
+               RecursionError, MemoryError, OSError)
+
+
+def _damage(root: str, name: str) -> str:
+    """What is wrong with a manifest ``read_all`` could not read."""
+    try:
+        load_manifest(os.path.join(root, _store.MANIFEST_DIR, name))
+    except CheckpointError as e:
+        return str(e)
+    return "unreadable"
 
 
 def cmd_export(args) -> int:
@@ -197,7 +217,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _on_local_view(args)
     except CheckpointError as e:
         print(f"layerckpt {args.cmd}: {e}", file=sys.stderr)
-        return 2
+        return 1 if args.cmd == "verify" and isinstance(e, CheckpointCorruptError) else 2  # 1: damage found
 
 
 def _on_local_view(args) -> int:

@@ -259,18 +259,26 @@ class Config:
         """Read a YAML mapping of fields; a top-level ``layerckpt:`` key is also accepted."""
         import yaml
 
+        text = _read_yaml_text(path)
         try:
-            with open(path, "r", encoding="utf-8") as f:
-                data = yaml.safe_load(f)
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+            data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}") from e
+        except RecursionError:
+            raise ConfigError(f"{path} nests mappings or lists too deeply to be a layerckpt config") from None
         if data is None:
             data = {}
         if isinstance(data, Mapping) and set(data) == {"layerckpt"}:
             data = data["layerckpt"] or {}
         return cls.from_dict(data, where=str(path))
+
+    def __repr__(self) -> str:
+        """Every field, ``remote_options`` values redacted: they hold credentials, and a repr ends up in logs."""
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        shown["remote_options"] = redacted(self.remote_options)
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+    __str__ = __repr__
 
     def to_dict(self) -> Dict[str, Any]:
         return _plain(dataclasses.asdict(self))
@@ -298,6 +306,40 @@ GROUPS: Dict[str, Tuple[str, ...]] = {
     "restore": ("verify_checksums", "restore_rng"),
 }
 """Every Config field, once, by what it governs (the README's Config table follows it)."""
+
+
+#: the most bytes a YAML config file may hold
+MAX_YAML_BYTES = 16 << 20
+
+
+def _read_yaml_text(path: Union[str, os.PathLike]) -> str:
+    """The text of a YAML config file: a regular file (never waited on: a FIFO is refused), of at most
+    MAX_YAML_BYTES, in UTF-8; anything else is a ConfigError naming the file."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_YAML_BYTES:
+            raise ConfigError(f"config file {path} is not a regular file of at most {MAX_YAML_BYTES >> 20} MiB")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(MAX_YAML_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def redacted(options: Any) -> Any:
+    """``remote_options`` as shown in a repr, a log or an error: the option names, every value hidden."""
+    if not isinstance(options, Mapping):
+        return "<redacted>" if options else options
+    return {k: "<redacted>" for k in options}
 
 
 def _refuse_beside_full(cfg: Config, fidelity_given: bool) -> None:

@@ -50,6 +50,16 @@ class CheckpointCorruptError(CheckpointError):
         self.tensor = tensor
 
 
+class CheckpointGoneError(CheckpointCorruptError):
+    """A checkpoint being read was deleted meanwhile by the writer's retention (``keep_last``, ``release``):
+    its manifest is gone, and a data file it named with it.  Nothing is damaged: restore the newest committed
+    checkpoint (``restore()`` without a step retries once by itself).  A subclass of CheckpointCorruptError so
+    that a handler of unreadable checkpoints still catches it; catch this one first to tell the two apart."""
+
+    def __init__(self, msg: str, path: Optional[str] = None, tensor: Optional[str] = None):
+        super().__init__(f"{msg}: deleted by retention, restore the newest", path=path, tensor=tensor)
+
+
 class CheckpointMismatchError(CheckpointError):
     """The model (or optimizer) does not match the checkpoint; lists every difference, sorted."""
 

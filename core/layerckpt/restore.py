@@ -23,7 +23,7 @@ from ._codec import decode, tensor_refs
 from ._gather import model_state, optimizer_params, param_names, set_rng_state
 from ._layout import DTYPES
 from ._manifest import Manifest, is_rng, model_key, model_name, parse_once, split_piece
-from ._reader import Reader, is_row_sharded, local_rows, open_reader, read_tensors  # noqa: F401 (cli)
+from ._reader import Reader, is_row_sharded, local_rows, open_reader, read_tensors, retry_gone  # noqa: F401 (cli)
 from .config import Config
 from .errors import CheckpointMismatchError, StalenessError
 
@@ -78,6 +78,7 @@ class LoadedCheckpoint(_Summary):
             set_rng_state(self.rng, self._rng_tensors)
 
 
+@retry_gone
 @parse_once()
 def restore(
     dirpath: Union[str, os.PathLike],
@@ -125,6 +126,7 @@ def _restore_from(r: Reader, model: torch.nn.Module, optimizer: Optional[torch.o
         lag=m.lag, loss_increase=m.loss_increase)
 
 
+@retry_gone
 @parse_once()
 def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *,
                     config: Optional[Config] = None, strict: bool = True) -> LoadedCheckpoint:

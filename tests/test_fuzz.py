@@ -1,0 +1,278 @@
+"""Seeded fuzzing of a real store: manifests and data files mutated (field types, duplicate keys, sizes,
+nesting, special files, truncation, flipped bytes, another store's files) and read back.  Every case ends,
+within a timeout, in a result or one of the library's errors (a CheckpointError); a result never holds
+bytes that are not this store's; ``layerckpt verify`` never crashes and fails every store a read refused
+as damaged.  The short run is part of the suite; ``-m slow`` runs the long one."""
+import contextlib
+import io
+import json
+import os
+import random
+import shutil
+import threading
+
+import pytest
+import torch
+
+import layerckpt
+from layerckpt import cli
+from layerckpt.errors import CheckpointCorruptError, CheckpointError
+
+CASE_TIMEOUT = 15.0
+SHORT = 40
+LONG = int(os.environ.get("LAYERCKPT_FUZZ_CASES", "1000"))
+
+
+def tiny() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+
+
+def _save(root, base: float) -> dict:
+    """A store of steps 1 and 2 (the second selective); returns {step: {model key: raw bytes}}."""
+    model = tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    states = {}
+    with layerckpt.Checkpointer(root, model, opt, config=layerckpt.Config(keep_last=0)) as ck:
+        for step in (1, 2):
+            with torch.no_grad():
+                for i, p in enumerate(model.parameters()):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 10 + i)) + base)
+                    p.grad = torch.ones_like(p)
+            opt.step()
+            ck.save(step).wait()
+    for step in (1, 2):
+        got = layerckpt.read_checkpoint(root, step).model
+        states[step] = {k: _raw(v) for k, v in got.items()}
+    return states
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fuzz")
+    ours, theirs = base / "ours", base / "theirs"
+    return ours, _save(ours, 0.0), theirs, _save(theirs, 1000.0)
+
+
+# -- mutations: each takes (rng, root, other store's root) and damages root -----------------------------------
+
+VALUES = [None, True, False, -1, 0, 1, 2 ** 63, 10 ** 40, 1.5, float("nan"), "", "x", "../../etc/passwd", [],
+          [1, "a"], {}, {"__tensor__": 3}, {"a": {"b": []}}]
+
+
+def _manifests(root):
+    d = root / "manifests"
+    return sorted(d / n for n in os.listdir(d) if n.endswith(".json"))
+
+
+def _datas(root):
+    d = root / "data"
+    return sorted(d / n for n in os.listdir(d))
+
+
+def _paths(obj, prefix=(), depth=0):
+    """Every (path, value) inside a parsed manifest, but inside rng/optimizer/extra/config only their top."""
+    yield prefix, obj
+    if depth >= 5 or (prefix and prefix[0] in ("rng", "optimizer", "extra", "config", "rng_ranks")):
+        return
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield from _paths(v, prefix + (k,), depth + 1)
+
+
+def _set(obj, path, value):
+    for k in path[:-1]:
+        obj = obj[k]
+    obj[path[-1]] = value
+
+
+def field_value(rng, root, other):
+    p = rng.choice(_manifests(root))
+    d = json.loads(p.read_text())
+    path, _ = rng.choice([x for x in _paths(d) if x[0]])
+    _set(d, path, rng.choice(VALUES))
+    p.write_text(json.dumps(d))
+
+
+def field_delete(rng, root, other):
+    p = rng.choice(_manifests(root))
+    d = json.loads(p.read_text())
+    path, _ = rng.choice([x for x in _paths(d) if x[0] and not isinstance(x[0][-1], int)])
+    parent = d
+    for k in path[:-1]:
+        parent = parent[k]
+    del parent[path[-1]]
+    p.write_text(json.dumps(d))
+
+
+def number_nudge(rng, root, other):
+    p = rng.choice(_manifests(root))
+    d = json.loads(p.read_text())
+    nums = [x for x in _paths(d) if x[0] and isinstance(x[1], int) and not isinstance(x[1], bool)]
+    path, v = rng.choice(nums)
+    _set(d, path, rng.choice([v + 1, v - 1, v * 2, v + 4096, -v, 0, v + (1 << 40)]))
+    p.write_text(json.dumps(d))
+
+
+def duplicate_key(rng, root, other):
+    p = rng.choice(_manifests(root))
+    text = p.read_text()
+    keys = [k for k in json.loads(text)["tensors"]]
+    a, b = rng.sample(keys, 2)
+    entry = json.dumps(json.loads(text)["tensors"][b], separators=(",", ":"))
+    at = text.index(json.dumps(a) + ":{")
+    p.write_text(text[:at] + json.dumps(a) + ":" + entry + "," + text[at:])
+
+
+def deep_nesting(rng, root, other):
+    p = rng.choice(_manifests(root))
+    n = rng.choice([1000, 100_000])
+    p.write_text(p.read_text().replace('"name":null', '"name":' + "[" * n + "]" * n, 1))
+
+
+def huge_integer(rng, root, other):
+    p = rng.choice(_manifests(root))
+    p.write_text(p.read_text().replace('"seq":', '"seq":' + "7" * rng.choice([30, 5000]) + ',"_":', 1))
+
+
+def manifest_bytes(rng, root, other):
+    p = rng.choice(_manifests(root))
+    raw = bytearray(p.read_bytes())
+    kind = rng.randrange(3)
+    if kind == 0:
+        raw = raw[: rng.randrange(len(raw))]
+    elif kind == 1:
+        for _ in range(rng.randint(1, 8)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+    else:
+        at = rng.randrange(len(raw))
+        raw[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+    p.write_bytes(bytes(raw))
+
+
+def data_bytes(rng, root, other):
+    p = rng.choice(_datas(root))
+    size = os.path.getsize(p)
+    if rng.random() < 0.4:
+        os.truncate(p, rng.randrange(size))
+        return
+    with open(p, "r+b") as f:
+        for _ in range(rng.randint(1, 8)):
+            at = rng.randrange(size)
+            f.seek(at)
+            f.write(bytes([f.read(1)[0] ^ (1 << rng.randrange(8))]))
+
+
+def special_file(rng, root, other):
+    p = rng.choice(_manifests(root) + _datas(root))
+    os.unlink(p)
+    kind = rng.randrange(5)
+    if kind == 0:
+        os.mkfifo(p)
+    elif kind == 1:
+        os.mkdir(p)
+    elif kind == 2:
+        os.symlink("/dev/zero", p)
+    elif kind == 3:
+        p.write_bytes(b"")
+    # kind 4: gone
+
+
+def planted_manifest(rng, root, other):
+    """A newer manifest that is not ours: a FIFO, /dev/zero, or the other store's renamed to a newer step."""
+    p = root / "manifests" / "step-00000009.json"
+    kind = rng.randrange(3)
+    if kind == 0:
+        os.mkfifo(p)
+    elif kind == 1:
+        os.symlink("/dev/zero", p)
+    else:
+        shutil.copy(_manifests(other)[-1], p)
+
+
+def other_store_data(rng, root, other):
+    """One of our data files replaced by the other store's file of the same name."""
+    p = rng.choice(_datas(root))
+    shutil.copy(other / "data" / p.name, p)
+
+
+MUTATIONS = [field_value, field_delete, number_nudge, duplicate_key, deep_nesting, huge_integer, manifest_bytes,
+             data_bytes, special_file, planted_manifest, other_store_data]
+
+
+# -- one case ------------------------------------------------------------------------------------------------
+
+def _bounded(fn, *args):
+    box = {}
+
+    def run():
+        try:
+            box["out"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - judged by the caller
+            box["err"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(CASE_TIMEOUT)
+    if t.is_alive():
+        raise AssertionError(f"{fn.__name__} hung for {CASE_TIMEOUT}s")
+    return box.get("out"), box.get("err")
+
+
+def _verify(root):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        return cli.main(["verify", str(root)]), out.getvalue()
+
+
+def _check_result(loaded, ours):
+    """A read that succeeded holds only our tensors' bytes: those of the key at the step read where it has
+    them; never anything else (another store's, or bytes between tensors)."""
+    mine = {b for st in ours.values() for b in st.values()}
+    want = ours.get(loaded.step, {})
+    for k, v in loaded.model.items():
+        raw = _raw(v)
+        if k in want and raw != want[k]:
+            assert raw in mine, f"tensor {k!r} restored with bytes that are not this store's"
+        else:
+            assert raw in mine or len(raw) == 0, f"tensor {k!r} restored with bytes that are not this store's"
+
+
+def run_case(seed, stores, tmp_path):
+    ours_src, ours, other, _ = stores
+    rng = random.Random(seed)
+    root = tmp_path / f"case{seed}"
+    shutil.copytree(ours_src, root, symlinks=True, ignore=shutil.ignore_patterns(".writer.lock"))
+    mutation = MUTATIONS[seed % len(MUTATIONS)]
+    mutation(rng, root, other)
+    where = f"seed {seed} ({mutation.__name__})"
+    loaded, err = _bounded(layerckpt.read_checkpoint, root)
+    assert err is None or isinstance(err, CheckpointError), f"{where}: {type(err).__name__}: {err}"
+    if err is None:
+        _check_result(loaded, ours)
+    _, rerr = _bounded(lambda: layerckpt.restore(root, tiny(), torch.optim.SGD(tiny().parameters(), lr=0.1)))
+    assert rerr is None or isinstance(rerr, CheckpointError), f"{where}: restore: {type(rerr).__name__}: {rerr}"
+    out, verr = _bounded(_verify, root)
+    assert verr is None, f"{where}: verify raised {type(verr).__name__}: {verr}"
+    rc, text = out
+    assert rc in (0, 1, 2), (where, rc, text)
+    if isinstance(err, CheckpointCorruptError):
+        assert rc == 1, f"{where}: read refused the store ({err}) but verify exited {rc}:\n{text}"
+
+
+def test_fuzz_short(stores, tmp_path):
+    for seed in range(SHORT):
+        run_case(seed, stores, tmp_path)
+
+
+@pytest.mark.slow
+def test_fuzz_long(stores, tmp_path, request):
+    if "slow" not in (request.config.option.markexpr or ""):
+        pytest.skip("the long version: run it with -m slow")
+    for seed in range(SHORT, SHORT + LONG):
+        run_case(seed, stores, tmp_path)
+        shutil.rmtree(tmp_path / f"case{seed}", ignore_errors=True)
