@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from ._bandwidth import TokenBucket
 from ._store import write_atomic
+from ._json import read_regular
 from ._url import _fsspec, check_config, is_url  # noqa: F401 - their home was here; names others import
 from .errors import CheckpointError
 
@@ -162,8 +163,8 @@ class LocalStore:
             return []
 
     def read(self, sub: str, name: str) -> bytes:
-        with open(self.where(sub, name), "rb") as f:
-            return f.read()
+        # a local tier may sit in a shared folder (/dev/shm): no FIFO, device or link is read, and not unbounded
+        return read_regular(self.where(sub, name), f"{sub} file", follow=False)
 
     def size(self, sub: str, name: str) -> int:
         return os.path.getsize(self.where(sub, name))

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AbstractSet, Dict, List, Optional, Tuple, Union
 
 from . import _faults, _registry, _retain, _store
+from ._json import loads_strict
 from ._manifest import Manifest
 from ._memtier import memory_path
 from ._remote import DATA, MANIFESTS, FsspecStore, LocalStore
@@ -47,7 +48,8 @@ def read_all(store) -> Tuple[Dict[str, Manifest], List[str]]:
         if _store.manifest_step(n) is None:
             continue
         try:
-            good[n] = Manifest.from_dict(json.loads(store.read(MANIFESTS, n)), store.where(MANIFESTS, n))
+            where = store.where(MANIFESTS, n)
+            good[n] = Manifest.from_dict(loads_strict(store.read(MANIFESTS, n), where), where)
         except FileNotFoundError:  # retention removed it since the listing
             continue
         except (ValueError, UnicodeDecodeError, CheckpointCorruptError):

@@ -24,12 +24,12 @@ The Lightning and Accelerate adapters use only this module, the names ``layerckp
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional, Union
 
 from . import _fetch, _remote, _retain, _store, _tiers
+from ._json import loads_strict
 from ._manifest import Manifest, load_manifest
 from .config import Config
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -148,7 +148,7 @@ def read_manifest(path: PathLike, *, config: Optional[Config] = None) -> Composi
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {url}") from None
     try:
-        return Composite.of(Manifest.from_dict(json.loads(raw), p), p)
+        return Composite.of(Manifest.from_dict(loads_strict(raw, p), p), p)
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointCorruptError(f"manifest {p} is truncated or malformed ({e})", path=p) from None
 
