@@ -8,8 +8,10 @@
    killed with SIGKILL at --crash-at (a flush may be in flight);
 3. a new Trainer resumes with `fit(ckpt_path="last")` and finishes; ModelCheckpoint's last
    checkpoint of the same step is resumed too, for the resume time.
-It prints bytes written, time training was blocked by checkpointing, resume time, and the loss
-after the resume against the run that never stopped.
+4. the same fine-tuning without any checkpointing, for the step-time overhead.
+It prints bytes written, what training paid for checkpointing (the save itself, the wait inside the
+next optimizer step for copies still running, and the training time against no checkpointing over
+the same steps), resume time, and the loss after the resume against the run that never stopped.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import logging
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +53,21 @@ class TimedModelCheckpoint(ModelCheckpoint):
         self.saves += 1
 
 
+class StepTimer(L.Callback):
+    """Wall time from one training batch's start to the next one's: the step, the checkpoint saved at its
+    end and, under lazy staging, the next step's wait for the copies all fall in it."""
+
+    def __init__(self):
+        self.t = None
+        self.seconds = []  # seconds[i]: batch i's start to batch i+1's start
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        now = time.perf_counter()
+        if self.t is not None:
+            self.seconds.append(now - self.t)
+        self.t = now
+
+
 class ResumeTimer(L.Callback):
     """Time from the Trainer's setup to the first training step: where the restore happens."""
 
@@ -71,13 +89,14 @@ class _Stop(Exception):
 
 
 class KillAt(L.Callback):
-    def __init__(self, step: int, stats_path: str, ck: LayerCheckpoint):
-        self.step, self.stats_path, self.ck = step, stats_path, ck
+    def __init__(self, step: int, stats_path: str, ck: LayerCheckpoint, steps: StepTimer):
+        self.step, self.stats_path, self.ck, self.steps = step, stats_path, ck, steps
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
-            stats = {"blocked_s": sum(p.stall_s for p in self.ck.saves), "bytes": sum(p.nbytes for p in self.ck.saves),
-                     "saves": len(self.ck.saves)}
+            saves = self.ck.saves
+            stats = {"save_return_s": sum(p.stall_s for p in saves), "step_wait_s": sum(p.step_wait_s for p in saves),
+                     "bytes": sum(p.nbytes for p in saves), "saves": len(saves), "step_s": self.steps.seconds}
             with open(self.stats_path, "w") as f:
                 json.dump(stats, f)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -94,7 +113,8 @@ def model(seed: int = 0) -> FineTuneModule:
 
 def child(root: str, every: int, crash_at: int) -> None:
     ck = LayerCheckpoint(dirpath=os.path.join(root, "layerckpt"), every_n_train_steps=every)
-    trainer(root, FINETUNE, [ck, KillAt(crash_at, os.path.join(root, "stats.json"), ck)]).fit(model())
+    steps = StepTimer()  # first: its batch start comes before the kill
+    trainer(root, FINETUNE, [steps, ck, KillAt(crash_at, os.path.join(root, "stats.json"), ck, steps)]).fit(model())
 
 
 def main() -> int:
@@ -115,61 +135,105 @@ def main() -> int:
     for sub in ("layerckpt", "lightning"):
         shutil.rmtree(os.path.join(root, sub), ignore_errors=True)
     try:
-        print(f"reference: {FINETUNE} fine-tuning steps after pre-training, Lightning's ModelCheckpoint every "
-              f"{args.every} steps")
-        ref_ck = TimedModelCheckpoint(dirpath=os.path.join(root, "lightning"), every_n_train_steps=args.every,
-                                      save_top_k=-1, save_last="link")
-        ref = model()
-        trainer(root, FINETUNE, [ref_ck]).fit(ref)
-
-        print(f"LayerCheckpoint run, killed with SIGKILL at step {args.crash_at} ...")
-        r = subprocess.run([sys.executable, __file__, "--child", "--dir", root, "--every", str(args.every),
-                            "--crash-at", str(args.crash_at)])
-        if r.returncode != -signal.SIGKILL:
-            print(f"the run was meant to be killed, it exited {r.returncode}", file=sys.stderr)
+        ref, ref_ck, ref_steps = reference(root, args.every)
+        stats = killed_run(root, args.every, args.crash_at)
+        if stats is None:
             return 1
-        with open(os.path.join(root, "stats.json")) as f:
-            stats = json.load(f)
-
-        # a new process would do exactly this: a new Trainer, fit(ckpt_path="last")
-        resumed = model(seed=1)
-        ck = LayerCheckpoint(dirpath=os.path.join(root, "layerckpt"), every_n_train_steps=args.every)
-        timer = ResumeTimer()
-        trainer(root, FINETUNE, [ck, timer]).fit(resumed, ckpt_path="last")
-        info = ck.restored
-        start = info["step"]
-        steps = sorted(set(info["layers"].values()))
-        print(f"resumed from the composite of step {start}: layers persisted at steps {steps}, "
-              f"max staleness {info['max_staleness']} checkpoints")
-
-        # ModelCheckpoint's checkpoint of the same step, resumed the same way (timed, then stopped)
-        plain = os.path.join(root, "lightning", f"epoch=0-step={start}.ckpt")
-        plain_timer = ResumeTimer(stop=True)
-        try:
-            trainer(root, FINETUNE, [plain_timer]).fit(model(seed=1), ckpt_path=plain)
-        except _Stop:
-            pass
-
-        after, want = resumed.losses, ref.losses[start:]
-        n = stats["saves"]  # ModelCheckpoint's saves over the same steps
-        ref_bytes = ref_ck.bytes / ref_ck.saves * n
-        ref_blocked = ref_ck.blocked_s / ref_ck.saves * n
-        mean_rel = abs(sum(after) - sum(want)) / sum(want)
-        print()
-        print(f"over the {n} checkpoints before the kill     {'ModelCheckpoint':>16} {'LayerCheckpoint':>16} {'ratio':>8}")
-        print(f"  bytes written                         {ref_bytes / 1e6:>14.1f}MB {stats['bytes'] / 1e6:>14.1f}MB "
-              f"{ref_bytes / max(stats['bytes'], 1):>7.1f}x")
-        print(f"  training blocked                      {ref_blocked * 1e3:>14.0f}ms {stats['blocked_s'] * 1e3:>14.0f}ms "
-              f"{ref_blocked / max(stats['blocked_s'], 1e-9):>7.1f}x")
-        print(f"  resume (Trainer setup to first step)  {plain_timer.seconds * 1e3:>14.0f}ms "
-              f"{timer.seconds * 1e3:>14.0f}ms {plain_timer.seconds / timer.seconds:>7.1f}x")
-        print(f"  loss after resume vs uninterrupted    mean over the {len(after)} steps after the resume within "
-              f"{mean_rel * 100:.3f}%{' (bit-identical)' if after == want else ''}; final loss {after[-1]:.4f} vs "
-              f"{want[-1]:.4f}")
+        resumed, start, timer = resume(root, args.every)
+        plain_timer = resume_plain(root, start)
+        bare = no_checkpoints(root, args.crash_at)
+        report(args.crash_at, ref_ck, ref_steps.seconds, stats, bare.seconds, (plain_timer, timer),
+               resumed.losses, ref.losses[start:])
         return 0
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def reference(root: str, every: int):
+    """The uninterrupted run with Lightning's own ModelCheckpoint."""
+    print(f"reference: {FINETUNE} fine-tuning steps after pre-training, Lightning's ModelCheckpoint every "
+          f"{every} steps")
+    ref_ck = TimedModelCheckpoint(dirpath=os.path.join(root, "lightning"), every_n_train_steps=every,
+                                  save_top_k=-1, save_last="link")
+    ref, steps = model(), StepTimer()
+    trainer(root, FINETUNE, [steps, ref_ck]).fit(ref)
+    return ref, ref_ck, steps
+
+
+def killed_run(root: str, every: int, crash_at: int):
+    """The LayerCheckpoint run in a child process, SIGKILLed at ``crash_at``; what it paid, or None."""
+    print(f"LayerCheckpoint run, killed with SIGKILL at step {crash_at} ...")
+    r = subprocess.run([sys.executable, __file__, "--child", "--dir", root, "--every", str(every),
+                        "--crash-at", str(crash_at)])
+    if r.returncode != -signal.SIGKILL:
+        print(f"the run was meant to be killed, it exited {r.returncode}", file=sys.stderr)
+        return None
+    with open(os.path.join(root, "stats.json")) as f:
+        return json.load(f)
+
+
+def resume(root: str, every: int):
+    """What a new process would do: a new Trainer, fit(ckpt_path="last")."""
+    resumed = model(seed=1)
+    ck = LayerCheckpoint(dirpath=os.path.join(root, "layerckpt"), every_n_train_steps=every)
+    timer = ResumeTimer()
+    trainer(root, FINETUNE, [ck, timer]).fit(resumed, ckpt_path="last")
+    info = ck.restored
+    steps = sorted(set(info["layers"].values()))
+    print(f"resumed from the composite of step {info['step']}: layers persisted at steps {steps}, "
+          f"max staleness {info['max_staleness']} checkpoints")
+    return resumed, info["step"], timer
+
+
+def resume_plain(root: str, start: int) -> ResumeTimer:
+    """ModelCheckpoint's checkpoint of the same step, resumed the same way (timed, then stopped)."""
+    plain = os.path.join(root, "lightning", f"epoch=0-step={start}.ckpt")
+    timer = ResumeTimer(stop=True)
+    try:
+        trainer(root, FINETUNE, [timer]).fit(model(seed=1), ckpt_path=plain)
+    except _Stop:
+        pass
+    return timer
+
+
+def no_checkpoints(root: str, steps: int) -> StepTimer:
+    """The same fine-tuning steps without checkpointing: the step time the others are measured against."""
+    print(f"the same {steps} steps without checkpointing, for the step-time overhead ...")
+    timer = StepTimer()
+    trainer(root, steps + 1, [timer]).fit(model())
+    return timer
+
+
+def report(crash_at: int, ref_ck: TimedModelCheckpoint, ref_step_s, stats, bare_step_s, resumes, after, want) -> None:
+    n = stats["saves"]  # ModelCheckpoint's saves over the same steps
+    ref_bytes = ref_ck.bytes / ref_ck.saves * n
+    ref_blocked = ref_ck.blocked_s / ref_ck.saves * n
+    ours_blocked = stats["save_return_s"] + stats["step_wait_s"]
+    # the same steps in every run: batch 1's start to batch crash_at's (batch 0 warms up)
+    span = slice(1, crash_at)
+    base, theirs, ours = (sum(x[span]) for x in (bare_step_s, ref_step_s, stats["step_s"]))
+    med = [statistics.median(x[span]) * 1e3 for x in (bare_step_s, ref_step_s, stats["step_s"])]
+    plain_timer, timer = resumes
+    mean_rel = abs(sum(after) - sum(want)) / sum(want)
+    print()
+    print(f"over the {n} checkpoints before the kill     {'ModelCheckpoint':>16} {'LayerCheckpoint':>16} {'ratio':>8}")
+    print(f"  bytes written                         {ref_bytes / 1e6:>14.1f}MB {stats['bytes'] / 1e6:>14.1f}MB "
+          f"{ref_bytes / max(stats['bytes'], 1):>7.1f}x")
+    print(f"  save() returned after                 {ref_blocked * 1e3:>14.0f}ms "
+          f"{stats['save_return_s'] * 1e3:>14.0f}ms {ref_blocked / max(stats['save_return_s'], 1e-9):>7.1f}x")
+    print(f"  + the next step's wait for the copies {0:>14.0f}ms {stats['step_wait_s'] * 1e3:>14.0f}ms")
+    print(f"  = training blocked by the saves       {ref_blocked * 1e3:>14.0f}ms {ours_blocked * 1e3:>14.0f}ms "
+          f"{ref_blocked / max(ours_blocked, 1e-9):>7.1f}x")
+    print(f"  step-time overhead vs no checkpoints  {(theirs - base) * 1e3:>14.0f}ms {(ours - base) * 1e3:>14.0f}ms "
+          f"{(theirs - base) / (ours - base) if ours > base else float('nan'):>7.1f}x")
+    print(f"    (training time of steps 1-{crash_at - 1}: {base:.2f}s without checkpoints, {theirs:.2f}s and "
+          f"{ours:.2f}s with; median step {med[0]:.1f}, {med[1]:.1f} and {med[2]:.1f} ms)")
+    print(f"  resume (Trainer setup to first step)  {plain_timer.seconds * 1e3:>14.0f}ms "
+          f"{timer.seconds * 1e3:>14.0f}ms {plain_timer.seconds / timer.seconds:>7.1f}x")
+    print(f"  loss after resume vs uninterrupted    mean over the {len(after)} steps after the resume within "
+          f"{mean_rel * 100:.3f}%{' (bit-identical)' if after == want else ''}; final loss {after[-1]:.4f} vs "
+          f"{want[-1]:.4f}")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,9 @@ class LayerCheckpoint(ModelCheckpoint):
             files; ``save_last`` defaults to ``True`` so ``ckpt_path="last"`` still resumes).  Fixed at
             construction.
         log_stats: log each checkpoint's bytes, layers persisted, stall, flush speed and staleness
-            through the Trainer's loggers (``layerckpt/*``).
+            through the Trainer's loggers (``layerckpt/*``).  ``stall_ms`` is what training paid for the
+            save: ``save_return_ms`` (the state dump and the plan) plus ``step_wait_ms`` (the next
+            optimizer step's wait for the copies under lazy staging).
         staging_dir: with a URL as ``dirpath``, the local directory saves are staged in (see ``dirpath``).
         every other keyword (``fidelity``, ``threshold``, ``max_staleness``, ``keep_last``, ...): a layerckpt
             Config field (see layerckpt.Config), overriding ``config``.  The signature has one typed parameter
@@ -473,7 +475,10 @@ class LayerCheckpoint(ModelCheckpoint):
             metrics = {
                 "layerckpt/bytes_written": float(p.bytes_all_ranks or p.bytes_written),
                 "layerckpt/layers_persisted": float(p.layers_persisted),
-                "layerckpt/stall_ms": p.stall_s * 1e3,
+                # what training paid: save() (the state dump included) and the next step's wait for the copies
+                "layerckpt/stall_ms": p.blocked_s * 1e3,
+                "layerckpt/save_return_ms": p.stall_s * 1e3,
+                "layerckpt/step_wait_ms": p.step_wait_s * 1e3,
                 "layerckpt/flush_gbps": p.flush_gbps,
                 "layerckpt/max_staleness": float(p.max_staleness),
             }

@@ -23,6 +23,10 @@ def _check_timings(run: dict) -> None:
             assert 0 < run[f"{key[:-2]}_min_s"] <= run[key] <= run[f"{key[:-2]}_max_s"], (key, run)
     if "stall_s" in run:
         assert run["stall_s"] <= run["durable_s"], run
+    if "step_wait_s" in run:  # layerckpt: what training waits for is save()'s return plus the next step's wait
+        assert [a + b for a, b in zip(run["stall_all_s"], run["step_wait_all_s"])] == run["blocked_all_s"], run
+    elif "blocked_s" in run:  # a synchronous save: the call is what training waits for
+        assert run["blocked_all_s"] == run["stall_all_s"], run
 
 
 def _check_ratios(res: dict) -> None:
@@ -31,12 +35,14 @@ def _check_ratios(res: dict) -> None:
     lc, runs, disk = res["runs"]["layerckpt"], res["runs"], res["disk"]
     want = {"durable_vs_odirect_write": lc["durable_s"] / disk["write_s"],
             "stall_vs_memcpy": lc["stall_s"] / res["memcpy_s"],
+            "blocked_vs_memcpy": lc["blocked_s"] / res["memcpy_s"],
             "restore_vs_odirect_read": lc["restore_s"] / disk["read_s"],
             "restore_vs_odirect_read_fresh_memory": lc["restore_s"] / disk["read_fresh_s"],
             "extra_mem_vs_state": lc["extra_mem_bytes"] / res["state_bytes"],
             "extra_mem_over_pool_vs_state": (lc["extra_mem_bytes"] - lc["pool_bytes"]) / res["state_bytes"],
             "dcp_async_durable_over_ours": runs["dcp"]["async_durable_s"] / lc["durable_s"],
-            "dcp_async_stall_over_ours": runs["dcp"]["async_stall_s"] / lc["stall_s"]}
+            "dcp_async_stall_over_ours": runs["dcp"]["async_stall_s"] / lc["stall_s"],
+            "dcp_async_stall_over_our_blocked": runs["dcp"]["async_stall_s"] / lc["blocked_s"]}
     for name in ("torch.save", "safetensors", "dcp"):
         want[f"{name}_durable_over_ours"] = runs[name]["durable_s"] / lc["durable_s"]
         want[f"{name}_restore_over_ours"] = runs[name]["restore_s"] / lc["restore_s"]

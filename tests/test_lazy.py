@@ -168,3 +168,60 @@ def test_training_with_lazy_saves_every_step_matches_eager(tmp_path):
     assert_same_tensors(results[0][0], results[1][0])
     assert_same_optimizer_state(results[0][1], results[1][1])
     assert not [t for t in threading.enumerate() if t.name.startswith("layerckpt-stager")]
+
+
+@pytest.fixture
+def slow_copy():
+    """The stager's copies take ``SLOW`` seconds more (a sleep after them, on the stager thread)."""
+    _faults.install("stage.copied", lambda: time.sleep(SLOW))
+    yield
+    _faults.remove("stage.copied")
+
+
+SLOW = 0.5
+
+
+@pytest.mark.parametrize("with_closure", [False, True])
+def test_the_step_wait_is_recorded_on_the_save(tmp_path, slow_copy, with_closure):
+    """What the optimizer's step waited for the copies lands on the save's handle (``step_wait_s``), apart
+    from save()'s return (``stall_s``); what training paid is their sum.  The closure's own time is not
+    counted as waiting."""
+    model, opt = trained()
+    ck = layerckpt.Checkpointer(str(tmp_path), model, opt, layerckpt.Config(threshold=0.0))
+    p = ck.save(7)
+    assert p.step_wait_s == 0.0 and p.save_return_s == p.stall_s and p.stall_s < SLOW
+    x, ran = _batch(1), []
+
+    def closure():
+        t = time.perf_counter()
+        opt.zero_grad()
+        _loss(model, x).backward()
+        time.sleep(0.1)
+        ran.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    if with_closure:
+        opt.step(closure)
+    else:
+        closure()
+        opt.step()
+    t1 = time.perf_counter()
+    outside = (t1 - t0) - ran[0]  # the step without the closure: the wait, then the update
+    assert 0.2 < p.step_wait_s <= outside, (p.step_wait_s, outside)
+    assert outside - p.step_wait_s < 0.15, (p.step_wait_s, outside)  # the update itself is a few ms
+    assert p.blocked_s == p.stall_s + p.step_wait_s
+    waited = p.step_wait_s
+    opt.step()  # the copies are over: the next step waits for nothing and records nothing
+    assert p.step_wait_s == waited
+    ck.close()
+    assert p.wait().step_wait_s == waited
+
+
+def test_eager_staging_records_no_step_wait(tmp_path, slow_copy):
+    model, opt = trained()
+    with layerckpt.Checkpointer(str(tmp_path), model, opt, layerckpt.Config(threshold=0.0, lazy_staging=False)) as ck:
+        t0 = time.perf_counter()
+        p = ck.save(1)
+        assert p.stall_s >= SLOW and time.perf_counter() - t0 >= SLOW  # the copies ran inside save()
+        opt.step()
+    assert p.step_wait_s == 0.0 and p.blocked_s == p.stall_s

@@ -219,6 +219,34 @@ def test_stats_reach_the_loggers(tmp_path):
         assert int(float(r["layerckpt/layers_persisted"])) == persisted
         assert int(float(r["layerckpt/max_staleness"])) == max(e["age"] for e in mf["layers"].values())
         assert float(r["layerckpt/stall_ms"]) > 0 and float(r["layerckpt/flush_gbps"]) > 0
+        assert float(r["layerckpt/stall_ms"]) == pytest.approx(
+            float(r["layerckpt/save_return_ms"]) + float(r["layerckpt/step_wait_ms"]), rel=1e-6)
+
+
+def test_stall_ms_counts_the_wait_in_the_next_step(tmp_path):
+    """Under lazy staging the step after a save waits for its copies: the logged stall includes that wait
+    (made long here by a slow copy), save_return_ms does not."""
+    from layerckpt import _faults
+    torch.manual_seed(7)
+    logger = CSVLogger(str(tmp_path), name="logs")
+    cb = LayerCheckpoint(dirpath=str(tmp_path / "run"), every_n_train_steps=4, keep_last=0)
+    t = trainer(10, [cb], str(tmp_path), logger=logger, log_every_n_steps=1)
+    _faults.install("stage.copied", lambda: time.sleep(0.4))
+    try:
+        t.fit(Tiny())
+    finally:
+        _faults.remove("stage.copied")
+    rows = list(csv.DictReader(open(os.path.join(logger.log_dir, "metrics.csv"))))
+    logged = {int(r["step"]): r for r in rows if r.get("layerckpt/stall_ms")}
+    assert sorted(logged) == [4, 8, 10]
+    for step in (4, 8):  # a step follows each: it waited for the rest of the copies
+        r = logged[step]
+        wait, ret = float(r["layerckpt/step_wait_ms"]), float(r["layerckpt/save_return_ms"])
+        assert 100 < wait < 1000 and ret < 400, (step, wait, ret)
+        assert float(r["layerckpt/stall_ms"]) == pytest.approx(wait + ret, rel=1e-6)
+        p = next(p for p in cb.saves if p.step == step)
+        assert wait == pytest.approx(p.step_wait_s * 1e3, rel=1e-6)
+    assert float(logged[10]["layerckpt/step_wait_ms"]) == 0.0  # the last save: no step after it
 
 
 def test_ordinary_ckpt_still_loads(tmp_path):

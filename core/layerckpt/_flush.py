@@ -63,7 +63,10 @@ class PendingSave(Pending):
         self.step = step
         self.path = path
         self.root = os.path.dirname(os.path.dirname(path))  # the checkpoint directory
-        self.stall_s: float = 0.0  # save() call to return
+        self.stall_s: float = 0.0  # save() call to return ("save() returned after" in reports)
+        #: under lazy staging, what the optimizer's step(s) after save() waited for this save's copies
+        #: (0 under eager staging, or where the copies ended before the step)
+        self.step_wait_s: float = 0.0
         self.durable_s: float = 0.0  # save() call to commit (the manifest durable; retention comes after)
         self.nbytes: int = 0  # bytes this save writes (known once staged)
         self.bytes_written: int = 0  # set once committed: this rank's file
@@ -80,6 +83,20 @@ class PendingSave(Pending):
 
     def _what(self) -> str:
         return f"checkpoint of step {self.step}"
+
+    @property
+    def save_return_s(self) -> float:
+        """Seconds from the ``save()`` call to its return (``stall_s``)."""
+        return self.stall_s
+
+    @property
+    def blocked_s(self) -> float:
+        """What training paid for this save: ``save()``'s return time plus the next step's wait for the
+        copies (known once that step ran)."""
+        return self.stall_s + self.step_wait_s
+
+    def _add_step_wait(self, seconds: float) -> None:
+        self.step_wait_s += seconds
 
     @property
     def flush_gbps(self) -> float:

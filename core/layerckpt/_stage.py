@@ -14,6 +14,7 @@ import enum
 import mmap
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -272,19 +273,24 @@ class LazyStager:
     Until ``optimizer.step()`` the parameters and the optimizer state do not
     change, so the copies may run through the next forward and backward; the
     step waits for them (:meth:`guard`, an optimizer step pre-hook).  One save's
-    copies at a time.
+    copies at a time.  How long a step waited is told to the ``waited`` callback of
+    the save being staged (:meth:`start`): time training pays beyond ``save()``.
     """
 
     def __init__(self) -> None:
         self._idle = threading.Event()
         self._idle.set()
+        self._waited: Optional[Callable[[float], None]] = None
 
     @property
     def busy(self) -> bool:
         return not self._idle.is_set()
 
-    def start(self, fn: Callable[[], None]) -> None:
+    def start(self, fn: Callable[[], None], waited: Optional[Callable[[float], None]] = None) -> None:
+        """Run ``fn`` (the copies of one save) in the background; ``waited(seconds)`` is called each time
+        an optimizer step waited for it."""
         self._idle.clear()
+        self._waited = waited
         try:
             threading.Thread(target=self._run, args=(fn,), name="layerckpt-stager", daemon=True).start()
         except BaseException:
@@ -300,6 +306,13 @@ class LazyStager:
     def wait(self) -> None:
         self._idle.wait()
 
+    def _step_wait(self) -> None:
+        """The step's wait for the copies, timed and told to the save being staged."""
+        waited, t = self._waited, time.perf_counter()
+        self._idle.wait()
+        if waited is not None:
+            waited(time.perf_counter() - t)
+
     def guard(self, optimizer, args, kwargs):
         """Step pre-hook: the update must not start before the copies are done.  A closure (Lightning's
         automatic optimization runs forward and backward in one, inside ``step``) runs first, and the
@@ -311,12 +324,12 @@ class LazyStager:
         if closure is None and len(args) > at and callable(args[at]):
             closure = args[at]
         if closure is None:
-            self.wait()
+            self._step_wait()
             return None
 
         def then_wait():
             out = closure()
-            self.wait()
+            self._step_wait()
             return out
 
         if "closure" in kwargs:

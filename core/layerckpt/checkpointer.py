@@ -385,7 +385,7 @@ class Checkpointer:
         after = caller_events(job.layout) if lazy and torch.cuda.is_available() else None
         copy = functools.partial(_copy, job, self.pool, verify, after, bool(lazy))
         if lazy:
-            self._stager.start(functools.partial(_quietly, copy))
+            self._stager.start(functools.partial(_quietly, copy), waited=job.pending._add_step_wait)
         else:
             copy()
 

@@ -1,6 +1,7 @@
 """The pieces `layerckpt bench` times: the state, the machine's limits, and each contender."""
 from __future__ import annotations
 
+import functools
 import gc
 import mmap
 import os
@@ -241,11 +242,14 @@ def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLim
         ck = Checkpointer(d, model, opt, config=cfg)
         first = ck.save(0).wait()
     pool = ck.pool.allocated_bytes
-    stalls, durables, phases = [], [], []
+    stalls, waits, durables, phases = [], [], [], []
     for i in range(reps):
         disk.write()
-        p = ck.save(i + 1).wait()
+        p = ck.save(i + 1)
+        next_step(opt)
+        p.wait()
         stalls.append(p.stall_s)
+        waits.append(p.step_wait_s)
         durables.append(p.durable_s)
         phases.append(dict(p.phases))
     backend = ck.backend_name
@@ -264,10 +268,22 @@ def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLim
                            "bytes": first.bytes_written, "extra_mem_bytes": mem.extra, "pool_bytes": pool,
                            "backend": backend,
                            "phases_s": {k: statistics.median(ph.get(k, 0.0) for ph in phases) for k in phases[0]}}
-    record(out, "stall_s", stalls)
+    record(out, "stall_s", stalls)  # save() call to return
+    record(out, "step_wait_s", waits)
+    record(out, "blocked_s", [a + b for a, b in zip(stalls, waits)])
     record(out, "durable_s", durables)
     record(out, "restore_s", restores)
     return out
+
+
+def next_step(opt) -> None:
+    """The optimizer step that follows a save, right after it returns (no forward or backward between to hide
+    the copies behind: the most a step can wait); under lazy staging it waits for the save's copies, which
+    the save records as ``step_wait_s``.  The gradients are absent (the bench's state keeps none), so the
+    step updates nothing and the state stays the one saved."""
+    if any(p.grad is not None for g in opt.param_groups for p in g["params"]):
+        raise RuntimeError("the bench's optimizer step must find no gradients: it would change the saved state")
+    opt.step()
 
 
 def bench_selective(root: str, model, opt, cfg: Config) -> List[Dict[str, Any]]:
@@ -336,11 +352,11 @@ def bench_torch_save(root: str, model, opt, preset: str = "gpt2-small", reps: in
     f = os.path.join(root, "torch.pt")
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
 
-    def save():
+    def save(f):
         torch.save(sd, f)
         fsync_tree(f)
 
-    def load(m2, o2):
+    def load(f, m2, o2):
         sd = torch.load(f, weights_only=True)
         m2.load_state_dict(sd["model"])
         o2.load_state_dict(sd["optim"])
@@ -354,28 +370,37 @@ def bench_safetensors(root: str, model, opt, preset: str = "gpt2-small", reps: i
     f = os.path.join(root, "st.safetensors")
     flat = {k: v.contiguous() for k, v in flat_tensors(model, opt).items()}
 
-    def save():
+    def save(f):
         save_file(flat, f)
         fsync_tree(f)
 
-    def load(m2, _):  # every tensor in memory, the model's loaded
+    def load(f, m2, _):  # every tensor in memory, the model's loaded
         flat = load_file(f)
         m2.load_state_dict({k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}, strict=False)
 
     return _one_file(f, save, load, preset, reps)
 
 
-def _one_file(f: str, save: Callable[[], None], load: Callable[[Any, Any], None], preset: str,
+def _one_file(f: str, save: Callable[[str], None], load: Callable[[str, Any, Any], None], preset: str,
               reps: int) -> Dict[str, Any]:
-    """A one-file contender: ``reps`` saves, then ``reps`` cold loads into a fresh model and optimizer."""
-    saves = [_timed(save) for _ in range(reps)]
+    """A one-file contender: ``reps`` saves, each to a new file (as layerckpt writes a new data file per save:
+    deleting the previous one is outside the timing, as layerckpt's retention is), then ``reps`` cold loads
+    of the last into a fresh model and optimizer.  The save is synchronous: what it blocks is its call."""
+    saves, path = [], None
+    for i in range(reps):
+        if path is not None:
+            os.unlink(path)
+        path = f"{f}.{i}"
+        saves.append(_timed(functools.partial(save, path)))
     loads = []
     for _ in range(reps):
         m2, o2 = build_state(preset, seed=1, step=False)
-        drop_cache(f)
-        loads.append(_timed(lambda: load(m2, o2)))
-    out = {"bytes": os.path.getsize(f)}
+        drop_cache(path)
+        loads.append(_timed(lambda: load(path, m2, o2)))
+    out = {"bytes": os.path.getsize(path)}
+    os.unlink(path)
     record(out, "stall_s", saves)
+    record(out, "blocked_s", saves)
     record(out, "durable_s", saves)
     record(out, "restore_s", loads)
     return out
@@ -409,6 +434,7 @@ def bench_dcp(root: str, model, opt, preset: str = "gpt2-small", reps: int = 3) 
                 break
         record(out, "durable_s", saves)
         record(out, "stall_s", saves)
+        record(out, "blocked_s", saves)  # synchronous: the call is what training waits for
         if adurables:
             record(out, "async_stall_s", astalls)
             record(out, "async_durable_s", adurables)

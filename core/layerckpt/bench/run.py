@@ -81,7 +81,8 @@ def _ratios(res: Dict[str, Any]) -> Dict[str, float]:
         return {}
     out = {
         "durable_vs_odirect_write": lc["durable_s"] / res["disk"]["write_s"],
-        "stall_vs_memcpy": lc["stall_s"] / res["memcpy_s"],
+        "stall_vs_memcpy": lc["stall_s"] / res["memcpy_s"],  # save()'s return only
+        "blocked_vs_memcpy": lc["blocked_s"] / res["memcpy_s"],  # save() plus the next step's wait
         "restore_vs_odirect_read": lc["restore_s"] / res["disk"]["read_s"],
         "restore_vs_odirect_read_fresh_memory": lc["restore_s"] / res["disk"]["read_fresh_s"],
         "extra_mem_vs_state": lc["extra_mem_bytes"] / res["state_bytes"],
@@ -94,6 +95,7 @@ def _ratios(res: Dict[str, Any]) -> Dict[str, float]:
     if "dcp" in r and "async_durable_s" in r["dcp"]:
         out["dcp_async_durable_over_ours"] = r["dcp"]["async_durable_s"] / lc["durable_s"]
         out["dcp_async_stall_over_ours"] = r["dcp"]["async_stall_s"] / lc["stall_s"]
+        out["dcp_async_stall_over_our_blocked"] = r["dcp"]["async_stall_s"] / lc["blocked_s"]
     return out
 
 
@@ -120,8 +122,13 @@ def format_table(res: Dict[str, Any]) -> str:
         f"into fresh memory {res['disk']['read_fresh_s']:.3f}s), "
         f"{res['checksum']} {res['checksum_gbps']:.1f} GB/s",
         "",
-        f"medians of {res.get('reps', '?')} repeats each, [min-max]",
-        f"{'method':<16}{'blocked s':>22}{'durable s':>22}{'GB/s':>6}{'vs O_DIRECT':>12}{'restore s':>22}",
+        f"medians of {res.get('reps', '?')} repeats each, [min-max]; save() s: the call to its return; blocked s: "
+        f"what training waits for, save() plus the wait in the optimizer step right after it (layerckpt's lazy "
+        f"staging; the others' saves are synchronous); durable s: the call to durable (fsync) and, for layerckpt, "
+        f"committed; every save writes a new file or folder, deleting the previous one outside every timing; "
+        f"every restore reads cold (dropped from the page cache) into a fresh model",
+        f"{'method':<16}{'save() s':>22}{'blocked s':>22}{'durable s':>22}{'GB/s':>6}{'vs O_DIRECT':>12}"
+        f"{'restore s':>22}",
     ]
 
     def cell(r: Dict[str, Any], key: str) -> str:
@@ -131,16 +138,18 @@ def format_table(res: Dict[str, Any]) -> str:
         return f"{r[key]:>8.3f} [{r[k + '_min_s']:.3f}-{r[k + '_max_s']:.3f}]".rjust(22)
 
     for name, r in res["runs"].items():
-        lines.append(f"{name:<16}{cell(r, 'stall_s')}{cell(r, 'durable_s')}{gb / r['durable_s']:>6.2f}"
-                     f"{r['durable_s'] / res['disk']['write_s']:>11.2f}x{cell(r, 'restore_s')}")
+        lines.append(f"{name:<16}{cell(r, 'stall_s')}{cell(r, 'blocked_s')}{cell(r, 'durable_s')}"
+                     f"{gb / r['durable_s']:>6.2f}{r['durable_s'] / res['disk']['write_s']:>11.2f}x{cell(r, 'restore_s')}")
         if name == "dcp" and "async_durable_s" in r:
-            lines.append(f"{'dcp async_save':<16}{cell(r, 'async_stall_s')}{cell(r, 'async_durable_s')}"
+            lines.append(f"{'dcp async_save':<16}{cell(r, 'async_stall_s')}{cell(r, 'async_stall_s')}"
+                         f"{cell(r, 'async_durable_s')}"
                          f"{gb / r['async_durable_s']:>6.2f}{r['async_durable_s'] / res['disk']['write_s']:>11.2f}x")
     lc = res["runs"].get("layerckpt")
     if lc and lc.get("phases_s"):
         lines.append("layerckpt save by phase (medians): " + ", ".join(
             f"{k} {v:.3f}s" for k, v in lc["phases_s"].items())
-            + (" (lazy staging: plan is what save() blocks for; stage runs in the background)"
+            + (" (lazy staging: plan is what save() blocks for; stage runs in the background, and the next "
+               "optimizer step waits for what is left of it)"
                if lc.get("lazy_staging") else ""))
     if res.get("compression"):
         c = res["compression"]
@@ -156,7 +165,7 @@ def format_table(res: Dict[str, Any]) -> str:
     if res.get("selective"):
         lines += ["", f"selective saves (threshold 0.05) of the same model, k of {res['selective'][-1]['blocks_moved']} "
                   "blocks moved 10%:",
-                  f"{'blocks':>8}{'MB written':>12}{'stall s':>10}{'durable s':>11}"]
+                  f"{'blocks':>8}{'MB written':>12}{'save() s':>10}{'durable s':>11}"]
         for r in res["selective"]:
             lines.append(f"{r['blocks_moved']:>8}{r['bytes'] / 1e6:>12.1f}{r['stall_s']:>10.3f}{r['durable_s']:>11.3f}")
         lines.append(f"drift tracker memory: {res['selective'][0]['tracker_bytes'] / 1e6:.1f} MB")

@@ -6,8 +6,10 @@ batches, once with no checkpointing and once each with layerckpt's
 staging as configured), DCP's ``async_save`` and TorchSnapshot's
 ``Snapshot.async_take`` (if installed) after every step.  Reported per
 contender: the median step time (forward, backward, optimizer step, the
-checkpoint call) with its spread, the overhead against no checkpointing, and
-how long the checkpoint call itself blocked.  Each contender waits for its
+checkpoint call) with its spread and the overhead against no checkpointing:
+what training pays, the optimizer step's wait for layerckpt's lazy copies
+included; and, as its own figure, when the checkpoint call returned (for
+layerckpt also the median wait in the next step, ``step_wait``).  Each contender waits for its
 previous checkpoint before taking the next only where its own API makes it
 (layerckpt's ``max_inflight``; DCP and TorchSnapshot: the previous future),
 so what a step pays is what a user of that API pays.
@@ -88,16 +90,19 @@ def _layerckpt(root: str, preset: str, steps: int, warmup: int, seq: int) -> Dic
     from ..config import Config
 
     cks: List[Checkpointer] = []
+    saves = []
 
     def save(step, model, opt, loss):
         if not cks:
             cks.append(Checkpointer(os.path.join(root, "layerckpt"), model, opt, Config(threshold=0.0)))
-        cks[0].save(step, loss=loss)
+        saves.append(cks[0].save(step, loss=loss))
 
     out = _train(preset, steps, warmup, seq, save)
     cks[0].close()
     r = _strip(out)
     r["lazy_staging"] = cks[0]._lazy
+    # the last measured save has no step after it: its wait is not known
+    r["step_wait"] = summary([p.step_wait_s for p in saves[warmup:-1]] or [0.0])
     return r
 
 
@@ -156,7 +161,7 @@ def format_table(res: Dict[str, Any]) -> str:
     lines = [f"layerckpt bench --steps: {res['preset']} + AdamW, a checkpoint after every step, {res['steps']} "
              f"steps measured after {res['warmup']} warm-up ones (batch 1 x {res['seq']} tokens), on {m['cpu']} "
              f"({m['cores']} cores), torch {m['torch']}; medians [min-max]",
-             f"{'checkpointing':<28}{'step s':>24}{'overhead':>10}{'blocked s':>24}"]
+             f"{'checkpointing':<28}{'step s':>24}{'overhead':>10}{'call returned s':>24}{'next step waited s':>24}"]
     for name, r in res["runs"].items():
         if "error" in r:
             lines.append(f"{name:<28}{r['error']}")
@@ -164,7 +169,8 @@ def format_table(res: Dict[str, Any]) -> str:
         s, b = r["step"], r["blocked"]
         lines.append(f"{name:<28}{s['median']:>8.3f} [{s['min']:.3f}-{s['max']:.3f}]".ljust(52)
                      + f"{r['overhead'] * 100:>+9.1f}%"
-                     + f"{b['median']:>8.3f} [{b['min']:.3f}-{b['max']:.3f}]".rjust(24))
+                     + f"{b['median']:>8.3f} [{b['min']:.3f}-{b['max']:.3f}]".rjust(24)
+                     + (f"{w['median']:>8.3f} [{w['min']:.3f}-{w['max']:.3f}]".rjust(24) if (w := r.get("step_wait")) else ""))
     return "\n".join(lines)
 
 
