@@ -20,7 +20,7 @@ from layerckpt.adapters import as_config, close_quietly, config_overrides, hold,
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
 
-from ._state import EXTRA_KEY, LOADED_KEY, remote_holds_checkpoint, to_extra
+from ._state import EXTRA_KEY, LOADED_KEY, from_plain, remote_holds_checkpoint, to_extra
 from .checkpoint_io import LayerCheckpointIO
 
 log = logging.getLogger("layerckpt")
@@ -217,7 +217,7 @@ class LayerCheckpoint(ModelCheckpoint):
         rest = (report.extra or {}).get(EXTRA_KEY)
         if not isinstance(rest, dict):
             raise CheckpointError(f"{report.manifest} was not written by LayerCheckpoint (no Lightning state in it)")
-        ckpt = dict(rest)  # the strategy loads no model or optimizer state from the dict: both are in place
+        ckpt = from_plain(rest)  # the strategy loads no model or optimizer state from the dict: both are in place
         ckpt[LOADED_KEY] = {"step": report.step, "manifest": report.manifest, "layers": report.layers,
                             "staleness": report.staleness, "max_staleness": report.max_staleness,
                             "bytes_read": report.bytes_read, "seconds": report.seconds,

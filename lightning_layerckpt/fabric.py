@@ -14,7 +14,7 @@ Fabric turns modules and optimizers into state dicts before a ``CheckpointIO`` s
 ``fabric.save(path, state)``: ``path`` is a store (a directory) of composites.  The first module in
 ``state`` and the first optimizer over its parameters go layer by layer through one
 ``layerckpt.Checkpointer`` per store; the other entries (stateful objects as ``state_dict()``,
-tensors, plain values) ride in the manifest, JSON-safe.  The step is ``state["step"]`` if an int,
+tensors, plain values) ride in the manifest, kept exactly (what ``torch.load(weights_only=True)`` takes; anything needing pickle is refused).  The step is ``state["step"]`` if an int,
 else one past the store's newest.  Every rank calls it: each writes its share, rank 0 commits.  It
 returns once staged; ``ckpt.save(..., loss=loss)`` gives the selection rule its scale (a conservative
 rule writes more without it).
@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Set, Union
+from typing import Any, Callable, Dict, Optional, Set, Union
 
 import torch
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
@@ -52,7 +51,7 @@ from layerckpt.adapters import (StepCounter, as_config, close_all, close_quietly
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError
 
-from ._state import plain
+from ._state import from_plain, to_plain
 
 log = logging.getLogger("layerckpt")
 
@@ -146,11 +145,7 @@ class LayerFabricCheckpoint:
             if key in filter and isinstance(obj, dict):
                 obj = {k: v for k, v in obj.items() if filter[key](k, v)}
             rest[key] = obj
-        warned: List[str] = []
-        rest = plain(rest, "state", warned)
-        if warned:
-            warnings.warn("layerckpt stores no pickles: these entries were saved as their repr and will come back "
-                          "as strings: " + ", ".join(warned[:8]), stacklevel=4)
+        rest = to_plain(rest, "state")  # kept exactly; a value that would need pickle is refused, naming its key
         root = store.local_path(path)
         if root in self._taken:
             raise CheckpointError(
@@ -198,7 +193,7 @@ class LayerFabricCheckpoint:
             module = _unwrap(state[mkey])
             opt = state[okey] if okey is not None and okey == info["optimizer"] else None
             self.report = layerckpt.restore(root, module, opt, step=m.step, strict=strict, config=self.config)
-            ckpt = dict(self.report.extra[EXTRA_KEY]["state"])
+            ckpt = from_plain(self.report.extra[EXTRA_KEY]["state"])
             done = {mkey, okey} if opt is not None else {mkey}
             if self.adopt:
                 try:  # continue the composite just restored: the next save into root is selective
@@ -207,7 +202,7 @@ class LayerFabricCheckpoint:
                     log.info("layerckpt: %s not opened for saves (%s); a save there starts full", root, e)
         else:
             loaded = layerckpt.read_checkpoint(root, step=m.step, config=self.config, strict=strict)
-            ckpt = dict(loaded.extra[EXTRA_KEY]["state"])
+            ckpt = from_plain(loaded.extra[EXTRA_KEY]["state"])
             ckpt[info["module"]] = {**loaded.model_other, **loaded.model}
             if info["optimizer"] is not None:
                 ckpt[info["optimizer"]] = loaded.optimizer
