@@ -7,12 +7,12 @@ import logging
 import os
 import uuid
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
 from layerckpt import Checkpointer, Config, LayerSpec, PendingSave, RestoreReport, restore, store
-from layerckpt.adapters import StepCounter, as_config, close_all, default_of, pair_optimizers
+from layerckpt.adapters import StepCounter, as_config, close_all, close_quietly, default_of, hold, pair_optimizers
 from layerckpt.errors import CheckpointError, CheckpointMismatchError, ConfigError
 
 from . import folders, remote
@@ -44,6 +44,16 @@ def _routed(orig, route):
         return route(*args, **kwargs)
 
     return method
+
+
+def _wait_for_flushes() -> None:
+    """Read your writes: every save of this process's plugins (an older Accelerator's too) committed or failed."""
+    for plugin in list(_registered.values()):
+        for st in list(plugin._stores.values()):
+            try:
+                st.wait_flushes()
+            except CheckpointError:  # that save's folder is then skipped as never committed
+                pass
 
 
 def refuse_keep_last(config: Config) -> None:
@@ -127,6 +137,7 @@ class LayerCheckpointPlugin:
         self.last_saves: List[PendingSave] = []  # this process's saves of the newest save_state, one per model
         self.last_restore: List[RestoreReport] = []  # of the newest load_state, one per model
         self._stores: Dict[str, _Store] = {}
+        self._taken: Set[str] = set()  # stores a newer plugin of this process took over
         self._handles: list = []
         self._orig: Dict[str, Any] = {}
         self._loss: Any = None  # the loss of the last accelerator.backward()
@@ -269,6 +280,11 @@ class LayerCheckpointPlugin:
         if folders.is_inside(root, folder) or folders.is_inside(folder, root):
             raise CheckpointError(f"save_state({output_dir!r}) would put the checkpoint folder and its layerckpt "
                                   f"store {root} inside one another; choose another folder name")
+        if root in self._taken:
+            raise CheckpointError(
+                f"save_state({output_dir!r}): a newer LayerCheckpointPlugin of this process (on another Accelerator) "
+                f"took over the layerckpt store {root}; this plugin's saves there had ended and it closed them. "
+                f"Save through the newer Accelerator")
         st = self._stores.get(root) or self._open(root, folders_dir, pairs)
         shape = _with_optimizer(pairs)
         if shape != st.optimizers:
@@ -301,6 +317,8 @@ class LayerCheckpointPlugin:
                 f"save_state({os.path.dirname(folders_dir)!r}...) would open a second layerckpt store, {root}, on "
                 f"the remote tier {cfg.remote} that the store {next(iter(self._stores))} uses; save the folders of "
                 f"one run into one parent directory, or give this one a plugin with its own Config.remote")
+        hold(root, self._taken_over)  # an older plugin of this process on root closes its Checkpointers first
+        self._taken.discard(root)
         cks = [Checkpointer(os.path.join(root, folders.model_dir(i)), model, opt, config=remote.model_config(cfg, i),
                             layers=self.layers)
                for i, (model, opt) in enumerate(pairs)]
@@ -318,6 +336,19 @@ class LayerCheckpointPlugin:
         self._stores[root] = st
         return st
 
+    def _taken_over(self, root: str) -> None:
+        """A newer plugin of this process opens the store ``root``: close ours there (its saves end first)."""
+        self._taken.add(root)
+        st = self._stores.pop(root, None)
+        if st is not None:
+            try:
+                st.wait()
+            except CheckpointError as e:  # each PendingSave keeps its outcome
+                log.error("layerckpt: %s", e)
+            close_quietly(st.checkpointers, what="a save_state")
+            if st.uploads is not None:
+                st.uploads.close()
+
     # ------------------------------------------------------------ load
 
     def _load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs: Any):
@@ -326,6 +357,7 @@ class LayerCheckpointPlugin:
         if input_dir is not None:
             folder = os.path.expanduser(os.fspath(input_dir))
         elif auto is not None:
+            _wait_for_flushes()  # a folder of this process whose composite is still flushing is loadable
             folder = folders.newest_loadable(auto)
         if (folder is None or not os.path.isdir(folder)) and self.config.remote is not None and (
                 folder is not None or auto is not None):

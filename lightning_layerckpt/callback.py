@@ -16,11 +16,11 @@ from typing_extensions import override
 
 import layerckpt
 from layerckpt import store
-from layerckpt.adapters import as_config, config_overrides, with_config_fields
+from layerckpt.adapters import as_config, close_quietly, config_overrides, hold, with_config_fields
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
 
-from ._state import EXTRA_KEY, LOADED_KEY, remote_holds_checkpoint, to_extra
+from ._state import EXTRA_KEY, LOADED_KEY, from_plain, remote_holds_checkpoint, to_extra
 from .checkpoint_io import LayerCheckpointIO
 
 log = logging.getLogger("layerckpt")
@@ -151,6 +151,7 @@ class LayerCheckpoint(ModelCheckpoint):
     def _start_empty(self) -> None:
         """No Checkpointer, IO, save or resume yet: what a new callback holds beside ModelCheckpoint's state."""
         self._ckpt: Optional[layerckpt.Checkpointer] = None
+        self._taken = False  # a newer LayerCheckpoint of this process took the store over during this fit
         self._io: Optional[LayerCheckpointIO] = None
         self._unlogged: List[layerckpt.PendingSave] = []
         self._loss: Optional[torch.Tensor] = None  # the last training step's loss
@@ -189,6 +190,7 @@ class LayerCheckpoint(ModelCheckpoint):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         _refuse_sharded(trainer.strategy)
         self.restored, self._pending_rng = None, None  # set again if this fit resumes
+        self._taken = False  # a new fit opens the store again
         self.dirpath = trainer.strategy.broadcast(self._resolve_dir(trainer))
         self._install_io(trainer)
         if _is_model_parallel(trainer.strategy):
@@ -217,7 +219,7 @@ class LayerCheckpoint(ModelCheckpoint):
         rest = (report.extra or {}).get(EXTRA_KEY)
         if not isinstance(rest, dict):
             raise CheckpointError(f"{report.manifest} was not written by LayerCheckpoint (no Lightning state in it)")
-        ckpt = dict(rest)  # the strategy loads no model or optimizer state from the dict: both are in place
+        ckpt = from_plain(rest)  # the strategy loads no model or optimizer state from the dict: both are in place
         ckpt[LOADED_KEY] = {"step": report.step, "manifest": report.manifest, "layers": report.layers,
                             "staleness": report.staleness, "max_staleness": report.max_staleness,
                             "bytes_read": report.bytes_read, "seconds": report.seconds,
@@ -297,6 +299,11 @@ class LayerCheckpoint(ModelCheckpoint):
         """This fit's Checkpointer (created on every rank at once: construction is collective)."""
         optimizers = [] if self.save_weights_only else trainer.optimizers
         if self._ckpt is None:
+            if self._taken:
+                raise CheckpointError(
+                    f"a newer LayerCheckpoint of this process took over the store {self.dirpath} during this fit "
+                    f"(this one's saves there had ended and it closed them); save through the newer one")
+            hold(self.dirpath, self._taken_over)  # an older LayerCheckpoint of this process there closes first
             self._ckpt = layerckpt.Checkpointer(self.dirpath, trainer.lightning_module,
                                                 optimizers[0] if optimizers else None, self.layer_config)
             self._pin()
@@ -304,6 +311,12 @@ class LayerCheckpoint(ModelCheckpoint):
             raise CheckpointError("the Trainer's optimizer changed since the first checkpoint of this fit; "
                                   "LayerCheckpoint follows one optimizer object per fit")
         return self._ckpt
+
+    def _taken_over(self, root: str) -> None:
+        """A newer LayerCheckpoint of this process opens the store ``root``: close ours (its saves end first)."""
+        ck, self._ckpt, self._taken = self._ckpt, None, True
+        if ck is not None:
+            close_quietly([ck], what="a Lightning save")
 
     @override
     def state_dict(self) -> Dict[str, Any]:

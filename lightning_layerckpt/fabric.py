@@ -14,7 +14,7 @@ Fabric turns modules and optimizers into state dicts before a ``CheckpointIO`` s
 ``fabric.save(path, state)``: ``path`` is a store (a directory) of composites.  The first module in
 ``state`` and the first optimizer over its parameters go layer by layer through one
 ``layerckpt.Checkpointer`` per store; the other entries (stateful objects as ``state_dict()``,
-tensors, plain values) ride in the manifest, JSON-safe.  The step is ``state["step"]`` if an int,
+tensors, plain values) ride in the manifest, kept exactly (what ``torch.load(weights_only=True)`` takes; anything needing pickle is refused).  The step is ``state["step"]`` if an int,
 else one past the store's newest.  Every rank calls it: each writes its share, rank 0 commits.  It
 returns once staged; ``ckpt.save(..., loss=loss)`` gives the selection rule its scale (a conservative
 rule writes more without it).
@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, Optional, Set, Union
 
 import torch
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
@@ -47,11 +46,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import layerckpt
 from layerckpt import store
-from layerckpt.adapters import StepCounter, as_config, close_all, config_overrides, owners, with_config_fields
+from layerckpt.adapters import (StepCounter, as_config, close_all, close_quietly, config_overrides, hold, owners,
+                                with_config_fields)
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError
 
-from ._state import plain
+from ._state import from_plain, to_plain
 
 log = logging.getLogger("layerckpt")
 
@@ -78,6 +78,7 @@ class LayerFabricCheckpoint:
             raise CheckpointError("this Fabric is already routed by a LayerFabricCheckpoint; close that one first")
         self._ckpts: Dict[str, layerckpt.Checkpointer] = {}  # store -> its Checkpointer
         self._steps: Dict[str, StepCounter] = {}  # store -> the step of its next save
+        self._taken: Set[str] = set()  # stores a newer LayerFabricCheckpoint of this process took over
         self._loss, self._closed = None, False
         self.last_save: Optional[layerckpt.PendingSave] = None  # this rank's newest save
         self.report: Optional[layerckpt.RestoreReport] = None  # the newest load's restore report
@@ -144,17 +145,24 @@ class LayerFabricCheckpoint:
             if key in filter and isinstance(obj, dict):
                 obj = {k: v for k, v in obj.items() if filter[key](k, v)}
             rest[key] = obj
-        warned: List[str] = []
-        rest = plain(rest, "state", warned)
-        if warned:
-            warnings.warn("layerckpt stores no pickles: these entries were saved as their repr and will come back "
-                          "as strings: " + ", ".join(warned[:8]), stacklevel=4)
+        rest = to_plain(rest, "state")  # kept exactly; a value that would need pickle is refused, naming its key
         root = store.local_path(path)
+        if root in self._taken:
+            raise CheckpointError(
+                f"fabric.save({os.fspath(path)!r}): a newer LayerFabricCheckpoint of this process took over the store "
+                f"{root} (this one's saves there had ended and it closed them); save through the newer one")
         ck = self._open(root, _unwrap(state[mkey]), state[okey] if okey else None)
         step = self._steps[root].step(state.get("step"))  # state["step"] if an int, else one past the last
         extra = {EXTRA_KEY: {"module": mkey, "optimizer": okey, "keys": list(state), "state": rest}}
         self.last_save = ck.save(step, extra=extra, loss=self._loss)
         self._steps[root].saved(step)
+
+    def _taken_over(self, root: str) -> None:
+        """A newer LayerFabricCheckpoint of this process opens ``root``: close ours there (its saves end first)."""
+        self._taken.add(root)
+        ck = self._ckpts.pop(root, None)
+        if ck is not None:
+            close_quietly([ck], what="a Fabric save")
 
     def _load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                          weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -164,6 +172,8 @@ class LayerFabricCheckpoint:
                 store.locate(path)  # raises the clear error: a directory, but not a checkpoint
             return self._own_load(path=path, state=state, strict=strict, weights_only=weights_only)
         root, step = store.locate(path)
+        if self.adopt:  # this handle goes on saving there: an older one of this process ends its saves and closes
+            hold(root, self._taken_over)
         ck = self._ckpts.pop(root, None)
         if ck is not None:  # read our own writes; a later save reopens the store on what was loaded
             ck.close()
@@ -183,7 +193,7 @@ class LayerFabricCheckpoint:
             module = _unwrap(state[mkey])
             opt = state[okey] if okey is not None and okey == info["optimizer"] else None
             self.report = layerckpt.restore(root, module, opt, step=m.step, strict=strict, config=self.config)
-            ckpt = dict(self.report.extra[EXTRA_KEY]["state"])
+            ckpt = from_plain(self.report.extra[EXTRA_KEY]["state"])
             done = {mkey, okey} if opt is not None else {mkey}
             if self.adopt:
                 try:  # continue the composite just restored: the next save into root is selective
@@ -192,7 +202,7 @@ class LayerFabricCheckpoint:
                     log.info("layerckpt: %s not opened for saves (%s); a save there starts full", root, e)
         else:
             loaded = layerckpt.read_checkpoint(root, step=m.step, config=self.config, strict=strict)
-            ckpt = dict(loaded.extra[EXTRA_KEY]["state"])
+            ckpt = from_plain(loaded.extra[EXTRA_KEY]["state"])
             ckpt[info["module"]] = {**loaded.model_other, **loaded.model}
             if info["optimizer"] is not None:
                 ckpt[info["optimizer"]] = loaded.optimizer
@@ -219,6 +229,8 @@ class LayerFabricCheckpoint:
             return ck
         if ck is not None:  # other objects now: a fresh Checkpointer, whose first save is full
             self._ckpts.pop(root).close()
+        hold(root, self._taken_over)  # an older handle of this process on root closes its Checkpointer first
+        self._taken.discard(root)
         ck = self._ckpts[root] = layerckpt.Checkpointer(root, module, optimizer, self.config)
         self._steps[root] = StepCounter(store.next_step(root))
         return ck

@@ -7,6 +7,7 @@
   caller passed against those types;
 - the step of each save into a store: :class:`StepCounter`;
 - closing several Checkpointers at once: :func:`close_all`;
+- which adapter object holds a store in this process, so that a newer one takes it over: :func:`hold`;
 - which model an optimizer belongs to: :func:`owners`, :func:`pair_optimizers`;
 - writing a file or folder durably under its final name: :func:`replace_durably`.
 """
@@ -18,7 +19,9 @@ import functools
 import inspect
 import logging
 import os
+import threading
 import typing
+import weakref
 from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Set, TypeVar, Union
 
 import torch
@@ -175,6 +178,34 @@ def close_all(checkpointers: Union[MutableMapping[Any, Any], List[Any]], quiet: 
         log.error("layerckpt: %s was not committed: %s", what, first)
     elif first is not None:
         raise first
+
+
+# ------------------------------------------------------------------ stores held by adapter objects
+
+_held_lock = threading.Lock()
+_held: Dict[str, "weakref.WeakMethod[Callable[[str], None]]"] = {}  # store root -> its holder's on_taken
+
+
+def hold(root: str, on_taken: Callable[[str], None]) -> None:
+    """The object of the bound method ``on_taken`` (a plugin, a callback, a Fabric handle) is about to open
+    Checkpointers on the store ``root`` in this process.  The adapter object that held it before, if it is still
+    alive and another one, is told first through its own ``on_taken(root)``: it closes what it keeps open there
+    (its saves in flight end first) and refuses later saves there with a clear error.  So an adapter's cache
+    follows the engine's takeover (a newer Checkpointer on a store takes it over from an older one of this
+    process) instead of keeping a Checkpointer that was replaced."""
+    root = os.path.abspath(os.fspath(root))
+    with _held_lock:
+        before = _held.get(root)
+        _held[root] = weakref.WeakMethod(on_taken)
+    older = before() if before is not None else None
+    if older is not None and older != on_taken:  # bound methods compare by object and function
+        older(root)
+
+
+def close_quietly(checkpointers: Union[MutableMapping[Any, Any], List[Any]], what: str) -> None:
+    """:func:`close_all` for a takeover: a failure is logged (each PendingSave keeps its own), not raised into
+    the newer object's call."""
+    close_all(checkpointers, quiet=True, what=what)
 
 
 def owners(optimizer: Any, models: Sequence[torch.nn.Module]) -> Set[Optional[int]]:
