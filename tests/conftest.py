@@ -13,6 +13,16 @@ from layerckpt._backend import uring_available
 BACKENDS = ["uring", "threads"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """The long runs (``@pytest.mark.slow``) stay out of the suite unless selected: ``-m slow``."""
+    if "slow" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="a long run: select it with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     """Runs a test once per I/O backend, forced the way users force it."""

@@ -270,9 +270,7 @@ def test_fuzz_short(stores, tmp_path):
 
 
 @pytest.mark.slow
-def test_fuzz_long(stores, tmp_path, request):
-    if "slow" not in (request.config.option.markexpr or ""):
-        pytest.skip("the long version: run it with -m slow")
+def test_fuzz_long(stores, tmp_path):
     for seed in range(SHORT, SHORT + LONG):
         run_case(seed, stores, tmp_path)
         shutil.rmtree(tmp_path / f"case{seed}", ignore_errors=True)

@@ -146,7 +146,5 @@ def test_sigkill_at_random_times(tmp_path, backend):
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_times_long(tmp_path, backend, request):
-    if "slow" not in (request.config.option.markexpr or ""):
-        pytest.skip("the long version: run it with -m slow")
+def test_sigkill_at_random_times_long(tmp_path, backend):
     _sigkill_at_random_times(tmp_path, backend, 60, want_torn=5)
