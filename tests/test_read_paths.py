@@ -106,7 +106,7 @@ def test_memory_tier_is_read_buffered(tmp_path, monkeypatch):
         shutil.rmtree(tmp_path / "data")  # only the memory tier holds the data now
         (tmp_path / "data").mkdir()
         model2, opt2 = trained(seed=1)
-        layerckpt.restore(str(tmp_path), model2, opt2)
+        layerckpt.restore(str(tmp_path), model2, opt2, config=layerckpt.Config(memory_tier=True))
     finally:
         shutil.rmtree(memory_path(str(tmp_path)), ignore_errors=True)
     assert_same_tensors(model2.state_dict(), model.state_dict())

@@ -67,7 +67,7 @@ def test_memory_tier_is_read_once_in_place(tmp_path, calls):
         (root / "data").mkdir()
         m2, _ = trained(seed=1)
         o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3)
-        r = layerckpt.restore(root, m2, o2)
+        r = layerckpt.restore(root, m2, o2, config=FULL.replace(memory_tier=True))  # only then is it read
         assert (calls["restore"], calls["source"], calls["reader"]) == (0, 1, 1)
         assert calls["roots"] == [(memory_path(str(root)), True)]  # the tier's own folder, not a copy
         assert_same_state(model, m2)
@@ -77,7 +77,7 @@ def test_memory_tier_is_read_once_in_place(tmp_path, calls):
         assert r.manifest == str(root / "manifests" / "step-00000003.json")
         assert r.seconds > 0 and r.bytes_read >= sum(r.layer_bytes.values()) > 0
 
-        loaded = layerckpt.read_checkpoint(root)
+        loaded = layerckpt.read_checkpoint(root, config=FULL.replace(memory_tier=True))
         assert (calls["read_checkpoint"], calls["source"], calls["reader"]) == (0, 2, 2)
         assert_same_tensors(loaded.model, model.state_dict())
         assert loaded.manifest == r.manifest and loaded.seconds > 0

@@ -263,7 +263,7 @@ def test_remote_every_and_freshest_tier_wins(tmp_path):
     assert _remote_names(url, {}, "manifests") == [f"step-{s:08d}.json" for s in (1, 3, 5)]
     # the local directory is newer than its remote: the local composite, not the remote's step 5
     m = stack()
-    r = layerckpt.restore(root, m)  # the remote is found through the manifest's recorded Config
+    r = layerckpt.restore(root, m, config=cfg)
     assert r.step == 6 and r.manifest.startswith(str(root))
     old = tmp_path / "old"
     shutil.copytree(root, old)
@@ -357,7 +357,8 @@ def test_memory_tier_after_a_crash_then_disk_when_gone_or_stale(shm_root):
     mem = memory_path(str(shm_root))
     assert sorted(os.listdir(os.path.join(mem, "manifests"))) == ["step-00000003.json"]
     m = stack()
-    r = layerckpt.restore(shm_root, m)
+    mem_cfg = FULL.replace(memory_tier=True)  # only a Config that enables the memory tier reads it
+    r = layerckpt.restore(shm_root, m, config=mem_cfg)
     assert r.step == 3
     assert_same_state(at(3), m)
     # read from memory, reported as the local composite (so adopt() can continue it)
@@ -371,13 +372,13 @@ def test_memory_tier_after_a_crash_then_disk_when_gone_or_stale(shm_root):
     shutil.rmtree(mem)
     os.rename(str(mem) + ".old", mem)
     m2 = stack()
-    r = layerckpt.restore(shm_root, m2)
+    r = layerckpt.restore(shm_root, m2, config=mem_cfg)
     assert r.step == 4 and r.manifest == str(shm_root / "manifests" / "step-00000004.json")
     assert_same_state(m, m2)
     # gone (a node restart): the disk
     shutil.rmtree(mem)
     m3 = stack()
-    assert layerckpt.restore(shm_root, m3).step == 4
+    assert layerckpt.restore(shm_root, m3, config=mem_cfg).step == 4
     assert_same_state(m, m3)
     # a writer without the memory tier drops a stale one rather than let it shadow its saves
     layerckpt.Checkpointer(shm_root, m, config=FULL.replace(memory_tier=True)).close()
@@ -397,7 +398,7 @@ def test_memory_tier_holds_the_newest_composite_only(shm_root):
     assert sorted(os.listdir(os.path.join(mem, "manifests"))) == ["step-00000007.json"]
     assert sorted(os.listdir(os.path.join(mem, "data"))) == sorted(names)
     m = stack()
-    r = layerckpt.restore(shm_root, m)
+    r = layerckpt.restore(shm_root, m, config=SELECTIVE.replace(memory_tier=True))
     assert r.step == 7
     assert_same_state(model, m)
 

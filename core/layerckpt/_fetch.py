@@ -26,9 +26,9 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 from . import _store
 from ._flush import wait_for_saves
 from ._manifest import Manifest, load_manifest
-from ._memtier import memory_path
+from ._memtier import memory_path, refusal
 from ._remote import DATA, MANIFESTS, FsspecStore, is_url
-from ._tiers import COPIES_IN_FLIGHT, read_all, wait_for_tiers
+from ._tiers import COPIES_IN_FLIGHT, read_all, same_store, tier_id, wait_for_tiers
 from .config import Config
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
@@ -178,10 +178,12 @@ def source(path: Any, step: Optional[int], config: Optional[Config]) -> Optional
         return None  # a manifest file: that one is read
     wait_for_saves(root)
     found: List[_Found] = []
-    recorded = _local_candidate(root, step, found)
-    _memory_candidate(root, step, found)
-    # the Config given decides; without one, the remote the newest local manifest was saved with
-    _remote_candidate(config.remote if config is not None else recorded.get("remote"), root, step, config, found)
+    _local_candidate(root, step, found)
+    # only the tiers the caller's Config names: a manifest is data, and its recorded Config never redirects
+    if config is not None and config.memory_tier:
+        _memory_candidate(root, step, found)
+    if config is not None:
+        _remote_candidate(config.remote, root, step, config, found)
     if not found:
         return None  # the local reader says what is missing
     return max(found, key=lambda f: f[0])[2]
@@ -205,22 +207,41 @@ def _url_source(path: str, step: Optional[int], config: Optional[Config]) -> Sou
                               f"config=Config(remote=URL, remote_options={{...}})") from None
 
 
-def _local_candidate(root: str, step: Optional[int], found: List[_Found]) -> Dict[str, Any]:
-    """The local directory's composite, if it has it; returns the config it was saved with."""
+def _local_candidate(root: str, step: Optional[int], found: List[_Found]) -> None:
+    """The local directory's composite, if it has it."""
     try:
         m = load_manifest(_store.resolve(root, step))
     except CheckpointNotFoundError:
-        return {}
+        return
     found.append(((m.seq, m.created, _SPEED["local"]), "local", None))
-    return m.config
+
+
+def foreign(root: str, store, local_empty: bool = False) -> Optional[str]:
+    """Why the tier ``store`` is not the store ``root``'s (its identity differs), or None when it is."""
+    try:
+        local = _store.store_id(root)
+    except CheckpointError as e:
+        return f"this store's identity cannot be read ({e})"
+    tier = tier_id(store)
+    if same_store(local, tier, local_empty):
+        return None
+    return (f"it holds another store's checkpoints (its identity is {tier or 'missing'}, the identity of {root} "
+            f"is {local or 'missing'})")
 
 
 def _memory_candidate(root: str, step: Optional[int], found: List[_Found]) -> None:
-    mem = memory_path(root)
-    if not os.path.isdir(os.path.join(mem, _store.MANIFEST_DIR)):
-        return
     from ._remote import LocalStore
 
+    mem = memory_path(root)
+    try:
+        why = refusal(mem) or foreign(root, LocalStore(mem))
+    except FileNotFoundError:
+        return
+    if why is not None:  # planted, or another store's: never loaded
+        log.warning("layerckpt: the memory tier %s is not used: %s; the disk is read", mem, why)
+        return
+    if not os.path.isdir(os.path.join(mem, _store.MANIFEST_DIR)):
+        return
     try:
         name, mm = pick(LocalStore(mem), step)
     except CheckpointError as e:  # a stale or damaged memory tier: the disk is read
@@ -243,6 +264,13 @@ def _remote_candidate(url: Optional[str], root: str, step: Optional[int], config
             raise
         log.warning("layerckpt: the remote tier %s could not be read (%s: %s); restoring from %s",
                     url, type(e).__name__, e, "memory" if found[-1][1] == "memory" else root)
+        return
+    why = foreign(root, store, local_empty=not _store.list_manifests(root))
+    if why is not None:
+        msg = f"the remote tier {url} (Config.remote) is not used: {why}"
+        if not found:
+            raise CheckpointError(f"{msg}; restore it by its URL if it is the one meant")
+        log.warning("layerckpt: %s; restoring from %s", msg, "memory" if found[-1][1] == "memory" else root)
         return
     found.append(((rm.seq, rm.created, _SPEED["remote"]), "remote", Source("remote", store, name, rm)))
 

@@ -4,6 +4,7 @@
 <dirpath>/data/step-00000100.rank0.safetensors   one file per (step, rank): a valid safetensors file
 <dirpath>/manifests/step-00000100.json           the commit record (see _manifest)
 <dirpath>/latest                                  name of the newest committed manifest (a hint)
+<dirpath>/.store-id                               the store's identity (random, made by its first writer)
 ```
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 import stat
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from ._json import read_regular
 from ._manifest import Manifest, load_manifest
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
@@ -140,6 +142,53 @@ def _open_lock_file(path: str) -> int:
         raise CheckpointError(f"{path} is not a plain file; remove it (the store's writer lock is a plain file "
                               f"layerckpt creates itself)")
     return fd
+
+
+STORE_ID = ".store-id"
+_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def parse_store_id(raw: bytes, where: str) -> str:
+    """The identity a ``.store-id`` file holds (32 hex digits); anything else is a damaged file."""
+    text = bytes(raw).decode("ascii", "replace").strip()
+    if not _ID_RE.match(text):
+        raise CheckpointCorruptError(f"store identity {where} does not hold 32 hex digits; the file is damaged "
+                                     f"or not layerckpt's", path=where)
+    return text
+
+
+def store_id(root: str) -> Optional[str]:
+    """The identity of the store ``root``, None where it has none (a store no writer opened since identities
+    exist); never read through a link."""
+    path = os.path.join(root, STORE_ID)
+    try:
+        raw = read_regular(path, "store identity", cap=4096, follow=False)
+    except CheckpointNotFoundError:
+        return None
+    return parse_store_id(raw, path)
+
+
+def ensure_store_id(root: str, value: Optional[str] = None) -> str:
+    """The identity of the store ``root``, created (``value``, else a random one) where it has none; the file
+    is created exclusively and never through a link."""
+    import uuid
+
+    path = os.path.join(root, STORE_ID)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:  # made before (or a link, which store_id refuses)
+        found = store_id(root)
+        if found is None:
+            raise CheckpointError(f"{path} vanished while it was being read; open the store again")
+        return found
+    value = value or uuid.uuid4().hex
+    try:
+        os.write(fd, (value + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return value
 
 
 def local_path(path: Union[str, "os.PathLike[str]"], what: str = "checkpoint directory") -> str:

@@ -29,10 +29,10 @@ from typing import AbstractSet, Dict, List, Optional, Tuple, Union
 from . import _faults, _registry, _retain, _store
 from ._json import loads_strict
 from ._manifest import Manifest
-from ._memtier import memory_path
+from ._memtier import make_private, memory_path
 from ._remote import DATA, MANIFESTS, FsspecStore, LocalStore
 from .config import REMOTE_BASES, Config
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointWriteError
 
 log = logging.getLogger("layerckpt")
 
@@ -55,6 +55,33 @@ def read_all(store) -> Tuple[Dict[str, Manifest], List[str]]:
         except (ValueError, UnicodeDecodeError, CheckpointCorruptError):
             bad.append(n)
     return good, bad
+
+
+BAD_ID = "unreadable"  # a tier's identity file that is damaged: it matches no store
+
+
+def tier_id(store) -> Optional[str]:
+    """The store identity a tier carries (copied there by the writer that created it), None without one."""
+    try:
+        raw = store.read("", _store.STORE_ID)
+    except (FileNotFoundError, CheckpointNotFoundError):
+        return None
+    except (OSError, CheckpointCorruptError) as e:
+        log.warning("layerckpt: the store identity of the tier %s cannot be read: %s", store.url, e)
+        return BAD_ID
+    try:
+        return _store.parse_store_id(raw, store.where("", _store.STORE_ID))
+    except CheckpointCorruptError:
+        return BAD_ID
+
+
+def same_store(local: Optional[str], tier: Optional[str], local_empty: bool = False) -> bool:
+    """Whether a tier carrying the identity ``tier`` holds the composites of the store ``local`` names.
+    Neither has one: a store and its tier from before identities (trusted as they were).  Only the tier has
+    one: the store is a new local place of it (``local_empty``: no composite of its own yet)."""
+    if local is None:
+        return tier is None or local_empty
+    return local == tier
 
 
 def is_base(m: Manifest) -> bool:
@@ -186,11 +213,17 @@ class Tier:
         self.newest: Optional[Tuple[int, int]] = None  # (seq, step) of its newest composite at open
         _registry.tier_opened(root, self)
 
-    def open(self) -> None:
-        """Reach the store (a bad URL, credentials or bucket fail here) and read what it holds."""
+    def open(self, identity: str) -> None:
+        """Reach the store (a bad URL, credentials or bucket fail here), make sure it is the store ``identity``'s
+        tier (carrying that identity), and read what it holds."""
         try:
+            if self.kind == "memory":
+                self._claim_memory(identity)
             self.store.prepare()
+            self._claim(identity)
             good, _ = read_all(self.store)
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001 - fsspec implementations raise their own types
             raise CheckpointError(
                 f"the {self.kind} tier {self.store.url} cannot be written: {type(e).__name__}: {e}; check "
@@ -200,6 +233,26 @@ class Tier:
             n = _store.newest(good)
             self.newest = (good[n].seq, good[n].step)
             self.seq = max(tm.seq for tm in good.values())
+
+    def _claim_memory(self, identity: str) -> None:
+        """The memory tier's folder: private and this user's, else refused; another store's is emptied."""
+        why = make_private(self.store.root)
+        if why is not None:
+            raise CheckpointError(f"the memory tier {self.store.root} cannot be used: {why}; remove it, or name "
+                                  f"a private base folder in LAYERCKPT_SHM")
+        if tier_id(self.store) != identity:  # left by an earlier store at this path: not ours to continue
+            shutil.rmtree(self.store.root)
+            make_private(self.store.root)
+
+    def _claim(self, identity: str) -> None:
+        found = tier_id(self.store)
+        if found is None:
+            self.store.put_bytes("", _store.STORE_ID, (identity + "\n").encode())
+        elif found != identity:
+            raise CheckpointError(
+                f"the {self.kind} tier {self.store.url} holds the checkpoints of another store (identity {found}, "
+                f"this store's is {identity} in {os.path.join(self.root, _store.STORE_ID)}); name a remote of "
+                f"this store's own")
 
     def held(self) -> AbstractSet[str]:
         with self._cv:
@@ -289,8 +342,9 @@ class Tiers:
                 raise CheckpointError(f"Config.remote {config.remote} is the checkpoint directory itself; "
                                       f"name another place")
             self.tiers.append(Tier("remote", store, root, config.keep_last, config.remote_every, self))
+        identity = claim_identity(root, [t.store for t in self.tiers if t.kind == "remote"])
         for t in self.tiers:
-            t.open()
+            t.open(identity)
         self.seq = max(t.seq for t in self.tiers)
 
     def catch_up(self) -> None:
@@ -350,8 +404,24 @@ def open_tiers(root: str, config: Config, retention: _retain.Retention) -> Optio
         # a memory tier left by an earlier run of this directory would only shadow this run's saves
         shutil.rmtree(memory_path(root), ignore_errors=True)
     if not config.memory_tier and config.remote is None:
+        claim_identity(root, [])
         return None
     return Tiers(root, config, retention)
+
+
+def claim_identity(root: str, remotes: List) -> str:
+    """The identity of the store ``root``, made when its writer first opens it: a new local place of a remote
+    (no composite of its own yet) takes the remote's, any other store a random one."""
+    found = _store.store_id(root)
+    if found is not None:
+        return found
+    adopt = None
+    if remotes and not _store.list_manifests(root):
+        try:
+            adopt = tier_id(remotes[0])
+        except Exception:  # noqa: BLE001 - an unreachable remote is reported when the tier opens
+            adopt = None
+    return _store.ensure_store_id(root, adopt if adopt != BAD_ID else None)
 
 
 def _as_write_error(e: BaseException, tier: Tier, step: int) -> CheckpointWriteError:
