@@ -179,4 +179,16 @@ def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], e
         "rng": rng_state(entries, rank),
         "extra": encode(extra if extra is not None else {}, EXTRA, entries, "extra"),
     }
+    _check_unique(entries)
     return entries, meta
+
+
+def _check_unique(entries: Entries) -> None:
+    """Refuse two tensors under one key (``extra={'a/b': t, 'a': {'b': u}}``): one would be read back as both."""
+    seen = set()
+    for k, _ in entries:
+        if k in seen:
+            raise CheckpointError(
+                f"two tensors would be stored under the key {k!r}: a dict key holding '/' names the same place as "
+                f"nested dicts (e.g. extra['a/b'] and extra['a']['b']); rename one of them")
+        seen.add(k)

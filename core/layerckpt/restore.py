@@ -11,6 +11,7 @@ straight into its memory.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 from . import _dist, _fetch, _policy as policy
 from ._codec import decode, tensor_refs
 from ._gather import model_state, optimizer_params, param_names, set_rng_state
-from ._layout import DTYPES
+from ._layout import CODES, DTYPES
 from ._manifest import Manifest, is_rng, model_key, model_name, parse_once, split_piece
 from ._reader import Reader, is_row_sharded, local_rows, open_reader, read_tensors, retry_gone  # noqa: F401 (cli)
 from .config import Config
@@ -274,7 +275,63 @@ def _optimizer_keys(optimizer, model, m, strict) -> List[str]:
             mismatched=[] if cur != old else [
                 f"param_groups: checkpoint has {len(saved_groups)} group(s) of sizes {[len(g) for g in saved_groups]}, "
                 f"optimizer has {len(cur_groups)} of sizes {[len(g) for g in cur_groups]}"])
+    _check_optimizer_state(optimizer, model, m)
     return sorted(set(tensor_refs(saved["state"])))
+
+
+# torch.optim classes whose per-parameter state tensors have their parameter's shape and dtype, but for the
+# scalar entries below; an optimizer keeping factored state (Adafactor) or one not listed is checked by the
+# generic rule of _state_problem
+_PARAM_SHAPED = frozenset(getattr(torch.optim, n) for n in (
+    "Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop",
+    "SparseAdam") if hasattr(torch.optim, n))
+_SCALAR_STATE = frozenset(("step", "mu_product", "eta", "mu"))
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, m: Manifest) -> None:
+    """Refuse optimizer state recorded with another shape or dtype than its parameter (a DTensor: its global
+    shape) before anything is read: torch would cast the bytes it was given, or fail at the next step()."""
+    params = dict(model.named_parameters())
+    known = type(optimizer) in _PARAM_SHAPED
+    bad = []
+    for name, st in m.optimizer["state"].items():
+        p = params.get(name)
+        if p is None or not isinstance(st, dict):
+            continue
+        for key, v in st.items():
+            problem = _state_problem(key, v, p, m, known)
+            if problem:
+                bad.append(f"optimizer.state[{name}][{key!r}]: {problem}")
+    if bad:
+        raise CheckpointMismatchError("optimizer", mismatched=bad)
+
+
+def _state_problem(key: str, v: Any, p: torch.Tensor, m: Manifest, known: bool) -> Optional[str]:
+    """What is wrong with the state entry ``key`` (encoded ``v``) of parameter ``p``, or None.  Known optimizers:
+    a scalar entry is a number or a one-element tensor, any other tensor has p's shape and dtype.  Others: a
+    tensor of p's size (more than one element) has p's shape, and its dtype unless it is an integer one (8-bit
+    optimizers keep quantized state of a floating parameter's size)."""
+    ref = v.get("__tensor__") if isinstance(v, dict) and len(v) == 1 else None
+    d = m.describe(ref) if isinstance(ref, str) else None
+    want = (DTYPES.get(p.dtype, str(p.dtype)), list(p.shape))
+    if known and key in _SCALAR_STATE:
+        if d is None and (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            return None
+        if d is not None and math.prod(d[1]) == 1 and len(d[1]) <= 1:
+            return None
+        return f"checkpoint {_shown(v, d)}, expected a number or a one-element tensor"
+    if known and d is None:
+        return None if v is None else f"checkpoint {_shown(v, d)}, expected a tensor {tuple(want[1])} {want[0]}"
+    if d is None or list(d) == list(want):
+        return None
+    if not known and (math.prod(d[1]) != p.numel() or p.numel() <= 1
+                      or (d[1] == want[1] and not getattr(CODES.get(d[0]), "is_floating_point", True))):
+        return None
+    return f"checkpoint {tuple(d[1])} {d[0]}, expected {tuple(want[1])} {want[0]} (its parameter's)"
+
+
+def _shown(v: Any, d: Optional[Tuple[str, List[int]]]) -> str:
+    return f"a tensor {tuple(d[1])} {d[0]}" if d is not None else f"a {type(v).__name__}"
 
 
 def _shard_windows(model: torch.nn.Module, m: Manifest) -> Dict[str, Tuple[int, int]]:
