@@ -68,12 +68,17 @@ def _check_accounting(r, w, root) -> tuple:
     return model_b, opt_b, written
 
 
-def test_frozen_backbone_writes_the_base_once_and_the_head_at_every_save(tmp_path):
-    w = WORKLOADS["frozen-backbone"]
-    r = policy.run(w, layerckpt.Config(), str(tmp_path))
+def _run_default(name: str, root) -> tuple:
+    """The policy bench's run of one workload with the default Config, its accounting checked; returns
+    (result, a fresh model of the workload, (model bytes, optimizer bytes, {data file: tensors}))."""
+    w = WORKLOADS[name]
+    r = policy.run(w, layerckpt.Config(), str(root))
     print(policy.format_table([r], layerckpt.Config()))
-    model_b, opt_b, _ = _check_accounting(r, w, tmp_path)
-    model, _ = w.make()
+    return r, w.make()[0], _check_accounting(r, w, root)
+
+
+def test_frozen_backbone_writes_the_base_once_and_the_head_at_every_save(tmp_path):
+    r, model, (model_b, opt_b, _) = _run_default("frozen-backbone", tmp_path)
     head = _nbytes(model.head.parameters())
     # the first save is full; every later one is the head and its AdamW state (the only trainable layer)
     assert r["bytes"] == model_b + opt_b + (r["saves"] - 1) * (head + opt_b)
@@ -82,11 +87,7 @@ def test_frozen_backbone_writes_the_base_once_and_the_head_at_every_save(tmp_pat
 
 
 def test_lora_writes_the_frozen_base_once(tmp_path):
-    w = WORKLOADS["lora"]
-    r = policy.run(w, layerckpt.Config(), str(tmp_path))
-    print(policy.format_table([r], layerckpt.Config()))
-    _, _, written = _check_accounting(r, w, tmp_path)
-    model, _ = w.make()
+    r, model, (_, _, written) = _run_default("lora", tmp_path)
     first = next(iter(written.values()))
     assert {f"model/{n}" for n in model.state_dict() if "lora_" not in n} <= set(first)  # the base, at the first save
     # after the first save only adapters (and their optimizer state) are written

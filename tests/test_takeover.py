@@ -174,12 +174,13 @@ def test_another_live_process_is_still_refused(tmp_path):
     try:
         assert child.stdout.readline().strip() == "FLUSHING"
         data = sorted(os.listdir(root / "data"))
+        assert data == ["step-00000001.rank0.safetensors"]
         for _ in range(2):  # and a refused opener leaves nothing in this process's registry to take over from
             with pytest.raises(layerckpt.CheckpointError,
                                match=rf"already has a writer \(pid {child.pid} on {socket.gethostname()}\)"):
                 layerckpt.Checkpointer(root, small_model())
         assert str(root) not in _registry._stores
-        assert sorted(os.listdir(root / "data")) == data
+        assert sorted(os.listdir(root / "data")) == data  # the refused opener deleted nothing
         gate.touch()
         assert child.stdout.readline().strip() == "COMMITTED"
     finally:
@@ -187,6 +188,7 @@ def test_another_live_process_is_still_refused(tmp_path):
         child.wait(timeout=60)
     out = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
     assert layerckpt.restore(root, out).step == 1
+    assert all(bool((p == 3.0).all()) for p in out.parameters())
     layerckpt.Checkpointer(root, small_model()).close()  # the holder is gone: the lock went with it
 
 
