@@ -48,7 +48,8 @@ def child(role: str, args: argparse.Namespace) -> Dict[str, float]:
     from layerckpt.bench.workload import make_model, make_optimizer
 
     steps: Dict[str, float] = {}
-    _timed(acc_module, "load_accelerator_state", "load_accelerator_state (accelerate: all of it; plugin: RNG, objects)", steps)
+    _timed(acc_module, "load_accelerator_state", "load_accelerator_state (accelerate: all; plugin: RNG, objects)",
+           steps)
     if role == "layerckpt":
         _timed(plugin_module, "restore", "restore(): read, verify, load the composite", steps)
         _timed(plugin_module.LayerCheckpointPlugin, "_adopt",
@@ -87,13 +88,14 @@ def main(argv: List[str] = None) -> int:
     ap.add_argument("--n-layer", type=int, default=6)
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--total-limit", type=int, default=3)
+    ap.add_argument("--only", choices=("accelerate", "layerckpt"), help="time one contender only")
     ap.add_argument("--role", choices=("accelerate", "layerckpt"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.role:
         print(json.dumps(child(args.role, args)))
         return 0
-    got: Dict[str, Dict[str, List[float]]] = {"accelerate": collections.defaultdict(list),
-                                              "layerckpt": collections.defaultdict(list)}
+    got: Dict[str, Dict[str, List[float]]] = {role: collections.defaultdict(list) for role in ("accelerate", "layerckpt")
+                                              if args.only in (None, role)}
     for _ in range(args.reps):
         for role in got:
             r = subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),

@@ -10,7 +10,7 @@ import pytest
 from accelerate.state import AcceleratorState, GradientState
 
 import layerckpt
-from accelerate_helpers import Run
+from accelerate_helpers import Run, tiny
 from conftest import assert_same_optimizer_state, assert_same_tensors
 from accelerate_layerckpt import folders, remote
 
@@ -173,3 +173,27 @@ def test_a_newer_remote_folder_wins_over_an_older_local_one(tmp_path, runs, s3):
     assert again.plugin.last_restore[0].step == 3
     assert again.plugin.last_restore[0].manifest == str(tmp_path / "node1" / "layerckpt" / "model_0" / "manifests"
                                                         / "step-00000003.json")
+
+
+def test_remote_retention_keeps_the_older_files_selective_composites_read(tmp_path, runs):
+    """Default (selective) Config: kept composites carry layers from saves whose folders and composites were
+    rotated away on the remote; those data objects stay, and each kept remote composite restores exactly what
+    the same composite restores locally."""
+    url = f"memory://sel-{uuid.uuid4().hex[:12]}/run"
+    cfg = layerckpt.Config(remote=url)
+    bucket = Bucket(url, {})
+    run = runs(tmp_path, total_limit=2, config=cfg)
+    snaps = {}
+    save(run, snaps)
+    for _ in range(3):  # nothing trains in between: every layer is carried from the first save
+        run.acc.save_state()
+        run.plugin.wait()
+    assert bucket.names("folders") == ["checkpoint_2", "checkpoint_3"]
+    assert bucket.steps() == [2, 3]
+    kept = set(bucket.names("model_0/data"))
+    assert kept == bucket.referenced() and any(n.startswith("step-00000000.") for n in kept)
+    for step in (2, 3):
+        here, there = tiny(1), tiny(2)
+        layerckpt.restore(str(tmp_path / "layerckpt" / "model_0"), here, step=step)
+        layerckpt.restore(f"{url}/model_0", there, step=step, config=cfg)
+        assert_same_tensors(here.state_dict(), there.state_dict())

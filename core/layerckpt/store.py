@@ -15,9 +15,9 @@ open it (credentials, endpoint); reading a URL first waits for this process's ow
   (a :class:`Composite`: a manifest's public facts);
 - what stays: a Checkpointer's own retention keeps its ``Config.keep_last`` newest composites plus
   those pinned with ``Checkpointer.keep(manifests)`` (``keep([])`` releases the pins); a caller that
-  decides itself what stays drops the rest with :func:`release`;
+  decides itself what stays drops the rest with :func:`release` (a local store or a remote tier's URL);
 - durability: :func:`fsync_dir`;
-- plain files beside a remote tier: :class:`RemoteFiles`.
+- plain files beside a remote tier: :class:`RemoteFiles` (copies capped by a bandwidth, as a tier's are).
 
 The Lightning and Accelerate adapters use only this module, the names ``layerckpt`` exports and
 :mod:`layerckpt.adapters`; the underscore modules behind them are the engine's own.
