@@ -117,6 +117,12 @@ def read_pointer(folder: str) -> Optional[Pointer]:
             raw = f.read()
     except FileNotFoundError:
         return None
+    return parse_pointer(raw, path)
+
+
+def parse_pointer(raw: bytes, path: str) -> Pointer:
+    """The pointer whose bytes are ``raw``, read from ``path`` (a local file, or a URL for a remote folder's
+    copy: its ``store`` then means nothing here, its step and token do)."""
     try:
         d = json.loads(raw.decode("utf-8"))
         ok = (isinstance(d, dict) and d.get("format") == POINTER_FORMAT and isinstance(d.get("version"), int)
@@ -160,7 +166,7 @@ def check_committed(ptr: Pointer) -> List[str]:
                 f"the layerckpt composite of {os.path.dirname(ptr.path)} (step {ptr.step} in {root}) was never "
                 f"committed: the run stopped before that checkpoint was durable; load an older checkpoint folder"
             ) from None
-        token = token_of(store.read_manifest(mpath).extra)
+        token = _token_at(mpath)
         if token != ptr.token:
             raise CheckpointNotFoundError(
                 f"{mpath} belongs to another checkpoint than {os.path.dirname(ptr.path)} (token {token!r}, the "
@@ -168,6 +174,37 @@ def check_committed(ptr: Pointer) -> List[str]:
                 f"checkpoint folder")
         paths.append(mpath)
     return paths
+
+
+_TOKENS: Dict[Tuple[str, int, int, int], Any] = {}  # manifest (path, inode, size, mtime) -> its token
+
+
+def _token_at(mpath: str) -> Any:
+    """The pointer token of the local manifest ``mpath``, parsed once per version of the file: a
+    ``load_state()`` checks one composite several times (which folder is newest, before the load), and a
+    manifest is never rewritten in place (a new one is renamed over it: another inode)."""
+    try:
+        st = os.stat(mpath)
+    except FileNotFoundError:  # gone since it was resolved: read_manifest says so in the library's terms
+        return token_of(store.read_manifest(mpath).extra)
+    key = (mpath, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _TOKENS:
+        if len(_TOKENS) > 256:
+            _TOKENS.clear()
+        _TOKENS[key] = token_of(store.read_manifest(mpath).extra)
+    return _TOKENS[key]
+
+
+def loadable_step(folder: Optional[str]) -> int:
+    """The step of ``folder``'s composite when it loads from the local store; -1 when there is none (no
+    folder, a plain accelerate folder, a damaged pointer, a composite not committed here)."""
+    if folder is None:
+        return -1
+    try:
+        ptr = read_pointer(folder)
+    except CheckpointError:
+        return -1
+    return ptr.step if ptr is not None and committed(ptr) else -1
 
 
 def token_of(extra: Any) -> Any:

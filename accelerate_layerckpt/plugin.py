@@ -331,7 +331,11 @@ class LayerCheckpointPlugin:
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(start, from_process=0)  # every rank saves the same steps
-        uploads = remote.FolderUploads(cfg) if cfg.remote is not None and self.accelerator.is_main_process else None
+        uploads = None
+        if cfg.remote is not None and self.accelerator.is_main_process:
+            pc = self.accelerator.project_configuration  # total_limit rotates automatic naming's folders only
+            limit = pc.total_limit if os.path.normpath(folders_dir) == self._auto_dir() else None
+            uploads = remote.FolderUploads(cfg, len(cks), limit)
         st = _Store(root, cks, _with_optimizer(pairs), start[0], start[1], live, uploads)
         self._stores[root] = st
         return st
@@ -353,34 +357,14 @@ class LayerCheckpointPlugin:
 
     def _load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs: Any):
         self.last_restore = []
-        folder, auto = None, self._auto_dir()
-        if input_dir is not None:
-            folder = os.path.expanduser(os.fspath(input_dir))
-        elif auto is not None:
-            _wait_for_flushes()  # a folder of this process whose composite is still flushing is loadable
-            folder = folders.newest_loadable(auto)
-        if (folder is None or not os.path.isdir(folder)) and self.config.remote is not None and (
-                folder is not None or auto is not None):
-            folder = self._fetch(folder, auto)
+        folder = self._pick_folder(input_dir)
         if folder is None or not os.path.isdir(folder):
             return self._orig["load_state"](input_dir, load_kwargs, **kwargs)  # accelerate's own error
         ptr = folders.read_pointer(folder)
         if ptr is None:  # written by plain accelerate (or before the plugin was registered)
             out = self._orig["load_state"](folder, load_kwargs, **kwargs)
         else:
-            for plugin in [self, *_registered.values()]:  # saved by this process: a flush may be in flight
-                st = plugin._stores.get(os.path.normpath(ptr.store))
-                if st is not None:
-                    st.wait_flushes()
-            try:
-                folders.check_committed(ptr)  # before anything is loaded
-            except CheckpointError:
-                # the local store lost, or never given this composite: the remote tier's is read.  A local
-                # manifest of that step that is another composite (token) is an error, never shadowed
-                here = [i for i in range(len(ptr.optimizers))
-                        if os.path.exists(store.manifest_path(ptr.model_root(i), ptr.step))]
-                if self.config.remote is None or here or not remote.committed(self.config, ptr):
-                    raise
+            self._check_loadable(ptr)  # before anything is loaded
             self._pointer = ptr
             try:
                 with self._routing():
@@ -390,10 +374,45 @@ class LayerCheckpointPlugin:
         self._next_iteration(folder)
         return out
 
-    def _fetch(self, folder: Optional[str], auto: Optional[str]) -> Optional[str]:
+    def _pick_folder(self, input_dir: Optional[str]) -> Optional[str]:
+        """The folder to load: ``input_dir`` (fetched from the remote tier when it is not here), else under
+        automatic naming the newest loadable one, local or remote: the remote's wins when its step is higher
+        (steps grow across machines, see ``_open``), and is fetched into ``checkpoints/``."""
+        auto = self._auto_dir()
+        if input_dir is not None:
+            folder = os.path.expanduser(os.fspath(input_dir))
+            if self.config.remote is not None and not os.path.isdir(folder):
+                return self._fetch(folder, auto) or folder
+            return folder
+        if auto is None:
+            return None
+        _wait_for_flushes()  # a folder of this process whose composite is still flushing is loadable
+        folder = folders.newest_loadable(auto)
+        if self.config.remote is None:
+            return folder
+        return self._fetch(None, auto, newer_than=folders.loadable_step(folder)) or folder
+
+    def _check_loadable(self, ptr: folders.Pointer) -> None:
+        """Every model's composite of ``ptr`` is committed, in the local store or else on the remote tier."""
+        for plugin in [self, *_registered.values()]:  # saved by this process: a flush may be in flight
+            st = plugin._stores.get(os.path.normpath(ptr.store))
+            if st is not None:
+                st.wait_flushes()
+        try:
+            folders.check_committed(ptr)
+        except CheckpointError:
+            # the local store lost, or never given this composite: the remote tier's is read.  A local
+            # manifest of that step that is another composite (token) is an error, never shadowed
+            here = [i for i in range(len(ptr.optimizers))
+                    if os.path.exists(store.manifest_path(ptr.model_root(i), ptr.step))]
+            if self.config.remote is None or here or not remote.committed(self.config, ptr):
+                raise
+
+    def _fetch(self, folder: Optional[str], auto: Optional[str], newer_than: int = -1) -> Optional[str]:
         """The checkpoint folder from the remote tier, downloaded where it would be: ``folder`` (an explicit
-        load_state(dir)), or the newest loadable one into ``auto``.  The main process downloads; every process
-        gets its path (the folders are shared, as the plugin writes them)."""
+        load_state(dir)), or the newest loadable one into ``auto`` when its step is above ``newer_than``;
+        None when there is none.  The main process downloads; every process gets its path (the folders are
+        shared, as the plugin writes them)."""
         acc = self.accelerator
         found = [None]
         if acc.is_main_process:
@@ -401,12 +420,12 @@ class LayerCheckpointPlugin:
                 where = os.path.abspath(folder)
                 found[0] = remote.fetch_folder(self.config, os.path.basename(where), os.path.dirname(where))
             else:
-                found[0] = remote.fetch_folder(self.config, None, auto)
+                found[0] = remote.fetch_folder(self.config, None, auto, newer_than)
         if acc.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(found, from_process=0)
-        return found[0] if found[0] is not None else folder
+        return found[0]
 
     def _load_hook(self, models: List[torch.nn.Module], input_dir: str) -> None:
         """Runs inside load_state before accelerate loads schedulers, RNG, samplers and registered objects."""
@@ -446,7 +465,7 @@ class LayerCheckpointPlugin:
         base = self._auto_dir()
         if base is None:
             return
-        nums = [n for n, _ in folders.numbered(base)]
+        nums = [n for n, _ in folders.numbered(base)] + remote.folder_numbers(self.config)  # never reuse a name
         if folders.is_inside(folder, base) and folders.folder_number(folder) is not None:
             nums.append(folders.folder_number(folder))
         pc = self.accelerator.project_configuration

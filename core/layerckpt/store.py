@@ -15,9 +15,9 @@ open it (credentials, endpoint); reading a URL first waits for this process's ow
   (a :class:`Composite`: a manifest's public facts);
 - what stays: a Checkpointer's own retention keeps its ``Config.keep_last`` newest composites plus
   those pinned with ``Checkpointer.keep(manifests)`` (``keep([])`` releases the pins); a caller that
-  decides itself what stays drops the rest with :func:`release`;
+  decides itself what stays drops the rest with :func:`release` (a local store or a remote tier's URL);
 - durability: :func:`fsync_dir`;
-- plain files beside a remote tier: :class:`RemoteFiles`.
+- plain files beside a remote tier: :class:`RemoteFiles` (copies capped by a bandwidth, as a tier's are).
 
 The Lightning and Accelerate adapters use only this module, the names ``layerckpt`` exports and
 :mod:`layerckpt.adapters`; the underscore modules behind them are the engine's own.
@@ -153,11 +153,15 @@ def read_manifest(path: PathLike, *, config: Optional[Config] = None) -> Composi
         raise CheckpointCorruptError(f"manifest {p} is truncated or malformed ({e})", path=p) from None
 
 
-def release(root: PathLike, drop: Iterable[int]) -> List[str]:
-    """Delete the committed composites of the steps ``drop`` from the local store ``root``; the newest committed
-    composite always stays (the next selective save builds on it).  Manifests go first and are made durable,
-    then the data files no remaining composite uses, so a kill at any moment leaves every other composite
-    whole; with a damaged manifest present no data file is deleted.  Returns the paths removed."""
+def release(root: PathLike, drop: Iterable[int], *, config: Optional[Config] = None) -> List[str]:
+    """Delete the committed composites of the steps ``drop`` from the store ``root`` (a directory or a remote
+    tier's URL); the newest committed composite always stays (the next selective save builds on it).
+    Manifests go first (made durable locally), then the data files no remaining composite uses, so a kill at
+    any moment leaves every other composite whole; with a damaged manifest present no data file is deleted.
+    Returns the paths (URLs) removed."""
+    if is_url(os.fspath(root)):
+        url = os.fspath(root)
+        return _remote_call(url, lambda: _release_remote(_open_url(url, config), set(drop)))
     root = local_path(root)
     wanted = set(drop)
     if not wanted & set(steps(root)):
@@ -167,13 +171,36 @@ def release(root: PathLike, drop: Iterable[int]) -> List[str]:
     return _retain.drop(root, good, bad, sorted(n for n, m in good.items() if m.step in wanted and n != last))
 
 
+def _release_remote(tier: "_remote.FsspecStore", wanted: set) -> List[str]:
+    """:func:`release` on a remote tier, safe beside the tier's own copier: of the data objects, only those the
+    dropped manifests used and no manifest listed *after* their removal uses are deleted, so a composite
+    committed meanwhile (or one whose copy reuses an object the newest composite holds) keeps every object."""
+    names = tier.names(_remote.MANIFESTS)
+    if not wanted & {_store.manifest_step(n) for n in names}:
+        return []
+    good, bad = _tiers.read_all(tier)
+    last = _store.newest(good)
+    gone = sorted(n for n, m in good.items() if m.step in wanted and n != last)
+    if not gone:
+        return []
+    used = _retain.referenced_files({n: good[n] for n in gone})
+    removed = [tier.where(_remote.MANIFESTS, n) for n in tier.delete(_remote.MANIFESTS, gone)]
+    after, bad_after = _tiers.read_all(tier)
+    if bad or bad_after:  # what a damaged manifest references is unknown: keep every data object
+        return removed
+    orphans = sorted(used - _retain.referenced_files(after))
+    return removed + [tier.where(_remote.DATA, n) for n in tier.delete(_remote.DATA, orphans)]
+
+
 class RemoteFiles:
     """Plain files under an fsspec URL, e.g. beside a store's remote tier (the Accelerate plugin keeps its
     checkpoint folders there).  ``options`` are the file system's keyword arguments (``Config.remote_options``).
-    Paths inside are ``sub`` (``/``-separated folders, may be empty) and a file ``name``."""
+    Paths inside are ``sub`` (``/``-separated folders, may be empty) and a file ``name``.  ``bandwidth``
+    (bytes per second, e.g. ``Config.remote_bandwidth``) caps the uploads of this object, as it caps each
+    Checkpointer's remote tier: a copy of N bytes takes at least N / bandwidth seconds."""
 
-    def __init__(self, url: str, options: Optional[dict] = None):
-        self._tier = _remote.FsspecStore(url, options)
+    def __init__(self, url: str, options: Optional[dict] = None, *, bandwidth: Optional[int] = None):
+        self._tier = _remote.FsspecStore(url, options, bandwidth=bandwidth)
         self.url = self._tier.url
 
     def _path(self, *parts: str) -> str:
@@ -191,6 +218,21 @@ class RemoteFiles:
         if self._tier.local:  # a local file system wants the folders; object stores have none
             self._tier.fs.makedirs(self._path(sub), exist_ok=True)
         self._tier.put_file(src, sub, name)
+
+    def delete(self, sub: str, names: Iterable[str]) -> List[str]:
+        """Delete the files ``<url>/<sub>/<name>`` (those missing are no error); returns the names deleted."""
+        return self._tier.delete(sub, list(names))
+
+    def remove_tree(self, sub: str, first: Iterable[str] = ()) -> None:
+        """Delete every file under ``<url>/<sub>``, the files named in ``first`` before the others (a folder's
+        commit mark first, so that a kill midway never leaves it looking whole)."""
+        self.delete(sub, first)
+        base = self._path(sub)
+        try:
+            self._tier.fs.rm(base, recursive=True)
+        except FileNotFoundError:
+            pass
+        self._tier.fs.invalidate_cache(base)
 
     def download(self, sub: str, dest: str) -> List[str]:
         """Copy every file under ``<url>/<sub>`` to the same relative path under the local ``dest``; returns
