@@ -113,25 +113,33 @@ def read_pointer(folder: str) -> Optional[Pointer]:
     """The folder's pointer; None when it has none (a folder plain accelerate wrote)."""
     path = os.path.join(os.path.abspath(folder), POINTER)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        d = store.read_json(path, "pointer")
     except FileNotFoundError:
         return None
-    return parse_pointer(raw, path)
+    except CheckpointCorruptError:
+        if not os.path.isfile(path) or os.path.islink(path):
+            raise  # not a plain file (a FIFO, a device, a link): the reader's error says which
+        d = None  # malformed: said below, as a pointer
+    return _pointer(d, path)
 
 
 def parse_pointer(raw: bytes, path: str) -> Pointer:
     """The pointer whose bytes are ``raw``, read from ``path`` (a local file, or a URL for a remote folder's
     copy: its ``store`` then means nothing here, its step and token do)."""
     try:
-        d = json.loads(raw.decode("utf-8"))
-        ok = (isinstance(d, dict) and d.get("format") == POINTER_FORMAT and isinstance(d.get("version"), int)
-              and isinstance(d.get("store"), str)
-              and isinstance(d.get("step"), int) and d["step"] >= 0 and isinstance(d.get("token"), str)
-              and isinstance(d.get("models"), list) and d["models"]
-              and all(isinstance(m, dict) and isinstance(m.get("optimizer"), bool) for m in d["models"]))
-    except (UnicodeDecodeError, ValueError):
-        ok = False
+        d = store.parse_json(raw, path, "pointer")
+    except CheckpointCorruptError:
+        d = None
+    return _pointer(d, path)
+
+
+def _pointer(d: Any, path: str) -> Pointer:
+    """The pointer the parsed JSON ``d`` of ``path`` holds (None: it did not parse)."""
+    ok = (isinstance(d, dict) and d.get("format") == POINTER_FORMAT and isinstance(d.get("version"), int)
+          and isinstance(d.get("store"), str)
+          and isinstance(d.get("step"), int) and d["step"] >= 0 and isinstance(d.get("token"), str)
+          and isinstance(d.get("models"), list) and d["models"]
+          and all(isinstance(m, dict) and isinstance(m.get("optimizer"), bool) for m in d["models"]))
     if not ok:
         raise CheckpointCorruptError(
             f"{path} is not a valid layerckpt pointer (truncated or edited?); it names the layerckpt composite "

@@ -369,3 +369,18 @@ def test_config_repr_redacts_remote_options(tmp_path):
     with pytest.raises(ConfigError) as e:
         layerckpt.Config(remote=(tmp_path / "r").as_uri(), remote_options=[("key", "AKIASECRET")])
     assert "AKIASECRET" not in str(e.value)
+
+
+def test_an_accelerate_pointer_that_is_a_fifo_or_has_duplicate_keys_is_refused(tmp_path):
+    from accelerate_layerckpt import folders
+
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / folders.POINTER)
+    with pytest.raises(layerckpt.CheckpointCorruptError, match="FIFO"):
+        folders.read_pointer(str(fifo))  # at once: never waits for a writer
+    dup = tmp_path / "dup"
+    dup.mkdir()
+    (dup / folders.POINTER).write_text('{"format": "x", "format": "y"}')
+    with pytest.raises(layerckpt.CheckpointCorruptError, match="not a valid layerckpt pointer"):
+        folders.read_pointer(str(dup))

@@ -28,8 +28,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional, Union
 
-from . import _fetch, _remote, _retain, _store, _tiers
-from ._json import loads_strict
+from . import _fetch, _json, _remote, _retain, _store, _tiers
 from ._manifest import Manifest, load_manifest
 from .config import Config
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -148,7 +147,7 @@ def read_manifest(path: PathLike, *, config: Optional[Config] = None) -> Composi
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {url}") from None
     try:
-        return Composite.of(Manifest.from_dict(loads_strict(raw, p), p), p)
+        return Composite.of(Manifest.from_dict(_json.loads_strict(raw, p), p), p)
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointCorruptError(f"manifest {p} is truncated or malformed ({e})", path=p) from None
 
@@ -270,6 +269,19 @@ def _remote_call(url: str, fn: Any) -> Any:
                               f"config=Config(remote=URL, remote_options={{...}})") from None
 
 
-__all__ = ["Composite", "is_url", "is_checkpoint", "locate", "local_path", "manifest_path", "manifest_name",
+def read_json(path: str, what: str = "file") -> Any:
+    """The JSON a small file of a store or of a framework's checkpoint folder holds, read as untrusted input:
+    only a regular file (never a FIFO, a device or a symbolic link), bounded, UTF-8, no duplicate key; a
+    missing file raises :class:`CheckpointNotFoundError`, anything else malformed a
+    :class:`CheckpointCorruptError` naming the file."""
+    return _json.load_strict(path, what, follow=False)
+
+
+def parse_json(raw: bytes, where: str, what: str = "file") -> Any:
+    """:func:`read_json` for bytes already read (e.g. from a remote), ``where`` naming where they came from."""
+    return _json.loads_strict(raw, where, what)
+
+
+__all__ = ["Composite", "read_json", "parse_json", "is_url", "is_checkpoint", "locate", "local_path", "manifest_path", "manifest_name",
            "resolve", "newest", "steps", "next_step", "composites", "read_manifest", "release", "fsync_dir",
            "RemoteFiles", "MANIFEST_DIR"]
