@@ -103,7 +103,7 @@ def write_pointer(folder: str, store_root: str, step: int, token: str, optimizer
             "store": os.path.relpath(store_root, folder), "step": step, "token": token,
             "models": [{"dir": model_dir(i), "optimizer": has} for i, has in enumerate(optimizers)]}
     path = os.path.join(folder, POINTER)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
+    with store.create_file(path + ".tmp", "w") as f:
         f.write(json.dumps(body, indent=1) + "\n")
     os.replace(path + ".tmp", path)
     return path

@@ -48,6 +48,6 @@ def export_ckpt(path: Union[str, os.PathLike], output: Union[str, os.PathLike], 
         raise layerckpt.CheckpointError(
             f"cannot write {output}: the directory {os.path.dirname(output)} does not exist; create it first")
     tmp = f"{output}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
+    with store.create_file(tmp) as f:
         torch.save(ckpt, f)
     return replace_durably(tmp, output)

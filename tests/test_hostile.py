@@ -384,3 +384,25 @@ def test_an_accelerate_pointer_that_is_a_fifo_or_has_duplicate_keys_is_refused(t
     (dup / folders.POINTER).write_text('{"format": "x", "format": "y"}')
     with pytest.raises(layerckpt.CheckpointCorruptError, match="not a valid layerckpt pointer"):
         folders.read_pointer(str(dup))
+
+
+@pytest.mark.parametrize("where", ["data", "manifest"])
+def test_a_file_the_library_writes_is_never_written_through_a_planted_link(tmp_path, where):
+    from conftest import small_model
+
+    root, victim = tmp_path / "ck", tmp_path / "victim"
+    model = small_model()
+    ck = layerckpt.Checkpointer(root, model, config=layerckpt.Config(full=True, lazy_staging=False))
+    ck.save(1).wait()
+    if where == "data":  # dangling: os.path.exists() says the fresh name is free, O_CREAT would follow it
+        (root / "data" / "step-00000002.rank0.safetensors").symlink_to(victim)
+    else:
+        (root / "manifests" / "step-00000002.json.tmp").symlink_to(victim)
+    if where == "data":  # a fresh name is one no entry of any kind holds: the link is passed over
+        assert ck.save(2).wait().path.endswith("step-00000002.v1.rank0.safetensors")
+    else:
+        with pytest.raises(layerckpt.CheckpointWriteError, match="symbolic links"):
+            ck.save(2).wait()
+    assert not victim.exists()
+    assert layerckpt.restore(root, small_model(1)).step == (2 if where == "data" else 1)
+    ck.close()

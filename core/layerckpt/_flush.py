@@ -280,7 +280,7 @@ def _diagnose_einval(path: str, size: int, err: OSError) -> OSError:
     limit (RLIMIT_FSIZE, quota, a full disk) and then refused the unaligned rest.  A buffered write
     at the file's intended end tells which limit it was."""
     try:
-        fd = os.open(path, os.O_WRONLY)
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
             os.pwrite(fd, b"\0", size - 1)
         finally:

@@ -60,7 +60,8 @@ def safe_join(root: str, sub: str, name: Any, what: str) -> str:
 def write_atomic(path: str, data: bytes) -> None:
     """Write tmp, fsync, rename over path, fsync the directory."""
     tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0), 0o644)  # never written through a link planted in its place
     try:
         view = memoryview(data)
         while view:

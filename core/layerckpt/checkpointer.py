@@ -393,7 +393,7 @@ class Checkpointer:
         """A data file name no committed manifest uses, so a re-save never overwrites committed data."""
         d = os.path.join(self.dirpath, _store.DATA_DIR)
         v = 0
-        while os.path.exists(os.path.join(d, _store.data_name(step, self.rank, v))):
+        while os.path.lexists(os.path.join(d, _store.data_name(step, self.rank, v))):
             v += 1
         return _store.data_name(step, self.rank, v)
 

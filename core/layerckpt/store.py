@@ -269,6 +269,14 @@ def _remote_call(url: str, fn: Any) -> Any:
                               f"config=Config(remote=URL, remote_options={{...}})") from None
 
 
+def create_file(path: str, mode: str = "wb"):
+    """A file object for writing ``path`` (created, or truncated), never through a symbolic link planted in
+    its place (``OSError`` ELOOP instead): how every file layerckpt writes into a folder is opened."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0), 0o644)
+    return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+
+
 def read_json(path: str, what: str = "file") -> Any:
     """The JSON a small file of a store or of a framework's checkpoint folder holds, read as untrusted input:
     only a regular file (never a FIFO, a device or a symbolic link), bounded, UTF-8, no duplicate key; a
@@ -282,6 +290,6 @@ def parse_json(raw: bytes, where: str, what: str = "file") -> Any:
     return _json.loads_strict(raw, where, what)
 
 
-__all__ = ["Composite", "read_json", "parse_json", "is_url", "is_checkpoint", "locate", "local_path", "manifest_path", "manifest_name",
+__all__ = ["Composite", "create_file", "read_json", "parse_json", "is_url", "is_checkpoint", "locate", "local_path", "manifest_path", "manifest_name",
            "resolve", "newest", "steps", "next_step", "composites", "read_manifest", "release", "fsync_dir",
            "RemoteFiles", "MANIFEST_DIR"]
