@@ -4,6 +4,13 @@ The suite's check is deterministic (tests/test_multirank.py: after ``close()`` e
 fewer and no layerckpt thread).  This is the stress run behind ``-m slow``: it counts the runs whose
 process aborted (SIGABRT, "terminate called without an active exception") with layerckpt and, as the
 control, the same script without it.  ``LAYERCKPT_EXIT_RUNS`` sets how many runs of each (default 30).
+
+What aborts, from a core dump of one such run: a gloo worker thread of the *default* group frees the
+barrier it just ran, which holds a finished all-reduce from the backward pass; that work's saved
+thread-local state holds a Python object (the context autograd stashes for the backward), and freeing it
+takes the GIL after the interpreter began finalizing, so CPython ends the thread and C++ calls
+std::terminate.  Nothing of layerckpt is on that thread; layerckpt's own group is destroyed and its
+threads joined at ``close()`` (tests/test_multirank.py).
 """
 import os
 import subprocess
