@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState
 
 import layerckpt
+from accelerate_fixtures import fresh_accelerate, runs, same_state  # noqa: F401 - fixtures
 from accelerate_helpers import Run, tiny
-from conftest import assert_same_optimizer_state, assert_same_tensors
 from accelerate_layerckpt import LayerCheckpointPlugin, folders
 from layerckpt import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 
@@ -25,34 +25,6 @@ HELPER = os.path.join(HERE, "accelerate_helpers.py")
 EXAMPLE = os.path.join(HERE, os.pardir, "examples", "accelerate_finetune.py")
 FULL = layerckpt.Config(threshold=0.0)
 ACCELERATE_SMALL_FILES = {"custom_checkpoint_0.pkl", "random_states_0.pkl", "scheduler.bin"}
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate(monkeypatch):
-    monkeypatch.delenv("LAYERCKPT_ENABLED", raising=False)
-    monkeypatch.delenv("LAYERCKPT_CONFIG", raising=False)
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture
-def runs():
-    made = []
-
-    def make(*args, **kwargs) -> Run:
-        made.append(Run(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for r in made:
-        if r.plugin is not None and r.plugin.accelerator is not None:
-            r.plugin.close()
-
-
-def same_state(a: dict, b: dict) -> None:
-    assert_same_tensors(a["model"], b["model"])
-    assert_same_optimizer_state(a["optim"], b["optim"])
 
 
 def listing(folder) -> set:

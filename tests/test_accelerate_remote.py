@@ -6,43 +6,14 @@ import os
 import time
 import uuid
 
-import pytest
-from accelerate.state import AcceleratorState, GradientState
 
 import layerckpt
+from accelerate_fixtures import fresh_accelerate, runs, same_state  # noqa: F401 - fixtures
 from accelerate_helpers import Run, tiny
-from conftest import assert_same_optimizer_state, assert_same_tensors
+from conftest import assert_same_tensors
 from accelerate_layerckpt import folders, remote
 
 FULL = layerckpt.Config(threshold=0.0)
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate(monkeypatch):
-    monkeypatch.delenv("LAYERCKPT_ENABLED", raising=False)
-    monkeypatch.delenv("LAYERCKPT_CONFIG", raising=False)
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture
-def runs():
-    made = []
-
-    def make(*args, **kwargs) -> Run:
-        made.append(Run(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for r in made:
-        if r.plugin is not None and r.plugin.accelerator is not None:
-            r.plugin.close()
-
-
-def same_state(a: dict, b: dict) -> None:
-    assert_same_tensors(a["model"], b["model"])
-    assert_same_optimizer_state(a["optim"], b["optim"])
 
 
 class Bucket:
