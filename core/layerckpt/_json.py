@@ -27,10 +27,11 @@ MAX_JSON_BYTES = 256 << 20
 MAX_INT_DIGITS = 100
 
 
-def read_regular(path: str, what: str = "manifest", cap: int = MAX_JSON_BYTES, follow: bool = True) -> bytes:
-    """The bytes of the regular file ``path``; a missing one raises :class:`CheckpointNotFoundError`, anything
-    else that is not a readable regular file of at most ``cap`` bytes a :class:`CheckpointCorruptError`.
-    ``follow=False`` refuses a symbolic link too (a file the library itself wrote inside a store)."""
+def open_regular(path: str, what: str = "manifest", follow: bool = True) -> Tuple[int, os.stat_result]:
+    """``path`` opened for reading without blocking (a FIFO would wait for a writer forever), and what it is;
+    a missing one raises :class:`CheckpointNotFoundError`, anything but a regular file a
+    :class:`CheckpointCorruptError`.  ``follow=False`` refuses a symbolic link too (a file the library itself
+    wrote inside a store).  The caller closes the descriptor."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     if not follow:
         flags |= getattr(os, "O_NOFOLLOW", 0)
@@ -40,11 +41,17 @@ def read_regular(path: str, what: str = "manifest", cap: int = MAX_JSON_BYTES, f
         raise CheckpointNotFoundError(f"{what} {path} does not exist") from None
     except OSError as e:
         raise CheckpointCorruptError(_refusal(path, what, e), path=path) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointCorruptError(f"{what} {path} is not a regular file ({_kind(st.st_mode)}); remove it", path=path)
+    return fd, st
+
+
+def read_regular(path: str, what: str = "manifest", cap: int = MAX_JSON_BYTES, follow: bool = True) -> bytes:
+    """The bytes of the regular file ``path`` (see :func:`open_regular`), refused past ``cap`` bytes."""
+    fd, st = open_regular(path, what, follow)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointCorruptError(
-                f"{what} {path} is not a regular file ({_kind(st.st_mode)}); remove it", path=path)
         if st.st_size > cap:
             raise CheckpointCorruptError(
                 f"{what} {path} holds {st.st_size} bytes, more than the {cap >> 20} MiB a {what} may hold; "

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import queue
-import stat
 import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -23,7 +22,8 @@ from ._backend import open_file
 from ._layout import CODES, align_up
 from ._manifest import TensorEntry
 from .config import ALIGN
-from .errors import CheckpointCorruptError
+from ._json import open_regular
+from .errors import CheckpointCorruptError, CheckpointNotFoundError
 
 GAP = 1 << 20  # read through holes smaller than this rather than issue another request
 #: files at most this big are read buffered, straight into the targets: the page cache serves them (a file
@@ -382,23 +382,12 @@ def _open_checked(path: str, size: int, wants: Sequence[Want], direct: bool) -> 
 
 
 def _probe(path: str, first: Optional[str]) -> os.stat_result:
-    """What ``path`` is, looked at through a descriptor opened without blocking (a FIFO would wait for a
-    writer forever) or following a link: only a regular file is read."""
+    """What ``path`` is (the manifests' reader's check: no FIFO, device or link is read): a regular file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
+        fd, st = open_regular(path, "data file", follow=False)
+    except CheckpointNotFoundError:
         raise MissingDataError(f"data file {path} is missing (it holds tensor {first!r})", path=path) from None
-    except OSError as e:
-        what = ("a symbolic link; layerckpt reads the files it wrote itself, never through a link"
-                if e.errno == errno.ELOOP else f"unreadable: {os.strerror(e.errno or errno.EIO)}")
-        raise CheckpointCorruptError(f"data file {path} is {what}", path=path) from None
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointCorruptError(f"data file {path} is not a regular file (mode {stat.filemode(st.st_mode)}); "
-                                     f"the store is damaged: restore another step", path=path)
+    os.close(fd)
     return st
 
 

@@ -57,11 +57,17 @@ def safe_join(root: str, sub: str, name: Any, what: str) -> str:
     return os.path.join(root, sub, name)
 
 
+def create(path: str) -> int:
+    """``path`` opened for writing, created or truncated, never through a symbolic link planted in its place
+    (``OSError`` ELOOP instead): how every file layerckpt writes is opened (O_DIRECT aside: ``_backend``)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+                   | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
 def write_atomic(path: str, data: bytes) -> None:
     """Write tmp, fsync, rename over path, fsync the directory."""
     tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-                 | getattr(os, "O_CLOEXEC", 0), 0o644)  # never written through a link planted in its place
+    fd = create(tmp)
     try:
         view = memoryview(data)
         while view:

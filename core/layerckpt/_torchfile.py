@@ -316,8 +316,7 @@ def _save_plain(obj: Any, path: str) -> None:
     """torch.save to a temporary file, fsync, rename over ``path``, fsync the directory."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(_store.create(tmp), "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())

@@ -272,9 +272,7 @@ def _remote_call(url: str, fn: Any) -> Any:
 def create_file(path: str, mode: str = "wb"):
     """A file object for writing ``path`` (created, or truncated), never through a symbolic link planted in
     its place (``OSError`` ELOOP instead): how every file layerckpt writes into a folder is opened."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-                 | getattr(os, "O_CLOEXEC", 0), 0o644)
-    return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+    return os.fdopen(_store.create(path), mode, **({} if "b" in mode else {"encoding": "utf-8"}))
 
 
 def read_json(path: str, what: str = "file") -> Any:
