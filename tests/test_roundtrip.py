@@ -90,8 +90,9 @@ def test_module_buffers_of_every_dtype(tmp_path):
 
 
 def test_data_file_is_valid_aligned_safetensors(tmp_path):
+    """With encoding off a data file holds every tensor as it is (see test_encode for encoded files)."""
     model, opt = trained()
-    with layerckpt.Checkpointer(tmp_path, model, opt) as ck:
+    with layerckpt.Checkpointer(tmp_path, model, opt, config=layerckpt.Config(encoding="off")) as ck:
         p = ck.save(3).wait()
     data = os.listdir(tmp_path / "data")
     assert data == ["step-00000003.rank0.safetensors"]
