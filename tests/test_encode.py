@@ -237,3 +237,27 @@ def test_an_edited_encoding_is_refused_by_name(tmp_path):
     path.write_text(json.dumps(m))
     with pytest.raises(CheckpointCorruptError, match="malformed reference"):
         layerckpt.restore(tmp_path, model, opt, step=2)
+
+
+def test_native_and_python_planes_agree(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.uint8):
+        a = _bits((torch.randn(4096, generator=g) * 100).to(dtype))
+        b = _bits((torch.randn(4096, generator=g) * 100).to(dtype))
+        es = a.size // 4096
+        native = [_encode.plane_bytes(a, ref, es) for ref in (None, b)]
+        monkeypatch.setattr(_encode, "_NATIVE", None)
+        python = [_encode.plane_bytes(a, ref, es) for ref in (None, b)]
+        monkeypatch.undo()
+        for (x, anyx), (y, anyy) in zip(native, python):
+            assert np.array_equal(x, y) and anyx == anyy
+        for add, start in ((False, np.zeros_like(a)), (True, b.copy())):
+            outs = []
+            for native_on in (True, False):
+                if not native_on:
+                    monkeypatch.setattr(_encode, "_NATIVE", None)
+                out = start.copy()
+                _encode.from_planes(python[1 if add else 0][0], out, es, add)
+                outs.append(out)
+                monkeypatch.undo()
+            assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], a)

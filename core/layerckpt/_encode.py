@@ -77,20 +77,50 @@ def undo_delta(z: np.ndarray, out: np.ndarray, esize: int) -> None:
     np.add(o, d, out=o)
 
 
-def _planes(x: np.ndarray, esize: int) -> List[np.ndarray]:
-    if esize == 1:
-        return [x]
-    m = x.reshape(-1, esize)
-    return [np.ascontiguousarray(m[:, k]) for k in range(esize)]
+def _native():
+    try:
+        from . import _uring
+    except ImportError:  # pragma: no cover - the pure-Python path below does the same
+        return None
+    return _uring if hasattr(_uring, "planes") else None
+
+
+_NATIVE = _native()
+
+
+def plane_bytes(raw: np.ndarray, ref: Optional[np.ndarray], esize: int) -> Tuple[np.ndarray, bool]:
+    """(the byte planes, plane after plane, of ``raw`` or of its zigzag delta against ``ref``; whether any
+    byte is nonzero): one native pass where the extension has it."""
+    if _NATIVE is not None:
+        out = np.empty(raw.size, dtype=np.uint8)
+        any_ = _NATIVE.planes(raw, ref, out, esize)
+        return out, any_
+    x = raw if ref is None else zigzag_delta(raw, ref, esize)
+    out = x if esize == 1 else np.ascontiguousarray(x.reshape(-1, esize).T).reshape(-1)
+    return out, bool(out.any())
+
+
+def from_planes(planes: np.ndarray, out: np.ndarray, esize: int, add: bool) -> None:
+    """The inverse of :func:`plane_bytes` into ``out`` (with ``add``, ``out`` holds the reference)."""
+    if _NATIVE is not None:
+        _NATIVE.unplanes(planes, out, esize, add)
+        return
+    x = planes if esize == 1 else np.ascontiguousarray(planes.reshape(esize, -1).T).reshape(-1)
+    if add:
+        undo_delta(x, out, esize)
+    else:
+        out[:] = x
 
 
 def _pack_planes(x: np.ndarray, esize: int, limit: int) -> Optional[bytes]:
-    """Byte planes of ``x``, each compressed where that pays; None if the whole is not below ``limit``."""
+    """``x`` (byte planes, plane after plane), each plane compressed where that pays; None if the whole is not
+    below ``limit``."""
     cctx = _compressor()
     parts: List[bytes] = []
     sizes: List[int] = []
     total = 4 * esize
-    for p in _planes(x, esize):
+    m = x.size // esize
+    for p in (x[k * m:(k + 1) * m] for k in range(esize)):
         n = p.size
         packed = None
         if n > 2 * _SAMPLE:
@@ -114,15 +144,17 @@ def encode_block(raw: np.ndarray, ref: Optional[np.ndarray], esize: int) -> Tupl
     (self-contained).  RAW comes with None: the raw bytes stay as they are."""
     n = raw.size
     limit = int(_PAYS * n)
+    if n % esize:
+        return RAW, None
     if ref is not None:
-        if np.array_equal(raw, ref):
+        planes, changed = plane_bytes(raw, ref, esize)
+        if not changed:
             return SAME, b""
-        if n % esize == 0:
-            out = _pack_planes(zigzag_delta(raw, ref, esize), esize, limit)
-            if out is not None:
-                return DELTA, out
-    if n % esize == 0 and n >= 64:
-        out = _pack_planes(raw, esize, limit)
+        out = _pack_planes(planes, esize, limit)
+        if out is not None:
+            return DELTA, out
+    if n >= 64:
+        out = _pack_planes(plane_bytes(raw, None, esize)[0], esize, limit)
         if out is not None:
             return PLANES, out
     return RAW, None
@@ -141,14 +173,11 @@ def decode_block(mode: int, data: memoryview, out: np.ndarray, esize: int, where
         return
     if out.size % esize:
         raise _bad(where, f"a block of {out.size} bytes is not whole elements of {esize} bytes")
-    x = _unpack_planes(data, out.size, esize, where)
-    if mode == DELTA:
-        undo_delta(x, out, esize)
-    else:
-        out[:] = x
+    from_planes(_unpack_planes(data, out.size, esize, where), out, esize, mode == DELTA)
 
 
 def _unpack_planes(data: memoryview, n: int, esize: int, where: str) -> np.ndarray:
+    """The byte planes, plane after plane, of an encoded block."""
     head = 4 * esize
     if len(data) < head:
         raise _bad(where, "a block is shorter than its plane table")
@@ -157,12 +186,12 @@ def _unpack_planes(data: memoryview, n: int, esize: int, where: str) -> np.ndarr
         raise _bad(where, "a block's plane sizes do not add up to its length")
     plane = n // esize
     x = np.empty(n, dtype=np.uint8)
-    m = x.reshape(-1, esize) if esize > 1 else x.reshape(-1, 1)
     pos = head
     for k, size in enumerate(sizes.tolist()):
         part = data[pos:pos + size]
         pos += size
-        m[:, k] = np.frombuffer(part, dtype=np.uint8) if size == plane else _inflate(part, plane, where)
+        x[k * plane:(k + 1) * plane] = np.frombuffer(part, dtype=np.uint8) if size == plane else _inflate(
+            part, plane, where)
     return x
 
 
