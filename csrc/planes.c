@@ -1,4 +1,5 @@
 /* See planes.h.  One pass over the bytes; little-endian elements of 1, 2, 4 or 8 bytes. */
+#pragma GCC optimize("O3")
 #include "planes.h"
 
 #include <stdint.h>
@@ -27,9 +28,8 @@ static inline int planes_es(const unsigned char *raw, const unsigned char *ref, 
 
 		if (ref) {
 			uint64_t d = (z - load(ref + i * es, es)) & mask;
-			uint64_t sign = (d >> (bits - 1)) & 1;
 
-			z = ((d << 1) & mask) ^ (sign ? mask : 0);
+			z = ((d << 1) ^ (0 - ((d >> (bits - 1)) & 1))) & mask;
 		}
 		any |= z;
 		for (k = 0; k < es; k++)
@@ -62,7 +62,7 @@ static inline void unplanes_es(const unsigned char *planes, unsigned char *out, 
 		for (k = 0; k < es; k++)
 			z |= (uint64_t)planes[(size_t)k * m + i] << (8 * k);
 		if (add) {
-			uint64_t d = (z >> 1) ^ ((z & 1) ? mask : 0);
+			uint64_t d = ((z >> 1) ^ (0 - (z & 1))) & mask;
 
 			z = (load(out + i * es, es) + d) & mask;
 		}

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import _encode
+from . import _encode, _faults
 from ._backend import checksum
 from ._layout import Layout, align_up
 from ._manifest import FileEntry, TensorEntry
@@ -253,6 +253,7 @@ class EncodingLoop(WriteLoop):
         """Checksum (in order: a tensor's checksum runs across buffers) and hand ``n`` waiting buffers to the
         encoder threads."""
         for _ in range(min(n, len(self._waiting))):
+            _faults.point("flush.checksum")
             s = self._waiting.popleft()
             for i, a, b in s.segs:
                 self.writes.crcs[i] = checksum(s.chunk.view[a:b], self.writes.crcs[i])

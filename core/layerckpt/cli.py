@@ -245,6 +245,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="instead: step time of a training loop with a checkpoint after every step: layerckpt "
                         "against DCP async_save and TorchSnapshot async_take (with --size, --steps-n)")
     a.add_argument("--steps-n", type=int, default=6, help="with --steps: steps measured")
+    a.add_argument("--steps-every", type=int, default=1,
+                   help="with --steps: a full checkpoint every N steps instead, encoded against raw")
     a.add_argument("--sizes", default="10MB,50MB,200MB,gpt2-small",
                    help="with --restore: comma-separated state sizes (e.g. 10MB) and/or gpt2-small")
     a.add_argument("--cache", default="warm,cold", help="with --restore: page-cache conditions, warm and/or cold")
