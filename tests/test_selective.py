@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 import layerckpt
-from conftest import run_py, small_model
+from conftest import run_py, small_model, stored_byte
 from layerckpt.bench.workload import make_model, make_optimizer, post_training_run, run
 
 
@@ -200,7 +200,7 @@ def test_corrupt_newer_file_leaves_older_composite_restorable(tmp_path):
     _two_step_composite(tmp_path)
     e = _manifest(tmp_path, 2)["tensors"]["model/h.1.c_fc.weight"]
     with open(tmp_path / "data" / e["file"], "r+b") as f:
-        f.seek(e["offset"] + 8)
+        f.seek(stored_byte(e))
         f.write(b"\xde\xad")
     with pytest.raises(layerckpt.CheckpointCorruptError, match=r"layer 'h\.1' persisted at step 2"):
         layerckpt.restore(tmp_path, small_model())

@@ -210,8 +210,8 @@ def _inflate(part: memoryview, n: int, where: str) -> np.ndarray:
 
 
 def _bad(where: str, msg: str) -> CheckpointCorruptError:
-    return CheckpointCorruptError(f"{where}: {msg}; the file is damaged: run `layerckpt verify`, or restore an "
-                                  f"older step")
+    return CheckpointCorruptError(f"damaged encoded block in {where}: {msg}; the file is damaged: run "
+                                  f"`layerckpt verify`, or restore an older step")
 
 
 def cuts(start: int, end: int, chunk: int) -> List[Tuple[int, int]]:

@@ -21,7 +21,8 @@ from ._manifest import Manifest, TensorEntry
 from ._read import Want, read_views
 from .errors import CheckpointCorruptError
 
-Task = Tuple[int, memoryview, np.ndarray, int, str]  # mode, encoded bytes, destination, element size, where
+Task = Tuple[int, memoryview, np.ndarray, int, str, str, str]  # mode, encoded bytes, destination, element size,
+#                                                               where (for messages), tensor key, file path
 
 
 def _span(blocks: List[List[int]]) -> Tuple[int, int]:
@@ -57,7 +58,7 @@ def read_encoded(root: str, m: Manifest, mpath: str, keys: List[str], sinks: Dic
             out[k] = t = torch.empty(e.shape, dtype=CODES[e.dtype])
             sink = t.reshape(-1).view(torch.uint8)
         dests[k] = sink.numpy()
-    _decode_all(m, keys, views, dests)
+    _decode_all(root, m, keys, views, dests)
     if check is not None:
         for k in keys:
             _verify(k, m.tensors[k], dests[k], check, root, mpath)
@@ -69,19 +70,21 @@ def _want(by_file: Dict[str, List[Want]], fname: str, key: str, blocks: List[Lis
     by_file.setdefault(fname, []).append(Want(key, a, b - a, 0, torch.uint8, (b - a,)))
 
 
-def _decode_all(m: Manifest, keys: List[str], views: Dict[str, torch.Tensor], dests: Dict[str, np.ndarray]) -> None:
+def _decode_all(root: str, m: Manifest, keys: List[str], views: Dict[str, torch.Tensor], dests: Dict[str, np.ndarray]
+                ) -> None:
     first: List[Task] = []
     second: List[Task] = []
     for k in keys:
         e = m.tensors[k]
         es = CODES[e.dtype].itemsize
         ref = e.enc.get("ref")
+        own = _tasks(e.enc["blocks"], views[k + "\0own"], dests[k], es, k, _path(root, e.file))
         if ref is not None:
-            first += _tasks(ref["blocks"], views[k + "\0ref"], dests[k], es, f"tensor {k!r} (its reference in "
-                                                                            f"{ref['file']})")
-            second += _tasks(e.enc["blocks"], views[k + "\0own"], dests[k], es, f"tensor {k!r} in {e.file}")
+            first += _tasks(ref["blocks"], views[k + "\0ref"], dests[k], es, k, _path(root, ref["file"]),
+                            " (its reference)")
+            second += own
         else:
-            first += _tasks(e.enc["blocks"], views[k + "\0own"], dests[k], es, f"tensor {k!r} in {e.file}")
+            first += own
     workers = max(1, min(os.cpu_count() or 1, 8))
     with ThreadPoolExecutor(workers, thread_name_prefix="layerckpt-decode") as ex:
         for tasks in (first, second):
@@ -89,20 +92,29 @@ def _decode_all(m: Manifest, keys: List[str], views: Dict[str, torch.Tensor], de
                 f.result()
 
 
-def _tasks(blocks: List[List[int]], view: torch.Tensor, dest: np.ndarray, esize: int, where: str) -> List[Task]:
+def _path(root: str, fname: str) -> str:
+    return os.path.join(root, _store.DATA_DIR, fname)
+
+
+def _tasks(blocks: List[List[int]], view: torch.Tensor, dest: np.ndarray, esize: int, key: str, path: str,
+           what: str = "") -> List[Task]:
     base = _span(blocks)[0]
     buf = memoryview(view.numpy())
     out: List[Task] = []
     pos = 0
     for off, elen, rlen, mode in blocks:
-        out.append((mode, buf[off - base:off - base + elen], dest[pos:pos + rlen], esize, where))
+        where = f"tensor {key!r}{what} of {path} (bytes {off}..{off + elen})"
+        out.append((mode, buf[off - base:off - base + elen], dest[pos:pos + rlen], esize, where, key, path))
         pos += rlen
     return out
 
 
 def _decode_many(tasks: List[Task]) -> None:
-    for mode, data, dest, esize, where in tasks:
-        _encode.decode_block(mode, data, dest, esize, where)
+    for mode, data, dest, esize, where, key, path in tasks:
+        try:
+            _encode.decode_block(mode, data, dest, esize, where)
+        except CheckpointCorruptError as e:
+            raise CheckpointCorruptError(str(e), path=path, tensor=key) from None
 
 
 def _verify(key: str, e: TensorEntry, dest: np.ndarray, check: Callable, root: str, mpath: str) -> None:
