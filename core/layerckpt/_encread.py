@@ -55,7 +55,7 @@ def read_encoded(root: str, m: Manifest, mpath: str, keys: List[str], sinks: Dic
         e = m.tensors[k]
         sink = sinks.get(k)
         if sink is None:
-            out[k] = t = torch.empty(e.shape, dtype=CODES[e.dtype])
+            out[k] = t = _fresh(k, e, mpath)
             sink = t.reshape(-1).view(torch.uint8)
         dests[k] = sink.numpy()
     _decode_all(root, m, keys, views, dests)
@@ -63,6 +63,15 @@ def read_encoded(root: str, m: Manifest, mpath: str, keys: List[str], sinks: Dic
         for k in keys:
             _verify(k, m.tensors[k], dests[k], check, root, mpath)
     return out, total
+
+
+def _fresh(key: str, e: TensorEntry, mpath: str) -> torch.Tensor:
+    try:
+        return torch.empty(e.shape, dtype=CODES[e.dtype])
+    except (RuntimeError, MemoryError):
+        raise CheckpointCorruptError(f"tensor {key!r} of manifest {mpath} claims {e.nbytes} bytes, more than this "
+                                     f"machine can allocate; the manifest may be damaged: run `layerckpt verify`",
+                                     path=mpath, tensor=key) from None
 
 
 def _want(by_file: Dict[str, List[Want]], fname: str, key: str, blocks: List[List[int]]) -> None:

@@ -332,9 +332,12 @@ def _check_enc(key: str, enc: Any, nbytes: int, size: int, fname: str, files: Di
 
 
 def _check_blocks(key: str, blocks: list, nbytes: int, size: int, fname: str, modes, path: str) -> None:
+    from ._encode import BLOCK, RAW, SAME
+
     total = 0
     for b in blocks:
-        if not (isinstance(b, list) and len(b) == 4 and all(_is_int(x) for x in b) and b[3] in modes):
+        if not (isinstance(b, list) and len(b) == 4 and all(_is_int(x) for x in b) and b[3] in modes
+                and (b[1] == b[2] if b[3] == RAW else b[2] <= BLOCK and (b[1] == 0 or b[3] != SAME))):
             raise _corrupt(path, f"tensor {key!r} has a malformed block {_short(b)}", tensor=key)
         if b[0] + b[1] > size:
             raise _corrupt(path, f"tensor {key!r} claims bytes {b[0]}..{b[0] + b[1]} of file {fname!r}, which "
