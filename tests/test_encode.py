@@ -261,3 +261,18 @@ def test_native_and_python_planes_agree(monkeypatch):
                 outs.append(out)
                 monkeypatch.undo()
             assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], a)
+
+
+def test_a_buffer_of_unchanged_blocks_only_is_recorded(tmp_path):
+    """Every block of a staging buffer unchanged: nothing of it is written, yet each block is recorded."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(4)])
+    want = copy.deepcopy(model.state_dict())
+    config = layerckpt.Config(full=True, keep_last=0, chunk_bytes=64 * 1024)
+    with layerckpt.Checkpointer(tmp_path, model, config=config) as ck:
+        ck.save(1).wait()
+        p = ck.save(2).wait()
+    assert p.bytes_written < 64 * 1024  # the header and the small state
+    out = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(4)])
+    layerckpt.restore(tmp_path, out, step=2)
+    for k, v in out.state_dict().items():
+        assert torch.equal(v, want[k])

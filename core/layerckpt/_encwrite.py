@@ -274,16 +274,16 @@ class EncodingLoop(WriteLoop):
             self._write(s, n, recs)
 
     def _write(self, s: StagedChunk, n: int, recs: List[Record]) -> None:
+        off = self.size
+        for i, ra, rlen, mode, pos, elen in recs:  # every block, those that store nothing (unchanged) too
+            self._blocks[i].append([off + pos, elen, rlen, mode])
         if n == 0:
             self.writes.pool.release(s.chunk)
             return
         padded = align_up(n)
         s.chunk.view[n:padded] = bytes(padded - n)
-        off = self.size
         self.writes.submit(self._fd, s.chunk, off, padded, (), self.path)
         self._spans.append((off, padded))
-        for i, ra, rlen, mode, pos, elen in recs:
-            self._blocks[i].append([off + pos, elen, rlen, mode])
         self.size += padded
 
     def entries(self, fname: str, crcs: List[int]) -> Dict[str, TensorEntry]:
