@@ -276,3 +276,14 @@ def test_a_buffer_of_unchanged_blocks_only_is_recorded(tmp_path):
     layerckpt.restore(tmp_path, out, step=2)
     for k, v in out.state_dict().items():
         assert torch.equal(v, want[k])
+
+
+def test_base_every_writes_self_contained_composites_in_full_mode(tmp_path):
+    from layerckpt._manifest import load_manifest
+    from layerckpt._tiers import is_base
+
+    _saves(tmp_path, layerckpt.Config(full=True, keep_last=0, base_every=2, delta_chain=100), n=5)
+    bases = [s for s in range(1, 6) if is_base(load_manifest(str(tmp_path / "manifests" / f"step-{s:08d}.json")))]
+    assert bases == [1, 3, 5]
+    for s in bases:
+        assert list(_manifest(tmp_path, s)["files"]) == [f"step-{s:08d}.rank0.safetensors"]

@@ -374,7 +374,7 @@ class Checkpointer:
                        on_commit=functools.partial(self.selector.committed, samples=plan.samples, plan=plan),
                        resolve=functools.partial(self.selector.resolve, plan) if plan.deferred else None,
                        on_fail=functools.partial(self.selector.failed, plan),
-                       self_contained=_is_base(plan))
+                       self_contained=_is_base(plan, self.config))
         self.pool.reserve(layout.size)
         self._flusher.submit(job)
         self._pending.append(pending)
@@ -457,9 +457,11 @@ def _copy(job: FlushJob, pool: BufferPool, verify: Optional[Callable[[], None]],
         raise
 
 
-def _is_base(plan) -> bool:
-    """Whether a save is a base (the first, a due ``base_every``): written self-contained, no delta."""
-    return any(plan.layers[n].reason in (_policy.FIRST, _policy.BASE) for n in plan.persisted)
+def _is_base(plan, config: Config) -> bool:
+    """Whether a save is a base (the first, a due ``base_every``, in full mode too): written self-contained,
+    no delta."""
+    due = config.full and config.base_every > 0 and plan.chain % config.base_every == 0
+    return due or any(plan.layers[n].reason in (_policy.FIRST, _policy.BASE) for n in plan.persisted)
 
 
 def _tell(pending: PendingSave, plan, layout, t0: float) -> None:

@@ -58,9 +58,9 @@ class Config:
     Also restore's bound: ``restore()`` checks a composite against the max_staleness recorded in its manifest,
     or against this one when it is passed a Config.  Nothing lags in full mode."""
     base_every: int = 0
-    """Write a full (every-layer) checkpoint every N checkpoints; 0 never forces one after the first.  With
-    ``remote_every="base"`` it decides which composites reach the remote tier (so there 0 is refused unless
-    every save is full).  Nothing to force in full mode."""
+    """Write a base composite every N checkpoints: every layer, every tensor self-contained (no delta against
+    an older file); 0 never forces one after the first.  With ``remote_every="base"`` it decides which
+    composites reach the remote tier (so there 0 is refused unless every save is full)."""
     keep_last: int = 2
     """Composites kept restorable, locally and on the remote tier (besides ``Checkpointer.keep()``'s pins and
     the composites a tier is still copying); older manifests (and data no kept manifest needs) are deleted.
@@ -129,10 +129,10 @@ class Config:
     never written into a manifest.  Refused without ``remote``."""
     remote_every: Union[int, str] = 1
     """Copy every N-th composite to the remote tier (the first, then each N-th); a failed copy is retried with
-    the next composite.  ``"base"``: base composites only, those that carry no layer from an older save (the
-    first, every ``base_every``-th, and every save in full mode), so the remote holds only composites that
-    restore from their own files: refused with ``base_every=0`` unless in full mode.  Refused without
-    ``remote``."""
+    the next composite.  ``"base"``: base composites only, those that read no older file (the first, every
+    ``base_every``-th, and in full mode each save whose tensors are written self-contained, see ``delta_chain``),
+    so the remote holds only composites that restore from their own files: refused with ``base_every=0``
+    unless in full mode.  Refused without ``remote``."""
     remote_bandwidth: Optional[int] = None
     """Cap on the remote tier's upload speed, bytes per second over all its uploads at once ('200MB', '1GiB/s',
     or a number); None: as fast as the network goes.  Uploads take longer; training is not slowed.  Refused
@@ -153,7 +153,9 @@ class Config:
     keeps the rest."""
     # last, so that every other field keeps its place for positional arguments
     full: bool = False
-    """Full mode: every layer at every save, so no save depends on the one before (each is a base composite).
+    """Full mode: every layer at every save, so no save carries a layer from the one before (under
+    ``encoding='delta'`` its tensors are still encoded against their references: a base composite, one that
+    reads no older file, every ``delta_chain + 1`` saves, or every ``base_every``-th).
     Besides deciding nothing by drift, it turns off what only selective saves need: drift sampling, row blocks
     of embedding tables, the exchange of the loss across ranks and the manifest's cost estimates; saves
     pipeline across ranks up to ``max_inflight``; ``base_every`` and ``max_staleness`` have nothing left to
