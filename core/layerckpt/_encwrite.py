@@ -161,8 +161,9 @@ Record = Tuple[int, int, int, int, int, int]  # item, start in the tensor, raw l
 
 
 def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Layout, plan: ItemPlan
-                 ) -> Tuple[int, List[Record]]:
-    """Encode a staged buffer's blocks, compacted in place at its start; returns (bytes, records)."""
+                 ) -> Tuple[int, List[Record], float]:
+    """Encode a staged buffer's blocks, compacted in place at its start; returns (bytes, records, seconds)."""
+    t0 = time.perf_counter()
     arr = s.chunk.tensor.numpy()
     pos = 0
     recs: List[Record] = []
@@ -184,7 +185,7 @@ def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Lay
             arr[pos:pos + n] = np.frombuffer(data, dtype=np.uint8)
         recs.append((i, ra, b - a, mode, pos, n))
         pos += n
-    return pos, recs
+    return pos, recs, time.perf_counter() - t0
 
 
 class EncodingLoop(WriteLoop):
@@ -208,6 +209,7 @@ class EncodingLoop(WriteLoop):
         self._blocks: Dict[int, List[List[int]]] = {i: [] for i in range(len(layout.items))}
         self._fd = -1
         self._direct = False
+        self.encode_s = 0.0  # seconds the encoder threads spent on this file, summed over them
 
     # the WriteLoop's steps, encoded
     def _pump(self, fd: int, direct: bool) -> None:
@@ -244,6 +246,7 @@ class EncodingLoop(WriteLoop):
             self._abandon_encodes()
             raise
         self.writes.reap(self.writes.inflight)
+        phases["encode"] = self.encode_s
         _write_header(fd, header_bytes(self._spans, self.reserve))
         t = time.perf_counter()
         sync(fd)
@@ -267,7 +270,8 @@ class EncodingLoop(WriteLoop):
             s, fut = self._encoding.popleft()
             want -= 1
             try:
-                n, recs = fut.result()
+                n, recs, took = fut.result()
+                self.encode_s += took
             except BaseException:
                 self.writes.pool.release(s.chunk)
                 raise
