@@ -257,15 +257,16 @@ class Selector:
         return {layer: combine([r[0][layer] for r in ranks if layer in r[0]]) for layer in layers}, joined
 
     def _prove(self, measures: Dict[str, Measure], held, grads) -> Tuple[Dict[str, Tuple[bool, bool]],
-                                                                        Dict[str, Fingerprint]]:
-        """layer -> (proven bit-identical to its persisted version, state the cost cannot price changed), and
-        the fingerprints taken.  Only what the sample cannot settle is fingerprinted: every tensor of a layer
-        none of whose sampled elements moved, and the unpriced tensors (buffers, parameters without a gradient
-        average) none of whose sampled elements moved."""
+                                                                        Dict[str, Fingerprint], Dict[str, List[str]]]:
+        """layer -> (proven bit-identical to its persisted version, state the cost cannot price changed), the
+        fingerprints taken, and each layer's unpriced tensors (buffers, parameters without a gradient average).
+        Only what the sample cannot settle is fingerprinted: every tensor of a layer none of whose sampled
+        elements moved, and the unpriced tensors none of whose sampled elements moved."""
         proof: Dict[str, Tuple[bool, bool]] = {}
         taken: Dict[str, Fingerprint] = {}
+        unpriced_keys: Dict[str, List[str]] = {}
         if self.full:
-            return proof, taken
+            return proof, taken, unpriced_keys
         plans = {}
         for layer, tensors in held.items():
             m = measures.get(layer)
@@ -278,12 +279,13 @@ class Selector:
             for k in list(tensors) if still else ([] if unpriced_moved else unpriced):
                 taken[k] = fingerprint(tensors[k][0])
             plans[layer] = (still, list(tensors), unpriced, unpriced_moved)
+            unpriced_keys[layer] = unpriced
         with self._lock:
             same = self.fingerprints.matches
             for layer, (still, keys, unpriced, unpriced_moved) in plans.items():
                 proof[layer] = (still and all(same(k, taken[k]) for k in keys),
                                 bool(unpriced) and (unpriced_moved or not all(same(k, taken[k]) for k in unpriced)))
-        return proof, taken
+        return proof, taken, unpriced_keys
 
     def plan(self, step: int, fname: str, entries: Entries, rank: int = 0, world: int = 1,
              loss: Optional[float] = None) -> SavePlan:
@@ -292,7 +294,7 @@ class Selector:
         key_layer, layer_keys, weights, grads, nbytes, held = self._by_layer(entries)
         shapes = self._shapes(entries)
         prev, measures, snaps = self._measure(weights, grads)
-        proof, taken = self._prove(measures, held, grads)
+        proof, taken, unpriced = self._prove(measures, held, grads)
         if not self.full:
             measures, proof = self._measure_across_ranks(layer_keys, measures, proof)
         chain = 0 if prev is None else prev.chain + 1
@@ -315,7 +317,7 @@ class Selector:
             samples={layer: snaps[layer][0] for layer in persist if layer in snaps},
             cost=policy.composite_cost(states, persist),
             progress=sum(st.progress for st in states.values() if not st.frozen), deferred=deferred, shapes=shapes)
-        self._planned_now(out, snaps, world, self._references(out, held, taken))
+        self._planned_now(out, snaps, world, self._references(out, held, taken, unpriced))
         return out
 
     def _measure(self, weights, grads):
@@ -363,19 +365,24 @@ class Selector:
                 reasons[layer] = NEW
         return reasons
 
-    def _references(self, out: SavePlan, held, taken: Dict[str, Fingerprint]) -> Dict[str, Fingerprint]:
+    def _references(self, out: SavePlan, held, taken: Dict[str, Fingerprint], unpriced: Dict[str, List[str]]
+                    ) -> Dict[str, Fingerprint]:
         """The fingerprints of the tensors this save persists (on this rank) that become their references: those
-        taken to decide, and, for layers expected to stay put (frozen, or a block of table rows written as new),
-        taken now, so that the next save can prove them unchanged without writing them once more."""
+        taken to decide, and those taken now of what the next saves must prove unchanged to skip: every tensor
+        of a frozen layer or of a block of table rows written as new, and the unpriced tensors of any layer
+        (written whenever they change, so skipped only where proven unchanged)."""
+        if self.full:
+            return {}
         frozen = self._owner[2] if self._owner is not None else frozenset()
         refs: Dict[str, Fingerprint] = {}
         for layer in out.persisted:
             tensors = held.get(layer, {})
             settle = layer in frozen or (ROWS in layer and out.layers[layer].reason in (policy.FIRST, NEW))
+            wanted = set(tensors) if settle else set(unpriced.get(layer, ()))
             for k, (t, _) in tensors.items():
                 if k in taken:
                     refs[k] = taken[k]
-                elif settle and not self.full:
+                elif k in wanted:
                     refs[k] = fingerprint(t)
         return refs
 
@@ -427,9 +434,10 @@ class Selector:
                 self.tracker.advance(snaps)
             samples = {layer: snap[0] for layer, snap in snaps.items()}
             frozen = self._owner[2]
-            # the layers expected to stay put get their references now, as a save that wrote them would
-            refs = {k: fingerprint(t) for layer, tensors in held.items() if layer in frozen or ROWS in layer
-                    for k, (t, _) in tensors.items()}
+            # what a save that wrote them would fingerprint (_references): frozen layers, table rows, and
+            # the unpriced tensors of every layer
+            refs = {k: fingerprint(t) for layer, tensors in held.items() for k, (t, n) in tensors.items()
+                    if layer in frozen or ROWS in layer or (n is not None and n not in grads.get(layer, {}))}
             with self._lock:
                 self.fingerprints.persisted([k for tensors in held.values() for k in tensors], refs)
         self.committed(manifest, samples)
