@@ -177,7 +177,7 @@ def test_restore_holds_a_composite_saved_under_a_larger_bound_to_the_default(tmp
     with pytest.raises(StalenessError) as e:
         layerckpt.restore(d, small())
     msg = str(e.value)
-    assert "max_staleness=16" in msg and "1 (age 19 checkpoints, 19 steps)" in msg, msg
+    assert "max_staleness=16" in msg and "1 (age 19, 19 steps)" in msg, msg
     assert "strict=False" in msg and "Config(max_staleness=19)" in msg, msg
     with pytest.raises(StalenessError):
         layerckpt.read_checkpoint(d)
@@ -198,7 +198,7 @@ def test_restore_ignores_the_bound_a_manifest_claims(tmp_path):
     doc["layers"]["1"]["frozen"] = True
     with open(path, "w") as f:
         json.dump(doc, f)
-    with pytest.raises(StalenessError, match=r"older than max_staleness=16 .*1 \(age 19 checkpoints"):
+    with pytest.raises(StalenessError, match=r"older than max_staleness=16 .*1 \(age 19, 19 steps\)"):
         layerckpt.restore(d, small())
     with pytest.raises(StalenessError, match="max_staleness=18"):
         layerckpt.restore(d, small(), config=layerckpt.Config(max_staleness=18))

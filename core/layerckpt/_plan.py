@@ -259,7 +259,9 @@ class Selector:
     def _prove(self, measures: Dict[str, Measure], held, grads) -> Tuple[Dict[str, Tuple[bool, bool]],
                                                                         Dict[str, Fingerprint], Dict[str, List[str]]]:
         """layer -> (proven bit-identical to its persisted version, state the cost cannot price changed), the
-        fingerprints taken, and each layer's unpriced tensors (buffers, parameters without a gradient average).
+        fingerprints taken, and each layer's unpriced tensors: under the fidelity rule, the weights and buffers
+        of a layer whose optimizer keeps no gradient average for any of them (SGD without momentum, parameters
+        outside the optimizer, a layer of buffers only), which the tracker would price at 0.
         Only what the sample cannot settle is fingerprinted: every tensor of a layer none of whose sampled
         elements moved, and the unpriced tensors none of whose sampled elements moved."""
         proof: Dict[str, Tuple[bool, bool]] = {}
@@ -273,8 +275,10 @@ class Selector:
             names = [n for _, n in tensors.values() if n is not None]
             moved = dict(zip(names, m.moved)) if m is not None and m.moved is not None else {}
             still = m is not None and m.drift == 0.0
-            avg = grads.get(layer, {})
-            unpriced = [k for k, (_, n) in tensors.items() if n is not None and n not in avg]
+            # unpriced: a layer none of whose tensors has a gradient average prices at 0 under the fidelity rule
+            # (a layer with one is priced by it, its buffers riding along); the threshold rule prices nothing
+            unpriced = [] if grads.get(layer) or self.config.threshold is not None else [
+                k for k, (_, n) in tensors.items() if n is not None]
             unpriced_moved = any(moved.get(tensors[k][1], True) for k in unpriced)
             for k in list(tensors) if still else ([] if unpriced_moved else unpriced):
                 taken[k] = fingerprint(tensors[k][0])

@@ -410,7 +410,7 @@ def _check_staleness(m: Manifest, bound: int, strict: bool) -> None:
         oldest = max(a for _, a in old)
         problems.append(
             f"{len(old)} layer(s) older than max_staleness={bound} checkpoints and not proven unchanged: "
-            + ", ".join(f"{n} (age {a} checkpoints, {behind[n]} steps)" for n, a in old)
+            + ", ".join(f"{n} (age {a}, {behind[n]} steps)" for n, a in old)
             + f"; to restore them, pass config=Config(max_staleness={oldest}) or more (the bound is the caller's, "
             f"or the default {Config.max_staleness}, never the one the checkpoint recorded)")
     if m.loss_increase is not None:
