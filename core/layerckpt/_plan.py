@@ -4,6 +4,13 @@ A manifest is a *composite*: for every layer it names the step and file of the
 layer's newest persisted version, carrying forward the entries of layers that
 this save skips.  A layer's weights and its optimizer state always travel
 together, so they always come from the same step.
+
+The drift sample can show that a layer moved, never that it did not: a layer
+the sample calls still is fingerprinted on every byte (``_exact``) and counts
+as unchanged, exempt from ``max_staleness``, only where every tensor matches its
+persisted version; anything else is changed.  Under the fidelity rule a layer
+the tracker cannot price (no gradient average for any of its tensors) is
+written at every save where it changed.
 """
 from __future__ import annotations
 
@@ -41,7 +48,7 @@ class SavePlan:
     files: Dict[str, FileEntry]  # the older files they are in
     persisted: Set[str]  # layers this save writes (on some rank)
     chain: int  # saves since the chain's first
-    samples: Dict[str, Views] = field(default_factory=dict)  # drift references once committed
+    samples: Dict[str, Views] = field(default_factory=dict)  # the persisted layers' drift references, from its plan
     cost: float = 0.0  # the composite's estimated fidelity cost (first-order loss of its stale layers)
     progress: float = 0.0  # the model's first-order progress over the last interval, in the same unit
     #: this save's identity while in flight, and the layers whose tensors it carries from saves still in
