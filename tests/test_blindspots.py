@@ -202,3 +202,28 @@ def test_restore_ignores_the_bound_a_manifest_claims(tmp_path):
         layerckpt.restore(d, small())
     with pytest.raises(StalenessError, match="max_staleness=18"):
         layerckpt.restore(d, small(), config=layerckpt.Config(max_staleness=18))
+
+
+def test_a_frozen_layer_changed_between_the_sampled_elements_is_written(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(W, W), torch.nn.Linear(W, 1))
+    model[0].requires_grad_(False)
+    opt = torch.optim.Adam(model[1].parameters(), lr=1e-3)
+    n, total = W * W, W * W + W  # the sample's plan for 0.weight (see _track)
+    stride = n // (layerckpt.Config().drift_sample * n // total)
+    hidden = next(i for i in range(n) if i % stride != zlib.crc32(b"0.weight") % stride)
+    d = str(tmp_path)
+    with layerckpt.Checkpointer(d, model, opt, layerckpt.Config(keep_last=0)) as ck:
+        for step in range(1, 5):
+            if step == 3:
+                with torch.no_grad():
+                    model[0].weight.view(-1)[hidden] += 1e-3
+            opt.zero_grad()
+            model(torch.randn(8, W)).square().mean().backward()
+            opt.step()
+            ck.save(step).wait()
+    reasons = [(e.reason, e.step, getattr(e, "unchanged", None)) for e in (m.layers["0"] for m in manifests(d))]
+    assert reasons == [("first", 1, False), ("frozen", 1, True), ("frozen-changed", 3, False), ("frozen", 3, True)]
+    model2 = torch.nn.Sequential(torch.nn.Linear(W, W), torch.nn.Linear(W, 1))
+    layerckpt.restore(d, model2)
+    assert torch.equal(model2[0].weight, model[0].weight)
