@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import layerckpt
+from layerckpt import _faults
 from layerckpt._exact import fingerprint
 from layerckpt._manifest import load_manifest
 from layerckpt.errors import StalenessError
@@ -226,4 +227,36 @@ def test_a_frozen_layer_changed_between_the_sampled_elements_is_written(tmp_path
     assert reasons == [("first", 1, False), ("frozen", 1, True), ("frozen-changed", 3, False), ("frozen", 3, True)]
     model2 = torch.nn.Sequential(torch.nn.Linear(W, W), torch.nn.Linear(W, 1))
     layerckpt.restore(d, model2)
+    assert torch.equal(model2[0].weight, model[0].weight)
+
+
+def test_a_failed_save_proves_nothing(tmp_path):
+    """The fingerprints of what a save persists become references when it is planned, and are forgotten when it
+    fails: the next save must not prove a layer unchanged against a version no checkpoint holds."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(W, W), torch.nn.Linear(W, 1))
+    model[0].requires_grad_(False)
+    opt = torch.optim.Adam(model[1].parameters(), lr=1e-3)
+    calls = []
+
+    def hook():
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(5, "injected", "x")
+
+    _faults.install("flush.written", hook)
+    try:
+        with layerckpt.Checkpointer(str(tmp_path), model, opt, layerckpt.Config(keep_last=0)) as ck:
+            ck.save(1).wait()
+            with torch.no_grad():
+                model[0].weight.add_(1e-3)
+            with pytest.raises(layerckpt.CheckpointError):
+                ck.save(2).wait()  # planned to write layer 0, failed
+            ck.save(3).wait()
+    finally:
+        _faults.remove("flush.written")
+    e = manifests(str(tmp_path))[-1].layers["0"]
+    assert (e.step, e.reason, e.unchanged) == (3, "frozen-changed", False)
+    model2 = torch.nn.Sequential(torch.nn.Linear(W, W), torch.nn.Linear(W, 1))
+    layerckpt.restore(str(tmp_path), model2)
     assert torch.equal(model2[0].weight, model[0].weight)
