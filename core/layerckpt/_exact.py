@@ -10,14 +10,15 @@ generators are coprime).  What it guarantees, for two byte strings of the same
 length:
 
 - equal bytes always give equal fingerprints;
-- bytes that differ only within 64 consecutive bits never do (a burst shorter
-  than the generator's degree);
-- any other difference gives equal fingerprints only if it is a multiple of the
-  degree-64 generator: a chance of 2^-64 for a change not chosen against these
-  polynomials (training updates are not).  It is no cryptographic hash: a change
-  crafted to collide would pass.
+- bytes that differ only within 8 consecutive bytes (one element of up to 8
+  bytes, or two neighbours) never do: a burst no longer than the generator's
+  degree;
+- any other difference gives equal fingerprints only if, read as a polynomial
+  over GF(2), it is a multiple of the degree-64 generator: a chance of 2^-64
+  for a change not chosen against these polynomials (training updates are not).
+  It is no cryptographic hash: a change crafted to collide would pass.
 
-A tensor of another dtype or shape never matches (the key records both).
+A tensor of another dtype or shape never matches (the fingerprint records both).
 Fingerprints are taken on the training thread, only of the tensors whose
 sample says nothing moved and of those expected to stay put (see ``_plan``); a
 tensor off the CPU is copied to the host in chunks of ``CHUNK`` bytes first.
