@@ -121,6 +121,9 @@ class LayerEntry:
     drift: Optional[float] = None
     frozen: bool = False
     cost: Optional[float] = None  # first-order loss the composite gives up by holding this version
+    #: this save proved the layer bit-identical to that version (every byte fingerprinted, see _exact): it is
+    #: current however old; False where not proven, or written before the proof existed
+    unchanged: bool = False
 
 
 @dataclass
@@ -350,7 +353,7 @@ def _check_blocks(key: str, blocks: list, nbytes: int, size: int, fname: str, mo
 
 _LAYER_TYPES = {"step": int, "file": (str, type(None)), "tensors": list, "nbytes": int, "rank": int, "age": int,
                 "reason": str, "drift": (int, float, type(None)), "frozen": bool,
-                "cost": (int, float, type(None))}
+                "cost": (int, float, type(None)), "unchanged": bool}
 
 
 def _layer_entry(name: str, e: Any, path: str) -> LayerEntry:

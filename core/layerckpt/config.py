@@ -55,8 +55,8 @@ class Config:
     full mode unless the new threshold is 0.0."""
     max_staleness: int = 16
     """A layer that moves may lag at most this many checkpoints; at the bound it is persisted regardless.
-    Also restore's bound: ``restore()`` checks a composite against the max_staleness recorded in its manifest,
-    or against this one when it is passed a Config.  Nothing lags in full mode."""
+    Also restore's bound: ``restore()`` checks a composite against the Config it is passed, else against the
+    default, never against the one recorded in its manifest.  Nothing lags in full mode."""
     base_every: int = 0
     """Write a base composite every N checkpoints: every layer, every tensor self-contained (no delta against
     an older file); 0 never forces one after the first.  With ``remote_every="base"`` it decides which
