@@ -287,3 +287,20 @@ def test_base_every_writes_self_contained_composites_in_full_mode(tmp_path):
     assert bases == [1, 3, 5]
     for s in bases:
         assert list(_manifest(tmp_path, s)["files"]) == [f"step-{s:08d}.rank0.safetensors"]
+
+
+def test_no_reference_copy_is_kept_for_a_frozen_layer(tmp_path):
+    def held(freeze: bool, root) -> int:
+        model, opt = trained()
+        if freeze:
+            for p in model.h[0].parameters():
+                p.requires_grad_(False)
+        with layerckpt.Checkpointer(root, model, opt, config=layerckpt.Config(keep_last=0)) as ck:
+            ck.save(1).wait()
+            return ck._flusher.refs.memory_bytes
+
+    model, _ = trained()
+    weights = sum(p.numel() * p.element_size() for p in model.h[0].parameters() if p.numel() * 4 >= 65536)
+    assert weights > 0
+    # the frozen block's weights (and the optimizer state the block still had) get no host copy
+    assert held(True, tmp_path / "frozen") <= held(False, tmp_path / "all") - weights

@@ -21,7 +21,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import AbstractSet, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -66,9 +66,10 @@ class Refs:
     def memory_bytes(self) -> int:
         return sum(r.data.nbytes for r in self._refs.values()) + sum(r.data.nbytes for r in self._pending.values())
 
-    def plan(self, layout: Layout, self_contained: bool) -> "ItemPlan":
+    def plan(self, layout: Layout, self_contained: bool, frozen: AbstractSet[str] = frozenset()) -> "ItemPlan":
         """For each item of the save about to be written: its reference (or None: self-contained), and the
-        buffer its bytes are copied into to become the next reference (or None)."""
+        buffer its bytes are copied into to become the next reference (or None).  ``frozen``: keys of frozen
+        layers, rewritten only if they change: no host copy is kept for them."""
         out = ItemPlan([], [], {})
         for i, it in enumerate(layout.items):
             es = it.tensor.element_size()
@@ -82,7 +83,7 @@ class Refs:
                 self._used.append(it.key)
                 continue
             out.refs.append(None)
-            if self.delta and it.nbytes >= MIN_REF and es in _encode.ESIZES:
+            if self.delta and it.nbytes >= MIN_REF and es in _encode.ESIZES and it.key not in frozen:
                 self._refs.pop(it.key, None)  # rewritten: no reference until this save commits
                 data = r.data if r is not None and r.data.size == it.nbytes else np.empty(it.nbytes, np.uint8)
                 self._pending[it.key] = _Ref(data, es)

@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Protocol, Sequence
+from typing import AbstractSet, Any, Callable, Dict, Optional, Protocol, Sequence
 
 from . import _commit, _encwrite, _faults, _registry
 from ._backend import CHECKSUM, Backend, open_file
@@ -123,6 +123,7 @@ class FlushJob:
     on_fail: Optional[Callable[[], None]] = None
     crcs: Dict[int, int] = field(default_factory=dict)  # item -> checksum, of those the stager took itself
     self_contained: bool = False  # encode every tensor without a reference (a base composite)
+    frozen: AbstractSet[str] = frozenset()  # keys of frozen layers' tensors: no reference copy kept for them
     #: once written encoded: what the manifest says of each tensor, and the file's size
     encoded: Optional[Dict[str, Any]] = None
     size: Optional[int] = None
@@ -295,7 +296,7 @@ class Flusher:
             "staging was interrupted; nothing was committed"))
         if self.config.encoding == "off":
             return WriteLoop(self.backend, self.pool, job.chunks, path, **kw)
-        plan = self.refs.plan(job.layout, job.self_contained)
+        plan = self.refs.plan(job.layout, job.self_contained, job.frozen)
         return _encwrite.EncodingLoop(self.backend, self.pool, job.chunks, path, layout=job.layout, plan=plan,
                                       pool_exec=self._encoder_threads(), chunk_bytes=self.pool.chunk_bytes, **kw)
 

@@ -374,7 +374,8 @@ class Checkpointer:
                        on_commit=functools.partial(self.selector.committed, samples=plan.samples, plan=plan),
                        resolve=functools.partial(self.selector.resolve, plan) if plan.deferred else None,
                        on_fail=functools.partial(self.selector.failed, plan),
-                       self_contained=_is_base(plan, self.config))
+                       self_contained=_is_base(plan, self.config),
+                       frozen={k for n in plan.persisted if plan.layers[n].frozen for k in plan.layers[n].tensors})
         self.pool.reserve(layout.size)
         self._flusher.submit(job)
         self._pending.append(pending)
