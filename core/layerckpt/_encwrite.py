@@ -216,28 +216,23 @@ class EncodingLoop(WriteLoop):
     def _pump(self, fd: int, direct: bool) -> None:
         self._fd, self._direct = fd, direct
         try:
-            self._pump_encoded()
+            super()._pump(fd, direct)
         except BaseException:
             self._abandon_encodes()  # before the queue is consumed: the stager may wait for these buffers
             raise
 
-    def _pump_encoded(self) -> None:
-        while True:
-            msg = self.chunks.get()
-            if msg is Signal.DONE or msg is Signal.ABORT:
-                self._ended = True
-                if msg is Signal.ABORT:
-                    raise self._aborted()
-                return
-            if msg is Signal.STARVED:  # encode and write the oldest buffer now: that frees one
-                self._dispatch(1)
-                self._drain(1)
-                self.writes.reap(1)
-                continue
-            self._waiting.append(msg)
-            if self._staged is None or self._staged.is_set():
-                self._dispatch(len(self._waiting))
-            self._drain(0)
+    def _starved(self) -> None:
+        """Encode and write the oldest buffer now: that frees one."""
+        self._dispatch(1)
+        self._drain(1)
+        self.writes.reap(1)
+
+    def _take(self, fd: int, direct: bool, s: StagedChunk) -> None:
+        """Encode once the caller's copy is over (not to compete with it for a core), write what is done."""
+        self._waiting.append(s)
+        if self._staged is None or self._staged.is_set():
+            self._dispatch(len(self._waiting))
+        self._drain(0)
 
     def _finish(self, fd: int, direct: bool, size: int, sync, phases: Dict[str, float]) -> None:
         try:

@@ -94,13 +94,21 @@ class WriteLoop:
                 if msg is Signal.ABORT:
                     raise self._aborted()
                 return
-            if msg is Signal.STARVED:  # finish checksums, free a buffer
-                self._checksum()
-                self.writes.reap(1)
-                continue
-            self._submit(fd, direct, msg)
-            if self._staged is not None and self._staged.is_set():  # the stall is over: checksum while writing
-                self._checksum()
+            if msg is Signal.STARVED:
+                self._starved()
+            else:
+                self._take(fd, direct, msg)
+
+    def _starved(self) -> None:
+        """The stager waits for a buffer: finish checksums, free one."""
+        self._checksum()
+        self.writes.reap(1)
+
+    def _take(self, fd: int, direct: bool, s: StagedChunk) -> None:
+        """A staged buffer: write it where it belongs."""
+        self._submit(fd, direct, s)
+        if self._staged is not None and self._staged.is_set():  # the stall is over: checksum while writing
+            self._checksum()
 
     def _submit(self, fd: int, direct: bool, s: StagedChunk) -> None:
         n = s.fill
