@@ -29,8 +29,8 @@ from . import _encode, _faults
 from ._backend import checksum
 from ._layout import Layout, align_up
 from ._manifest import FileEntry, TensorEntry
-from ._stage import StagedChunk, Signal
-from ._units import ALIGN, KiB
+from ._stage import StagedChunk
+from ._units import KiB
 from ._writeloop import WriteLoop
 
 MIN_REF = 64 * KiB  # smaller tensors are compressed on their own each time: no copy kept for them
