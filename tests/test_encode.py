@@ -83,8 +83,11 @@ def _train(model, opt, steps=1, seed=0):
 
 
 def _saves(root, config, n=6):
-    """n full saves with training between; returns the states at each step."""
+    """n full saves with training between, at a fine-tune's small learning rate (where a delta pays: see
+    _encode.MARGIN); returns the states at each step."""
     model, opt = trained()
+    for g in opt.param_groups:
+        g["lr"] = 1e-6
     states = {}
     with layerckpt.Checkpointer(root, model, opt, config=config) as ck:
         for step in range(1, n + 1):
@@ -304,3 +307,20 @@ def test_no_reference_copy_is_kept_for_a_frozen_layer(tmp_path):
     assert weights > 0
     # the frozen block's weights (and the optimizer state the block still had) get no host copy
     assert held(True, tmp_path / "frozen") <= held(False, tmp_path / "all") - weights
+
+
+def test_a_restore_reads_only_the_reference_blocks_its_deltas_need(tmp_path):
+    from layerckpt._encread import _runs
+    from layerckpt._manifest import load_manifest
+
+    _saves(tmp_path, layerckpt.Config(full=True, keep_last=0), n=2)
+    m = load_manifest(str(tmp_path / "manifests" / "step-00000002.json"))
+    for k, e in m.tensors.items():
+        own, refs = _runs(k, e)
+        if e.enc["ref"] is None:
+            assert refs == []
+            continue
+        need = {pos for b, pos in own[2] if b[3] in (_encode.DELTA, _encode.SAME)}
+        got = {pos for _, _, placed in refs for _, pos in placed}
+        assert need <= got and got <= {pos for _, pos in own[2]}  # the same block cuts: exactly those needed
+        assert need == got

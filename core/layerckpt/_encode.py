@@ -35,6 +35,9 @@ ESIZES = (1, 2, 4, 8)  # element sizes a delta is taken in
 LEVEL = 1  # zstd level: the measured knee (higher levels bought < 2% more on the family, at 2-4x the time)
 _SAMPLE = 1 << 15  # bytes of a plane compressed first to tell whether the plane is worth compressing
 _PAYS = 0.96  # a plane (or a block) is stored compressed only below this fraction of its raw size
+#: a delta is stored only below this fraction of the block's self-contained size (its reference's): a restore
+#: reads the reference too, so a delta that saves less would cost more time than it saves bytes
+MARGIN = 0.8
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
@@ -139,9 +142,13 @@ def _pack_planes(x: np.ndarray, esize: int, limit: int) -> Optional[bytes]:
                                                                for q in parts)
 
 
-def encode_block(raw: np.ndarray, ref: Optional[np.ndarray], esize: int) -> Tuple[int, Optional[bytes]]:
+def encode_block(raw: np.ndarray, ref: Optional[np.ndarray], esize: int, rival: Optional[int] = None
+                 ) -> Tuple[int, Optional[bytes]]:
     """(mode, the encoded bytes) of one block of raw bytes; ``ref``: the reference's same bytes, or None
-    (self-contained).  RAW comes with None: the raw bytes stay as they are."""
+    (self-contained).  RAW comes with None: the raw bytes stay as they are.  ``rival``: the stored size of
+    the reference's own (self-contained) version of this block, where known: a delta must be smaller than
+    ``MARGIN`` times it, else the block is stored self-contained, so that a restore need not read the
+    reference for it (a delta costs the restore the reference's bytes too)."""
     n = raw.size
     limit = int(_PAYS * n)
     if n % esize:
@@ -150,7 +157,7 @@ def encode_block(raw: np.ndarray, ref: Optional[np.ndarray], esize: int) -> Tupl
         planes, changed = plane_bytes(raw, ref, esize)
         if not changed:
             return SAME, b""
-        out = _pack_planes(planes, esize, limit)
+        out = _pack_planes(planes, esize, limit if rival is None else min(limit, int(MARGIN * rival)))
         if out is not None:
             return DELTA, out
     if n >= 64:

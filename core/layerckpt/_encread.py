@@ -31,17 +31,21 @@ def _span(blocks: List[List[int]]) -> Tuple[int, int]:
     return min(b[0] for b in blocks), max(b[0] + b[1] for b in blocks)
 
 
+Placed = List[Tuple[List[int], int]]  # blocks of a tensor, each with the raw position it decodes to
+Run = Tuple[str, str, Placed]  # (key of the read, file, blocks): blocks read in one span of one file
+
+
 def read_encoded(root: str, m: Manifest, mpath: str, keys: List[str], sinks: Dict[str, torch.Tensor], backend,
                  check: Optional[Callable], cfg) -> Tuple[Dict[str, torch.Tensor], int]:
     """Decode the encoded tensors ``keys`` of ``m``: into ``sinks[key]`` (a flat uint8 view of the tensor's
-    bytes) where given, else into fresh memory (returned by key).  Returns (fresh tensors, bytes read)."""
+    bytes) where given, else into fresh memory (returned by key).  Returns (fresh tensors, bytes read).
+    Of a tensor's reference only the blocks its deltas need are read."""
+    runs = {k: _runs(k, m.tensors[k]) for k in keys}
     by_file: Dict[str, List[Want]] = {}
-    for k in keys:
-        e = m.tensors[k]
-        _want(by_file, e.file, k + "\0own", e.enc["blocks"])
-        ref = e.enc.get("ref")
-        if ref is not None:
-            _want(by_file, ref["file"], k + "\0ref", ref["blocks"])
+    for own, refs in runs.values():
+        for key, fname, placed in [own] + refs:
+            a, b = _span([blk for blk, _ in placed])
+            by_file.setdefault(fname, []).append(Want(key, a, b - a, 0, torch.uint8, (b - a,)))
     views: Dict[str, torch.Tensor] = {}
     total = 0
     for fname, wants in sorted(by_file.items()):
@@ -58,11 +62,40 @@ def read_encoded(root: str, m: Manifest, mpath: str, keys: List[str], sinks: Dic
             out[k] = t = _fresh(k, e, mpath)
             sink = t.reshape(-1).view(torch.uint8)
         dests[k] = sink.numpy()
-    _decode_all(root, m, keys, views, dests)
+    _decode_all(root, m, runs, views, dests)
     if check is not None:
         for k in keys:
             _verify(k, m.tensors[k], dests[k], check, root, mpath)
     return out, total
+
+
+def _placed(blocks: List[List[int]]) -> Placed:
+    out, pos = [], 0
+    for b in blocks:
+        out.append((b, pos))
+        pos += b[2]
+    return out
+
+
+def _runs(key: str, e: TensorEntry) -> Tuple[Run, List[Run]]:
+    """A tensor's own blocks, and the runs of its reference's blocks that its deltas (and unchanged blocks)
+    overlap: only those are read."""
+    own = _placed(e.enc["blocks"])
+    ref = e.enc.get("ref")
+    if ref is None:
+        return (key + "\0own", e.file, own), []
+    need = [(pos, pos + b[2]) for b, pos in own if b[3] in (_encode.DELTA, _encode.SAME)]
+    runs: List[Placed] = []
+    last, i = -2, 0
+    for j, (b, pos) in enumerate(_placed(ref["blocks"])):
+        while i < len(need) and need[i][1] <= pos:  # both in raw order: skip the needs behind this block
+            i += 1
+        if i < len(need) and need[i][0] < pos + b[2]:
+            if j != last + 1:
+                runs.append([])
+            runs[-1].append((b, pos))
+            last = j
+    return (key + "\0own", e.file, own), [(f"{key}\0ref{r}", ref["file"], run) for r, run in enumerate(runs)]
 
 
 def _fresh(key: str, e: TensorEntry, mpath: str) -> torch.Tensor:
@@ -74,26 +107,17 @@ def _fresh(key: str, e: TensorEntry, mpath: str) -> torch.Tensor:
                                      path=mpath, tensor=key) from None
 
 
-def _want(by_file: Dict[str, List[Want]], fname: str, key: str, blocks: List[List[int]]) -> None:
-    a, b = _span(blocks)
-    by_file.setdefault(fname, []).append(Want(key, a, b - a, 0, torch.uint8, (b - a,)))
-
-
-def _decode_all(root: str, m: Manifest, keys: List[str], views: Dict[str, torch.Tensor], dests: Dict[str, np.ndarray]
-                ) -> None:
+def _decode_all(root: str, m: Manifest, runs: Dict[str, Tuple[Run, List[Run]]], views: Dict[str, torch.Tensor],
+                dests: Dict[str, np.ndarray]) -> None:
+    """First every reference block needed and every tensor without a reference, then the tensors with one."""
     first: List[Task] = []
     second: List[Task] = []
-    for k in keys:
-        e = m.tensors[k]
-        es = CODES[e.dtype].itemsize
-        ref = e.enc.get("ref")
-        own = _tasks(e.enc["blocks"], views[k + "\0own"], dests[k], es, k, _path(root, e.file))
-        if ref is not None:
-            first += _tasks(ref["blocks"], views[k + "\0ref"], dests[k], es, k, _path(root, ref["file"]),
-                            " (its reference)")
-            second += own
-        else:
-            first += own
+    for k, (own, refs) in runs.items():
+        es = CODES[m.tensors[k].dtype].itemsize
+        for key, fname, placed in refs:
+            first += _tasks(placed, views[key], dests[k], es, k, _path(root, fname), " (its reference)")
+        tasks = _tasks(own[2], views[own[0]], dests[k], es, k, _path(root, own[1]))
+        (second if m.tensors[k].enc.get("ref") else first).extend(tasks)
     workers = max(1, min(os.cpu_count() or 1, 8))
     with ThreadPoolExecutor(workers, thread_name_prefix="layerckpt-decode") as ex:
         for tasks in (first, second):
@@ -105,16 +129,14 @@ def _path(root: str, fname: str) -> str:
     return os.path.join(root, _store.DATA_DIR, fname)
 
 
-def _tasks(blocks: List[List[int]], view: torch.Tensor, dest: np.ndarray, esize: int, key: str, path: str,
+def _tasks(placed: Placed, view: torch.Tensor, dest: np.ndarray, esize: int, key: str, path: str,
            what: str = "") -> List[Task]:
-    base = _span(blocks)[0]
+    base = _span([b for b, _ in placed])[0]
     buf = memoryview(view.numpy())
     out: List[Task] = []
-    pos = 0
-    for off, elen, rlen, mode in blocks:
+    for (off, elen, rlen, mode), pos in placed:
         where = f"tensor {key!r}{what} of {path} (bytes {off}..{off + elen})"
         out.append((mode, buf[off - base:off - base + elen], dest[pos:pos + rlen], esize, where, key, path))
-        pos += rlen
     return out
 
 

@@ -20,7 +20,7 @@ import mmap
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -80,6 +80,7 @@ class Refs:
                 out.refs.append(r.data)
                 out.news.append(None)
                 out.where[i] = r.where
+                out.starts[i] = _starts(r.where["blocks"])
                 self._used.append(it.key)
                 continue
             out.refs.append(None)
@@ -119,6 +120,23 @@ class ItemPlan:
     refs: List[Optional[np.ndarray]]  # per item: its reference's bytes, or None
     news: List[Optional[np.ndarray]]  # per item: where its bytes go to become a reference, or None
     where: Dict[int, Dict[str, Any]]  # item -> its reference's manifest record
+
+    #: item -> {raw start of each of its reference's blocks: (stored length, raw length)}
+    starts: Dict[int, Dict[int, Tuple[int, int]]] = field(default_factory=dict)
+
+    def rival(self, i: int, start: int, length: int) -> Optional[int]:
+        """The stored size of item ``i``'s reference's block of raw bytes [start, start + length), if it has
+        one there (None: not known)."""
+        hit = self.starts.get(i, {}).get(start)
+        return hit[0] if hit is not None and hit[1] == length else None
+
+
+def _starts(blocks: List[List[int]]) -> Dict[int, Tuple[int, int]]:
+    out, pos = {}, 0
+    for _, elen, rlen, _ in blocks:
+        out[pos] = (elen, rlen)
+        pos += rlen
+    return out
 
 
 def header_reserve(layout: Layout, chunk_bytes: int) -> int:
@@ -176,7 +194,8 @@ def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Lay
         if new is not None:
             new[ra:rb] = raw
         ref = plan.refs[i]
-        mode, data = _encode.encode_block(raw, None if ref is None else ref[ra:rb], it.tensor.element_size())
+        mode, data = _encode.encode_block(raw, None if ref is None else ref[ra:rb], it.tensor.element_size(),
+                                          None if ref is None else plan.rival(i, ra, rb - ra))
         if mode == _encode.RAW:
             n = b - a
             if pos != a - s.base:
@@ -291,7 +310,8 @@ class EncodingLoop(WriteLoop):
         out = {}
         for i, it in enumerate(self.layout.items):
             blocks = self._blocks[i]
-            enc = {"codec": _encode.CODEC, "blocks": blocks, "ref": self.plan.where.get(i)}
+            needs = any(b[3] in (_encode.DELTA, _encode.SAME) for b in blocks)  # else it reads no reference
+            enc = {"codec": _encode.CODEC, "blocks": blocks, "ref": self.plan.where.get(i) if needs else None}
             out[it.key] = TensorEntry(file=fname, dtype=_dtype(it), shape=list(it.tensor.shape),
                                       offset=blocks[0][0] if blocks else self.reserve, nbytes=it.nbytes,
                                       crc=crcs[i], enc=enc)
