@@ -9,7 +9,7 @@ bytes against the manifest's.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -35,38 +35,124 @@ Placed = List[Tuple[List[int], int]]  # blocks of a tensor, each with the raw po
 Run = Tuple[str, str, Placed]  # (key of the read, file, blocks): blocks read in one span of one file
 
 
+GROUP = 64 << 20  # encoded bytes read at a time: the decoders work on one group while the next one is read
+TASK = 8  # blocks decoded per task (a big tensor's blocks spread over the threads)
+
+
 def read_encoded(root: str, m: Manifest, mpath: str, keys: List[str], sinks: Dict[str, torch.Tensor], backend,
                  check: Optional[Callable], cfg) -> Tuple[Dict[str, torch.Tensor], int]:
     """Decode the encoded tensors ``keys`` of ``m``: into ``sinks[key]`` (a flat uint8 view of the tensor's
     bytes) where given, else into fresh memory (returned by key).  Returns (fresh tensors, bytes read).
-    Of a tensor's reference only the blocks its deltas need are read."""
+    Of a tensor's reference only the blocks its deltas need are read.  Reads go a group of tensors at a
+    time, each group decoded while the next is read."""
     runs = {k: _runs(k, m.tensors[k]) for k in keys}
+    out, dests = _destinations(m, mpath, keys, sinks)
     by_file: Dict[str, List[Want]] = {}
     for own, refs in runs.values():
         for key, fname, placed in [own] + refs:
             a, b = _span([blk for blk, _ in placed])
             by_file.setdefault(fname, []).append(Want(key, a, b - a, 0, torch.uint8, (b - a,)))
-    views: Dict[str, torch.Tensor] = {}
     total = 0
-    for fname, wants in sorted(by_file.items()):
-        path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
-        got, n = read_views(backend, path, m.files[fname].size, wants, None, cfg.chunk_bytes, direct=cfg.direct_io)
-        views.update(got)
-        total += n
-    out: Dict[str, torch.Tensor] = {}
-    dests: Dict[str, np.ndarray] = {}
-    for k in keys:
-        e = m.tensors[k]
-        sink = sinks.get(k)
-        if sink is None:
-            out[k] = t = _fresh(k, e, mpath)
-            sink = t.reshape(-1).view(torch.uint8)
-        dests[k] = sink.numpy()
-    _decode_all(root, m, runs, views, dests)
+    with _Decoder(root, m, runs, dests) as decoder:
+        for fname, wants in sorted(by_file.items()):
+            path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
+            for group in _groups(sorted(wants, key=lambda w: w.offset)):
+                got, n = read_views(backend, path, m.files[fname].size, group, None, cfg.chunk_bytes,
+                                    direct=cfg.direct_io)
+                total += n
+                for key, view in got.items():
+                    decoder.ready(key, view)
+        decoder.finish()
     if check is not None:
         for k in keys:
             _verify(k, m.tensors[k], dests[k], check, root, mpath)
     return out, total
+
+
+def _destinations(m: Manifest, mpath: str, keys: List[str], sinks: Dict[str, torch.Tensor]
+                  ) -> Tuple[Dict[str, torch.Tensor], Dict[str, np.ndarray]]:
+    """Where each tensor decodes to: its sink, or fresh memory (returned)."""
+    out: Dict[str, torch.Tensor] = {}
+    dests: Dict[str, np.ndarray] = {}
+    for k in keys:
+        sink = sinks.get(k)
+        if sink is None:
+            out[k] = t = _fresh(k, m.tensors[k], mpath)
+            sink = t.reshape(-1).view(torch.uint8)
+        dests[k] = sink.numpy()
+    return out, dests
+
+
+def _groups(wants: List[Want]) -> List[List[Want]]:
+    out: List[List[Want]] = [[]]
+    size = 0
+    for w in wants:
+        if out[-1] and size + w.nbytes > GROUP:
+            out.append([])
+            size = 0
+        out[-1].append(w)
+        size += w.nbytes
+    return out
+
+
+class _Decoder:
+    """Decodes each run of blocks once its bytes are read: a reference's blocks at once, a tensor's own
+    blocks once every run of its reference is decoding (they wait for those: a delta adds to them)."""
+
+    def __init__(self, root: str, m: Manifest, runs: Dict[str, Tuple[Run, List[Run]]],
+                 dests: Dict[str, np.ndarray]):
+        self.root, self.m, self.runs, self.dests = root, m, runs, dests
+        self.owner = {key: k for k, (own, refs) in runs.items() for key, _, _ in [own] + refs}
+        self.left = {k: len(refs) for k, (_, refs) in runs.items()}
+        self.deps: Dict[str, List[Future]] = {k: [] for k in runs}
+        self.own: Dict[str, torch.Tensor] = {}
+        self.futs: List[Future] = []
+        self.ex = ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, 8)), thread_name_prefix="layerckpt-decode")
+
+    def __enter__(self) -> "_Decoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.ex.shutdown(wait=True, cancel_futures=True)
+
+    def ready(self, key: str, view: torch.Tensor) -> None:
+        k = self.owner[key]
+        own, refs = self.runs[k]
+        if key == own[0]:
+            self.own[k] = view
+        else:
+            run = next(r for r in refs if r[0] == key)
+            tasks = _tasks(run[2], view, self.dests[k], self._es(k), k, _path(self.root, run[1]), " (its reference)")
+            self.deps[k] += self._submit(tasks, [])
+            self.left[k] -= 1
+        if k in self.own and self.left[k] == 0:
+            tasks = _tasks(own[2], self.own.pop(k), self.dests[k], self._es(k), k, _path(self.root, own[1]))
+            self._submit(tasks, self.deps[k])
+            self.left[k] = -1  # decoding
+
+    def _es(self, k: str) -> int:
+        return CODES[self.m.tensors[k].dtype].itemsize
+
+    def _submit(self, tasks: List[Task], after: List[Future]) -> List[Future]:
+        out = [self.ex.submit(_decode_after, after, tasks[i:i + TASK]) for i in range(0, len(tasks), TASK)]
+        self.futs += out
+        return out
+
+    def finish(self) -> None:
+        for f in self.futs:
+            f.result()
+        missing = [k for k, n in self.left.items() if n != -1]
+        if missing:  # cannot happen: every run read is handed over; a decoder that skipped one must not pass
+            raise CheckpointCorruptError(f"tensor {missing[0]!r} was not decoded: some of its blocks were not read",
+                                         tensor=missing[0])
+
+
+def _decode_after(after: List[Future], tasks: List[Task]) -> None:
+    """Decode ``tasks`` once ``after`` are done (submitted earlier to the same first-in-first-out pool, so
+    they are running or done: no wait can block a thread that one of them needs)."""
+    for f in after:
+        f.result()
+    _decode_many(tasks)
 
 
 def _placed(blocks: List[List[int]]) -> Placed:
@@ -105,24 +191,6 @@ def _fresh(key: str, e: TensorEntry, mpath: str) -> torch.Tensor:
         raise CheckpointCorruptError(f"tensor {key!r} of manifest {mpath} claims {e.nbytes} bytes, more than this "
                                      f"machine can allocate; the manifest may be damaged: run `layerckpt verify`",
                                      path=mpath, tensor=key) from None
-
-
-def _decode_all(root: str, m: Manifest, runs: Dict[str, Tuple[Run, List[Run]]], views: Dict[str, torch.Tensor],
-                dests: Dict[str, np.ndarray]) -> None:
-    """First every reference block needed and every tensor without a reference, then the tensors with one."""
-    first: List[Task] = []
-    second: List[Task] = []
-    for k, (own, refs) in runs.items():
-        es = CODES[m.tensors[k].dtype].itemsize
-        for key, fname, placed in refs:
-            first += _tasks(placed, views[key], dests[k], es, k, _path(root, fname), " (its reference)")
-        tasks = _tasks(own[2], views[own[0]], dests[k], es, k, _path(root, own[1]))
-        (second if m.tensors[k].enc.get("ref") else first).extend(tasks)
-    workers = max(1, min(os.cpu_count() or 1, 8))
-    with ThreadPoolExecutor(workers, thread_name_prefix="layerckpt-decode") as ex:
-        for tasks in (first, second):
-            for f in [ex.submit(_decode_many, tasks[i::workers]) for i in range(workers)]:
-                f.result()
 
 
 def _path(root: str, fname: str) -> str:
