@@ -19,6 +19,7 @@ from layerckpt import store
 from layerckpt.adapters import as_config, close_quietly, config_overrides, hold, with_config_fields
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
+from layerckpt.metrics import SaveMetrics
 
 from ._state import EXTRA_KEY, LOADED_KEY, from_plain, remote_holds_checkpoint, to_extra
 from .checkpoint_io import LayerCheckpointIO
@@ -153,7 +154,7 @@ class LayerCheckpoint(ModelCheckpoint):
         self._ckpt: Optional[layerckpt.Checkpointer] = None
         self._taken = False  # a newer LayerCheckpoint of this process took the store over during this fit
         self._io: Optional[LayerCheckpointIO] = None
-        self._unlogged: List[layerckpt.PendingSave] = []
+        self._unlogged = SaveMetrics()  # saves whose metrics are not logged yet
         self._loss: Optional[torch.Tensor] = None  # the last training step's loss
         self._pending_rng: Optional[layerckpt.LoadedCheckpoint] = None
         self._loggers: List[Any] = []
@@ -419,7 +420,7 @@ class LayerCheckpoint(ModelCheckpoint):
         self._last_global_step_saved = step
         self.last_save = pending
         self.saves.append(pending)
-        self._unlogged.append(pending)
+        self._unlogged.add(pending)
         self._loggers = list(trainer.loggers)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -478,25 +479,13 @@ class LayerCheckpoint(ModelCheckpoint):
             log.error("layerckpt: %s", e)
 
     def _log_finished(self, trainer: Any) -> None:
-        done = [p for p in self._unlogged if p.done()]
-        self._unlogged = [p for p in self._unlogged if not p.done()]
+        """The metrics of the saves that committed since the last call (never waits for one)."""
+        finished = self._unlogged.finished()
         if not self.log_stats or not trainer.is_global_zero:
             return
-        for p in done:
-            if p.error is not None:
-                continue
-            metrics = {
-                "layerckpt/bytes_written": float(p.bytes_all_ranks or p.bytes_written),
-                "layerckpt/layers_persisted": float(p.layers_persisted),
-                # what training paid: save() (the state dump included) and the next step's wait for the copies
-                "layerckpt/stall_ms": p.blocked_s * 1e3,
-                "layerckpt/save_return_ms": p.stall_s * 1e3,
-                "layerckpt/step_wait_ms": p.step_wait_s * 1e3,
-                "layerckpt/flush_gbps": p.flush_gbps,
-                "layerckpt/max_staleness": float(p.max_staleness),
-            }
+        for step, metrics in finished:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=p.step)
+                logger.log_metrics(metrics, step=step)
 
 
 def _url_as_remote(dirpath: Any, staging_dir: Optional[str], enabled: bool, fields: Dict[str, Any],
