@@ -88,6 +88,14 @@ class LayerCheckpoint(ModelCheckpoint):
             save: ``save_return_ms`` (the state dump and the plan) plus ``step_wait_ms`` (the next
             optimizer step's wait for the copies under lazy staging).
         staging_dir: with a URL as ``dirpath``, the local directory saves are staged in (see ``dirpath``).
+        mtbf: the job's mean time between failures ("8h", "30m", seconds, a timedelta), or a
+            :class:`layerckpt.Interval` (for its ``min_steps``/``max_steps``): save every
+            sqrt(2 x C x MTBF) of training, in steps, with C what one save costs training (``stall_ms``)
+            and the step time both measured as training goes (see :class:`layerckpt.Interval` for the
+            formula and its assumptions).  Takes the place of ``every_n_train_steps``,
+            ``train_time_interval`` and ``every_n_epochs``, which may not be given with it.  Rank 0's
+            clock decides for every rank; the chosen interval and its inputs are logged at each save
+            (``layerckpt/interval_*``).
         every other keyword (``fidelity``, ``threshold``, ``max_staleness``, ``keep_last``, ...): a layerckpt
             Config field (see layerckpt.Config), overriding ``config``.  The signature has one typed parameter
             per field, generated from ``dataclasses.fields(Config)`` (see ``layerckpt.adapters``), so
@@ -122,6 +130,7 @@ class LayerCheckpoint(ModelCheckpoint):
         enabled: bool = True,
         log_stats: bool = True,
         staging_dir: Optional[str] = None,
+        mtbf: Optional[Union[str, float, timedelta, layerckpt.Interval]] = None,
         **overrides: Any,
     ):
         if not isinstance(enabled, bool):
@@ -137,6 +146,9 @@ class LayerCheckpoint(ModelCheckpoint):
         self.layer_config: Config = base.replace(**fields) if fields else base  # validates, names a bad field
         self._enabled = enabled
         self.log_stats = log_stats
+        self.interval = _interval(mtbf, every_n_train_steps, train_time_interval, every_n_epochs)
+        if self.interval is not None:  # no trigger of ModelCheckpoint's own: the interval's decides
+            every_n_train_steps, every_n_epochs = 0, 0
         super().__init__(
             dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose,
             save_last=True if save_last is None and not enabled else save_last, save_top_k=save_top_k,
@@ -436,6 +448,26 @@ class LayerCheckpoint(ModelCheckpoint):
             self._ckpt.check()  # a failed flush stops training here, not in a log line
             self._log_finished(trainer)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.interval is not None:
+            self._save_on_interval(trainer)
+
+    def _save_on_interval(self, trainer: Any) -> None:
+        """With ``mtbf``: save when the interval says so (rank 0's answer, on every rank)."""
+        step = int(trainer.global_step)
+        due = trainer.strategy.broadcast(self.interval.due(step))
+        if not due or self._should_skip_saving_checkpoint(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        if self.monitor is not None and self.monitor not in candidates:
+            self._defer_save_until_validation = True  # as ModelCheckpoint does: saved once validation ran
+            return
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+        if self.last_save is not None and self.last_save.step == step:
+            self.interval.saved(self.last_save)
+        if self.log_stats and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.interval.metrics(), step=step)
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -486,6 +518,20 @@ class LayerCheckpoint(ModelCheckpoint):
         for step, metrics in finished:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+
+
+def _interval(mtbf: Any, every_n_train_steps: Optional[int], train_time_interval: Optional[timedelta],
+              every_n_epochs: Optional[int]) -> Optional[layerckpt.Interval]:
+    """The Interval of ``mtbf`` (None without one); refused beside another trigger."""
+    if mtbf is None:
+        return None
+    given = [f"{n}={v!r}" for n, v in (("every_n_train_steps", every_n_train_steps),
+                                        ("train_time_interval", train_time_interval),
+                                        ("every_n_epochs", every_n_epochs)) if v is not None]
+    if given:
+        raise ConfigError(f"LayerCheckpoint(mtbf={mtbf!r}) chooses when to save, but {', '.join(given)} is given too; "
+                          f"pass one trigger: mtbf, or the others")
+    return mtbf if isinstance(mtbf, layerckpt.Interval) else layerckpt.Interval(mtbf)
 
 
 def _url_as_remote(dirpath: Any, staging_dir: Optional[str], enabled: bool, fields: Dict[str, Any],

@@ -78,7 +78,7 @@ def test_a_cheaper_selective_save_is_taken_more_often_and_the_bounds_hold():
 
 def test_moving_average_and_due_once_per_step():
     clock = Clock()
-    iv = layerckpt.Interval(mtbf="1h", min_steps=2, clock=clock)
+    iv = layerckpt.Interval(mtbf="1h", min_steps=3, clock=clock)
     assert iv.due(0) is False and iv.due(1) is False
     clock.t = 1.0
     assert iv.due(2) is True
@@ -106,3 +106,46 @@ def test_durations(text, seconds):
 def test_bad_arguments_name_the_argument(kw, msg):
     with pytest.raises(ConfigError, match=msg):
         layerckpt.Interval(**kw)
+
+
+# ------------------------------------------------------------------ Lightning: LayerCheckpoint(mtbf=...)
+
+def test_lightning_saves_at_the_interval_and_logs_it(tmp_path):
+    pytest.importorskip("lightning")
+    import csv
+    import os
+
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning_layerckpt import LayerCheckpoint
+    from lit_helpers import Tiny, trainer
+
+    clock = Clock()
+
+    def tick():  # every due() is one more second of training
+        clock.t += 1.0
+        return clock.t
+
+    iv = layerckpt.Interval(mtbf="1h", min_steps=3, max_steps=3, smoothing=1.0, clock=tick)
+    cb = LayerCheckpoint(dirpath=str(tmp_path / "run"), mtbf=iv, keep_last=0)
+    logger = CSVLogger(str(tmp_path), name="logs")
+    trainer(10, [cb], str(tmp_path), logger=logger, log_every_n_steps=1).fit(Tiny())
+    assert [p.step for p in cb.saves] == [3, 6, 9, 10]  # the interval's, then the end of fit
+    assert iv.checkpoint_cost_s == pytest.approx(cb.saves[2].blocked_s)  # read at the step after it
+    rows = list(csv.DictReader(open(os.path.join(logger.log_dir, "metrics.csv"))))
+    logged = {int(r["step"]): r for r in rows if r.get("layerckpt/interval_steps")}
+    assert sorted(logged) == [3, 6, 9] and all(float(r["layerckpt/interval_steps"]) == 3 for r in logged.values())
+    assert float(logged[9]["layerckpt/interval_mtbf_s"]) == 3600
+    assert float(logged[9]["layerckpt/interval_ckpt_cost_s"]) == pytest.approx(cb.saves[1].blocked_s, rel=1e-6)
+
+
+def test_lightning_mtbf_string_and_refused_beside_another_trigger():
+    pytest.importorskip("lightning")
+    from lightning_layerckpt import LayerCheckpoint
+
+    cb = LayerCheckpoint(mtbf="8h")
+    assert cb.interval.mtbf_s == 8 * 3600 and cb.every_n_epochs == 0 and cb._every_n_train_steps == 0
+    assert LayerCheckpoint().interval is None and LayerCheckpoint().every_n_epochs == 1  # unchanged default
+    with pytest.raises(ConfigError, match=r"mtbf='8h'.*every_n_train_steps=50"):
+        LayerCheckpoint(mtbf="8h", every_n_train_steps=50)
+    with pytest.raises(ConfigError, match="not a duration"):
+        LayerCheckpoint(mtbf="often")

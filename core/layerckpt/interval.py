@@ -88,7 +88,7 @@ class Interval:
         self.step_s: Optional[float] = None  # moving average of one training step, saves excluded
         self.steps = min_steps  # the interval now, in steps
         self._last: Optional[tuple] = None  # (step, clock) of the previous due() call
-        self._saved_at: Optional[int] = None  # step of the newest save (the first due() call's step before one)
+        self._saved_at: Optional[int] = None  # step of the newest save (before one: the step before the first call)
         self._new: List[List[PendingSave]] = []  # saves since the previous due() call
 
     def due(self, step: int) -> bool:
@@ -99,8 +99,8 @@ class Interval:
             return False  # asked again at the same step: measured and answered already
         self._measure(step, now)
         self._last = (step, now)
-        if self._saved_at is None:
-            self._saved_at = step
+        if self._saved_at is None:  # the first call comes after one step: counted from the step before
+            self._saved_at = step - 1
         if step - self._saved_at < self.steps:
             return False
         self._saved_at = step
