@@ -1,4 +1,4 @@
-"""Command line: layerckpt inspect | verify | export | bench.
+"""Command line: layerckpt inspect | verify | export | plot | bench.
 
 Exit codes: 0 done (verify: every checkpoint verified); 1 verify found a damaged checkpoint or file;
 2 any other error (nothing there, bad arguments), its message on stderr."""
@@ -246,6 +246,28 @@ def _export_safetensors(args, root: str, path: str, shown: bool) -> int:
     return 0
 
 
+def cmd_plot(args) -> int:
+    from ._plot import figure, history, _matplotlib
+
+    out = os.path.abspath(args.output)
+    if not os.path.isdir(os.path.dirname(out)):
+        raise CheckpointError(f"cannot write {args.output}: the directory {os.path.dirname(out)} does not exist; "
+                              f"create it first")
+    ext = os.path.splitext(out)[1].lower()
+    if ext not in (".png", ".svg", ".pdf"):
+        raise CheckpointError(f"-o {args.output}: name a .png, .svg or .pdf file")
+    try:
+        _matplotlib()
+    except ImportError as e:
+        raise CheckpointError(str(e)) from None
+    root, _ = _store.locate(args.dir)
+    h = history(root)
+    title = args.title or getattr(args, "url", None) or args.dir
+    figure(h, title=title, max_rows=args.max_rows).savefig(out, dpi=120)
+    print(f"wrote {args.output}: {len(h.layers)} layers x {len(h.steps)} checkpoints (steps {h.steps[0]}..{h.steps[-1]})")
+    return 0
+
+
 def _bench(args) -> int:
     import importlib
 
@@ -289,11 +311,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="instead: DIR is a folder save_state wrote through the plugin; -o a folder plain "
                         "accelerate's load_state reads")
     a.set_defaults(fn=cmd_export)
+    a = sub.add_parser("plot", help="a figure of the store's history from its manifests: layers written, skipped "
+                                    "or unchanged per checkpoint, bytes, estimated loss increase (needs the 'plot' "
+                                    "extra: matplotlib)")
+    a.add_argument("dir")
+    a.add_argument("-o", "--output", required=True, help="the figure: a .png, .svg or .pdf file")
+    a.add_argument("--max-rows", type=int, default=64, help="more layers than this are drawn as this many rows")
+    a.add_argument("--title", help="the figure's title (default: DIR)")
+    a.set_defaults(fn=cmd_plot)
     _bench_parser(sub)
     for a in (sub.choices["verify"], sub.choices["export"], sub.choices["bench"]):
         a.add_argument("-q", "--quiet", action="store_true",
                        help="no progress bar (one is drawn on stderr only when it is a terminal)")
-    for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"], sub.choices["bench"]):
+    for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"], sub.choices["plot"],
+              sub.choices["bench"]):
         a.add_argument("--remote-options", metavar="JSON",
                        help="when DIR is a URL (s3://bucket/prefix): fsspec options, e.g. credentials")
     return p
@@ -345,9 +376,9 @@ def _on_local_view(args) -> int:
 
     if not is_url(getattr(args, "dir", None)) or getattr(args, "accelerate", False):
         return args.fn(args)
-    what = {"inspect": "manifests", "verify": "all"}.get(args.cmd, "one")
+    what = {"inspect": "manifests", "plot": "manifests", "verify": "all"}.get(args.cmd, "one")
     with local_view(args.dir, cli_options(args.remote_options), getattr(args, "step", None), what) as local:
-        args.dir = local
+        args.url, args.dir = args.dir, local
         return args.fn(args)
 
 
