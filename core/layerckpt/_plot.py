@@ -80,11 +80,17 @@ def _written(m: Manifest) -> Tuple[int, int]:
     return sum(e.nbytes for e in mine), sum(stored_bytes(e) for e in mine)
 
 
+def behind_range(h: History) -> Tuple[int, int]:
+    """(least, most) steps a skipped layer trails its checkpoint: the two ends of the skipped shade."""
+    b = h.behind[h.state == 3]
+    return (int(b.min()), int(b.max())) if b.size else (0, 0)
+
+
 def colors(h: History, max_rows: int) -> Tuple[np.ndarray, List[Tuple[int, int]]]:
     """The heatmap's RGB image, layers aggregated into at most ``max_rows`` rows (a row's colour the mean of
     its layers'), and each row's [first, end) layer range."""
-    far = max(int(h.behind.max()), 1)
-    t = (h.behind / far)[..., None]
+    near, far = behind_range(h)
+    t = (np.clip(h.behind - near, 0, None) / max(far - near, 1))[..., None]
     rgb = np.ones(h.state.shape + (3,))
     rgb[h.state == 1] = WRITTEN
     rgb[h.state == 2] = UNCHANGED
@@ -133,11 +139,11 @@ def _heatmap(ax: Any, h: History, max_rows: int) -> None:
     ax.set_xlabel("checkpoint (step)")
     aggregated = "" if len(spans) == len(h.layers) else f", {len(h.layers)} layers in {len(spans)} rows"
     ax.set_title(f"layers x checkpoints{aggregated}", fontsize=10)
-    far = int(h.behind.max())
+    near, far = behind_range(h)
     ax.legend(handles=[Patch(color=WRITTEN, label="written"), Patch(color=UNCHANGED, label="unchanged (proven)"),
-                       Patch(color=SKIPPED_NEAR, label="skipped, 1 step behind"),
+                       Patch(color=SKIPPED_NEAR, label=f"skipped, {near} steps behind"),
                        Patch(color=SKIPPED_FAR, label=f"skipped, {far} steps behind")],
-              loc="upper left", bbox_to_anchor=(0, -0.08), ncol=2, fontsize=7, frameon=False)
+              loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4, fontsize=7, frameon=False)
 
 
 def _bytes(ax: Any, h: History) -> None:
@@ -148,8 +154,9 @@ def _bytes(ax: Any, h: History) -> None:
     cols = _sparse(len(h.steps), 12)
     ax.set_xticks(cols, [str(h.steps[j]) for j in cols], rotation=45, fontsize=7)
     ax.set_ylabel("MB")
+    ax.set_ylim(0, 1.4 * max(max(h.full), max(h.raw), 1) / 1e6)  # room above the bars for the legend
     ax.set_title("bytes per checkpoint", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper right", ncol=3, frameon=False)
 
 
 def _loss(ax: Any, h: History) -> None:
