@@ -116,9 +116,11 @@ class LayerFabricCheckpoint:
 
     def _log_finished(self) -> None:
         """The metrics of the saves that committed since the last call, through ``fabric.log_dict``."""
-        for step, metrics in self._metrics.finished():
-            if self.log_stats:
-                self.fabric.log_dict(metrics, step=step)
+        finished = self._metrics.finished()
+        if not self.log_stats or not self.fabric.is_global_zero:  # as the Lightning callback: rank 0 logs
+            return
+        for step, metrics in finished:
+            self.fabric.log_dict(metrics, step=step)
 
     def close(self) -> None:
         """Wait for every save, close the stores and give Fabric its own save and load back."""

@@ -155,3 +155,32 @@ def test_fabric_logs_each_save_through_log_dict(tmp_path):
         assert set(m) == NAMES
         assert m["layerckpt/bytes_written"] == float(p.bytes_written) > 0
         assert m["layerckpt/save_return_ms"] == pytest.approx(p.stall_s * 1e3)
+
+
+def test_accelerate_logs_a_save_only_once_committed_and_never_waits_for_it(tmp_path):
+    import threading
+
+    from layerckpt import _faults
+
+    tracker = Recording()
+    held = threading.Event()
+    _faults.install("commit.before", lambda: held.wait(30))  # the flush holds before its commit
+    try:
+        acc, plugin, saves = _accelerate_run(tmp_path, tracker, every=2, steps=3)  # saves at 2; step 3 after it
+        assert not saves[0][1][0].done()  # still held: the backward of step 3 returned without it
+        assert [m for _, m in tracker.logged if "layerckpt/stall_ms" in m] == []
+    finally:
+        held.set()
+        _faults.remove("commit.before")
+    plugin.wait()
+    assert [s for s, m in tracker.logged if "layerckpt/stall_ms" in m] == [2]
+    acc.end_training()
+
+
+def test_fabric_log_stats_off(tmp_path):
+    logger = FabricRecording()
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=[logger])
+    model = fabric.setup(small_model(0))
+    with LayerFabricCheckpoint(fabric, log_stats=False):
+        fabric.save(str(tmp_path / "ckpts"), {"model": model, "step": 1})
+    assert logger.logged == []
