@@ -184,3 +184,33 @@ def test_fabric_log_stats_off(tmp_path):
     with LayerFabricCheckpoint(fabric, log_stats=False):
         fabric.save(str(tmp_path / "ckpts"), {"model": model, "step": 1})
     assert logger.logged == []
+
+
+def test_accelerate_metrics_reach_a_tensorboard_event_file(tmp_path):
+    pytest.importorskip("tensorboard")
+    from accelerate.utils import LoggerType
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = Accelerator(cpu=True, log_with=LoggerType.TENSORBOARD, project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), logging_dir=str(tmp_path / "tb"), automatic_checkpoint_naming=True))
+    acc.init_trackers("run")
+    model = tiny(0)
+    model, opt = acc.prepare(model, make_optimizer(model))
+    plugin = LayerCheckpointPlugin(layerckpt.Config(threshold=0.0)).register(acc)
+    made = []
+    for s in range(1, 5):
+        x, y = batch("affine", s)
+        acc.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+        opt.step()
+        opt.zero_grad()
+        if s % 2 == 0:
+            acc.save_state()
+            made.append(plugin.last_saves[0])
+    acc.end_training()  # closes the plugin first (every save logged), then the trackers
+    (run_dir,) = [p for p in (tmp_path / "tb").rglob("events.out.tfevents.*")]
+    ev = EventAccumulator(str(run_dir.parent))
+    ev.Reload()
+    assert {"layerckpt/bytes_written", "layerckpt/stall_ms", "layerckpt/flush_gbps"} <= set(ev.Tags()["scalars"])
+    written = ev.Scalars("layerckpt/bytes_written")
+    assert [e.step for e in written] == [2, 4]
+    assert [e.value for e in written] == [pytest.approx(p.bytes_all_ranks or p.bytes_written, rel=1e-6) for p in made]
