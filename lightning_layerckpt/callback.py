@@ -146,7 +146,7 @@ class LayerCheckpoint(ModelCheckpoint):
         self.layer_config: Config = base.replace(**fields) if fields else base  # validates, names a bad field
         self._enabled = enabled
         self.log_stats = log_stats
-        self.interval = _interval(mtbf, every_n_train_steps, train_time_interval, every_n_epochs)
+        self.interval = _interval(mtbf, every_n_train_steps, train_time_interval, every_n_epochs, enabled)
         if self.interval is not None:  # no trigger of ModelCheckpoint's own: the interval's decides
             every_n_train_steps, every_n_epochs = 0, 0
         super().__init__(
@@ -521,10 +521,14 @@ class LayerCheckpoint(ModelCheckpoint):
 
 
 def _interval(mtbf: Any, every_n_train_steps: Optional[int], train_time_interval: Optional[timedelta],
-              every_n_epochs: Optional[int]) -> Optional[layerckpt.Interval]:
-    """The Interval of ``mtbf`` (None without one); refused beside another trigger."""
+              every_n_epochs: Optional[int], enabled: bool) -> Optional[layerckpt.Interval]:
+    """The Interval of ``mtbf`` (None without one); refused beside another trigger, and where saves are
+    ModelCheckpoint's (``enabled=False``: no layerckpt save measures its cost)."""
     if mtbf is None:
         return None
+    if not enabled:
+        raise ConfigError(f"LayerCheckpoint(mtbf={mtbf!r}, enabled=False): the interval is measured on layerckpt's "
+                          f"saves, and enabled=False saves with ModelCheckpoint; give every_n_train_steps there")
     given = [f"{n}={v!r}" for n, v in (("every_n_train_steps", every_n_train_steps),
                                         ("train_time_interval", train_time_interval),
                                         ("every_n_epochs", every_n_epochs)) if v is not None]

@@ -149,3 +149,5 @@ def test_lightning_mtbf_string_and_refused_beside_another_trigger():
         LayerCheckpoint(mtbf="8h", every_n_train_steps=50)
     with pytest.raises(ConfigError, match="not a duration"):
         LayerCheckpoint(mtbf="often")
+    with pytest.raises(ConfigError, match=r"enabled=False.*every_n_train_steps"):
+        LayerCheckpoint(mtbf="8h", enabled=False)
