@@ -48,6 +48,7 @@ def test_the_interval_is_young_s_optimum_in_steps_and_tracks_a_changing_cost():
     clock = Clock()
     iv = layerckpt.Interval(mtbf="8h", min_steps=5, max_steps=100000, smoothing=1.0, clock=clock)
     assert iv.steps == 5  # nothing measured yet: the lower bound
+    assert iv.metrics() == {"layerckpt/interval_steps": 5.0, "layerckpt/interval_mtbf_s": 28800.0}
     train(iv, clock, 200, 0.5, lambda s: 2.0)
     assert iv.step_s == pytest.approx(0.5) and iv.checkpoint_cost_s == pytest.approx(2.0)
     assert iv.steps == round(math.sqrt(2 * 2.0 * 8 * 3600) / 0.5)  # 679 steps: ~5.7 minutes

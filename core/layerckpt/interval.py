@@ -114,11 +114,13 @@ class Interval:
             self._new.append(group)
 
     def metrics(self) -> Dict[str, float]:
-        """The chosen interval and its inputs, for a logger (NaN where not measured yet)."""
-        nan = float("nan")
-        return {"layerckpt/interval_steps": float(self.steps), "layerckpt/interval_mtbf_s": self.mtbf_s,
-                "layerckpt/interval_ckpt_cost_s": nan if self.checkpoint_cost_s is None else self.checkpoint_cost_s,
-                "layerckpt/interval_step_s": nan if self.step_s is None else self.step_s}
+        """The chosen interval and its inputs, for a logger (a cost or step time not measured yet is left out)."""
+        out = {"layerckpt/interval_steps": float(self.steps), "layerckpt/interval_mtbf_s": self.mtbf_s}
+        if self.checkpoint_cost_s is not None:
+            out["layerckpt/interval_ckpt_cost_s"] = self.checkpoint_cost_s
+        if self.step_s is not None:
+            out["layerckpt/interval_step_s"] = self.step_s
+        return out
 
     def optimum_s(self) -> Optional[float]:
         """Young's interval in seconds, sqrt(2 x C x MTBF), once a save's cost is measured."""
