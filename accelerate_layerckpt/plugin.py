@@ -14,6 +14,7 @@ import torch
 from layerckpt import Checkpointer, Config, LayerSpec, PendingSave, RestoreReport, restore, store
 from layerckpt.adapters import StepCounter, as_config, close_all, close_quietly, default_of, hold, pair_optimizers
 from layerckpt.errors import CheckpointError, CheckpointMismatchError, ConfigError
+from layerckpt.metrics import SaveMetrics
 
 from . import folders, remote
 
@@ -120,6 +121,25 @@ class LayerCheckpointPlugin:
     ``keep_last`` is not the default is refused with a ConfigError saying so.
     ``layers`` overrides the layer grouping as in :class:`layerckpt.Checkpointer`.
 
+    Each ``save_state``, once committed, is logged through ``accelerator.log`` to the trackers the
+    script configured (``Accelerator(log_with=...)`` and ``init_trackers``), under the Lightning
+    callback's names: ``layerckpt/bytes_written`` (every rank's, every model's), ``layers_persisted``,
+    ``stall_ms`` (what training paid: ``save_state``'s staging plus the next step's wait for the copies,
+    also apart as ``save_return_ms`` and ``step_wait_ms``), ``flush_gbps`` and ``max_staleness``.  The
+    metrics are known only once the save commits, and training never waits for that: they are logged at
+    the next ``backward``, ``save_state``, :meth:`wait` or :meth:`close`, at the step the save was made
+    (the optimizer steps this process has run: ``backward`` calls that synced gradients).
+    ``log_stats=False`` logs nothing.  To save at the interval the failure rate calls for, see
+    :class:`layerckpt.Interval`::
+
+        interval = layerckpt.Interval(mtbf="8h", min_steps=20, max_steps=2000)
+        for step, batch in enumerate(loader):
+            ...                                   # forward, accelerator.backward, optimizer.step
+            if interval.due(step):
+                accelerator.save_state()
+                interval.saved(plugin.last_saves)  # what this checkpoint cost training, measured
+                accelerator.log(interval.metrics(), step=step)
+
     With ``Config(remote="s3://bucket/run", remote_options={...})`` the local store and folders are the
     staging place of a remote tier: model ``i``'s composites go to ``<remote>/model_<i>`` and every
     checkpoint folder's own files to ``<remote>/folders/<folder name>``, in the background.  When the
@@ -128,10 +148,13 @@ class LayerCheckpointPlugin:
     remote: save the folders of one run into one parent directory.
     """
 
-    def __init__(self, config: Optional[Config] = None, *, layers: LayerSpec = None):
+    def __init__(self, config: Optional[Config] = None, *, layers: LayerSpec = None, log_stats: bool = True):
         self.config = as_config(config, env=ENV_CONFIG, only_config=True)
         refuse_keep_last(self.config)
         self.layers = layers
+        self.log_stats = log_stats
+        self._metrics = SaveMetrics()  # saves not logged yet, each with the step it was made at
+        self._optimizer_steps = 0  # backward calls that synced gradients: the step a save is logged at
         self.accelerator = None
         self.enabled: Optional[bool] = None  # known once registered
         self.last_saves: List[PendingSave] = []  # this process's saves of the newest save_state, one per model
@@ -200,8 +223,11 @@ class LayerCheckpointPlugin:
 
     def wait(self) -> None:
         """Block until every save_state so far is durable and committed; re-raises a flush error."""
-        for st in self._stores.values():
-            st.wait()
+        try:
+            for st in self._stores.values():
+                st.wait()
+        finally:
+            self._log_finished()
 
     def close(self) -> None:
         """Wait for in-flight flushes, free the buffers and give the accelerator its own methods back."""
@@ -248,7 +274,20 @@ class LayerCheckpointPlugin:
 
     def _backward(self, loss, **kwargs: Any):
         self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        if self.accelerator.sync_gradients:
+            self._optimizer_steps += 1
+        self._log_finished()
         return self._orig["backward"](loss, **kwargs)
+
+    def _log_finished(self) -> None:
+        """The metrics of the save_states that committed since the last call, to the accelerator's trackers
+        (main process; never waits for a flush)."""
+        finished = self._metrics.finished()
+        acc = self.accelerator
+        if not self.log_stats or acc is None or not acc.is_main_process:
+            return
+        for step, metrics in finished:
+            acc.log(metrics, step=step)
 
     def _end_training(self, *args: Any, **kwargs: Any):
         end_training = self._orig["end_training"]
@@ -300,7 +339,9 @@ class LayerCheckpointPlugin:
         st.steps.saved(step)
         token = f"{st.run_id}-{step}"
         extra = {"accelerate": {"token": token, "folder": os.path.basename(folder), "accelerator_step": acc.step}}
+        self._log_finished()
         self.last_saves = [ck.save(step, extra=extra, loss=self._loss) for ck in st.checkpointers]
+        self._metrics.add(self.last_saves, step=self._optimizer_steps)
         if acc.is_main_process:
             st.live[folders.write_pointer(folder, st.root, step, token, st.optimizers)] = step
             # rotation (or the user) may have deleted folders since: their composites can go

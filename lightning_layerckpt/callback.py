@@ -19,6 +19,7 @@ from layerckpt import store
 from layerckpt.adapters import as_config, close_quietly, config_overrides, hold, with_config_fields
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
+from layerckpt.metrics import SaveMetrics
 
 from ._state import EXTRA_KEY, LOADED_KEY, from_plain, remote_holds_checkpoint, to_extra
 from .checkpoint_io import LayerCheckpointIO
@@ -87,6 +88,14 @@ class LayerCheckpoint(ModelCheckpoint):
             save: ``save_return_ms`` (the state dump and the plan) plus ``step_wait_ms`` (the next
             optimizer step's wait for the copies under lazy staging).
         staging_dir: with a URL as ``dirpath``, the local directory saves are staged in (see ``dirpath``).
+        mtbf: the job's mean time between failures ("8h", "30m", seconds, a timedelta), or a
+            :class:`layerckpt.Interval` (for its ``min_steps``/``max_steps``): save every
+            sqrt(2 x C x MTBF) of training, in steps, with C what one save costs training (``stall_ms``)
+            and the step time both measured as training goes (see :class:`layerckpt.Interval` for the
+            formula and its assumptions).  Takes the place of ``every_n_train_steps``,
+            ``train_time_interval`` and ``every_n_epochs``, which may not be given with it.  Rank 0's
+            clock decides for every rank; the chosen interval and its inputs are logged at each save
+            (``layerckpt/interval_*``).
         every other keyword (``fidelity``, ``threshold``, ``max_staleness``, ``keep_last``, ...): a layerckpt
             Config field (see layerckpt.Config), overriding ``config``.  The signature has one typed parameter
             per field, generated from ``dataclasses.fields(Config)`` (see ``layerckpt.adapters``), so
@@ -121,6 +130,7 @@ class LayerCheckpoint(ModelCheckpoint):
         enabled: bool = True,
         log_stats: bool = True,
         staging_dir: Optional[str] = None,
+        mtbf: Optional[Union[str, float, timedelta, layerckpt.Interval]] = None,
         **overrides: Any,
     ):
         if not isinstance(enabled, bool):
@@ -136,6 +146,9 @@ class LayerCheckpoint(ModelCheckpoint):
         self.layer_config: Config = base.replace(**fields) if fields else base  # validates, names a bad field
         self._enabled = enabled
         self.log_stats = log_stats
+        self.interval = _interval(mtbf, every_n_train_steps, train_time_interval, every_n_epochs, enabled)
+        if self.interval is not None:  # no trigger of ModelCheckpoint's own: the interval's decides
+            every_n_train_steps, every_n_epochs = 0, 0
         super().__init__(
             dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose,
             save_last=True if save_last is None and not enabled else save_last, save_top_k=save_top_k,
@@ -153,7 +166,7 @@ class LayerCheckpoint(ModelCheckpoint):
         self._ckpt: Optional[layerckpt.Checkpointer] = None
         self._taken = False  # a newer LayerCheckpoint of this process took the store over during this fit
         self._io: Optional[LayerCheckpointIO] = None
-        self._unlogged: List[layerckpt.PendingSave] = []
+        self._unlogged = SaveMetrics()  # saves whose metrics are not logged yet
         self._loss: Optional[torch.Tensor] = None  # the last training step's loss
         self._pending_rng: Optional[layerckpt.LoadedCheckpoint] = None
         self._loggers: List[Any] = []
@@ -419,7 +432,7 @@ class LayerCheckpoint(ModelCheckpoint):
         self._last_global_step_saved = step
         self.last_save = pending
         self.saves.append(pending)
-        self._unlogged.append(pending)
+        self._unlogged.add(pending)
         self._loggers = list(trainer.loggers)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -435,6 +448,26 @@ class LayerCheckpoint(ModelCheckpoint):
             self._ckpt.check()  # a failed flush stops training here, not in a log line
             self._log_finished(trainer)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.interval is not None:
+            self._save_on_interval(trainer)
+
+    def _save_on_interval(self, trainer: Any) -> None:
+        """With ``mtbf``: save when the interval says so (rank 0's answer, on every rank)."""
+        step = int(trainer.global_step)
+        due = trainer.strategy.broadcast(self.interval.due(step))
+        if not due or self._should_skip_saving_checkpoint(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        if self.monitor is not None and self.monitor not in candidates:
+            self._defer_save_until_validation = True  # as ModelCheckpoint does: saved once validation ran
+            return
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+        if self.last_save is not None and self.last_save.step == step:
+            self.interval.saved(self.last_save)
+        if self.log_stats and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.interval.metrics(), step=step)
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -478,25 +511,31 @@ class LayerCheckpoint(ModelCheckpoint):
             log.error("layerckpt: %s", e)
 
     def _log_finished(self, trainer: Any) -> None:
-        done = [p for p in self._unlogged if p.done()]
-        self._unlogged = [p for p in self._unlogged if not p.done()]
+        """The metrics of the saves that committed since the last call (never waits for one)."""
+        finished = self._unlogged.finished()
         if not self.log_stats or not trainer.is_global_zero:
             return
-        for p in done:
-            if p.error is not None:
-                continue
-            metrics = {
-                "layerckpt/bytes_written": float(p.bytes_all_ranks or p.bytes_written),
-                "layerckpt/layers_persisted": float(p.layers_persisted),
-                # what training paid: save() (the state dump included) and the next step's wait for the copies
-                "layerckpt/stall_ms": p.blocked_s * 1e3,
-                "layerckpt/save_return_ms": p.stall_s * 1e3,
-                "layerckpt/step_wait_ms": p.step_wait_s * 1e3,
-                "layerckpt/flush_gbps": p.flush_gbps,
-                "layerckpt/max_staleness": float(p.max_staleness),
-            }
+        for step, metrics in finished:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=p.step)
+                logger.log_metrics(metrics, step=step)
+
+
+def _interval(mtbf: Any, every_n_train_steps: Optional[int], train_time_interval: Optional[timedelta],
+              every_n_epochs: Optional[int], enabled: bool) -> Optional[layerckpt.Interval]:
+    """The Interval of ``mtbf`` (None without one); refused beside another trigger, and where saves are
+    ModelCheckpoint's (``enabled=False``: no layerckpt save measures its cost)."""
+    if mtbf is None:
+        return None
+    if not enabled:
+        raise ConfigError(f"LayerCheckpoint(mtbf={mtbf!r}, enabled=False): the interval is measured on layerckpt's "
+                          f"saves, and enabled=False saves with ModelCheckpoint; give every_n_train_steps there")
+    given = [f"{n}={v!r}" for n, v in (("every_n_train_steps", every_n_train_steps),
+                                        ("train_time_interval", train_time_interval),
+                                        ("every_n_epochs", every_n_epochs)) if v is not None]
+    if given:
+        raise ConfigError(f"LayerCheckpoint(mtbf={mtbf!r}) chooses when to save, but {', '.join(given)} is given too; "
+                          f"pass one trigger: mtbf, or the others")
+    return mtbf if isinstance(mtbf, layerckpt.Interval) else layerckpt.Interval(mtbf)
 
 
 def _url_as_remote(dirpath: Any, staging_dir: Optional[str], enabled: bool, fields: Dict[str, Any],

@@ -27,6 +27,11 @@ holding its writer lock, so the next save continues the composite instead of wri
 process that only reads passes ``adopt=False``.  A state without a module and a path that is no
 store are Fabric's own.
 
+Each save, once committed, is logged through ``fabric.log_dict`` to the Fabric's loggers at the save's
+step, under the names :class:`LayerCheckpoint` logs (``layerckpt/bytes_written``, ``layers_persisted``,
+``stall_ms`` = ``save_return_ms`` + ``step_wait_ms``, ``flush_gbps``, ``max_staleness``): at the next
+save, ``wait()``, ``load`` or ``close()``, never waiting for a flush (``log_stats=False``: not at all).
+
 ``close()`` (or leaving a ``with`` block) waits until every save is durable, raises the first
 failure, closes the stores (no ``layerckpt-flusher`` thread is left) and gives Fabric its own
 ``save``/``load`` back; a handle never closed is closed at exit.  Limits: one module and one
@@ -50,6 +55,7 @@ from layerckpt.adapters import (StepCounter, as_config, close_all, close_quietly
                                 with_config_fields)
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError
+from layerckpt.metrics import SaveMetrics
 
 from ._state import from_plain, to_plain
 
@@ -64,11 +70,13 @@ class LayerFabricCheckpoint:
 
     @with_config_fields  # one typed keyword parameter per Config field
     def __init__(self, fabric: Any, config: Optional[Union[Config, str, os.PathLike, Dict[str, Any]]] = None, *,
-                 adopt: bool = True, **config_fields: Any):
+                 adopt: bool = True, log_stats: bool = True, **config_fields: Any):
         fields = config_overrides(config_fields, "LayerFabricCheckpoint", none_unset=False)
         base = as_config(config)
         self.config = base.replace(**fields) if fields else base  # validates, names a bad field
         self.adopt = adopt
+        self.log_stats = log_stats
+        self._metrics = SaveMetrics()  # saves whose metrics are not logged yet
         self.fabric = fabric
         self.strategy = s = fabric.strategy
         if isinstance(s, DeepSpeedStrategy) or not isinstance(s, (SingleDeviceStrategy, DDPStrategy)):
@@ -100,8 +108,19 @@ class LayerFabricCheckpoint:
 
     def wait(self) -> None:
         """Every save so far durable and committed; raises the first failure."""
-        for ck in list(self._ckpts.values()):
-            ck.wait()
+        try:
+            for ck in list(self._ckpts.values()):
+                ck.wait()
+        finally:
+            self._log_finished()
+
+    def _log_finished(self) -> None:
+        """The metrics of the saves that committed since the last call, through ``fabric.log_dict``."""
+        finished = self._metrics.finished()
+        if not self.log_stats or not self.fabric.is_global_zero:  # as the Lightning callback: rank 0 logs
+            return
+        for step, metrics in finished:
+            self.fabric.log_dict(metrics, step=step)
 
     def close(self) -> None:
         """Wait for every save, close the stores and give Fabric its own save and load back."""
@@ -109,6 +128,7 @@ class LayerFabricCheckpoint:
         try:
             close_all(self._ckpts, what="a Fabric save")
         finally:
+            self._log_finished()
             for name, ours in (("save_checkpoint", self._save_checkpoint), ("load_checkpoint", self._load_checkpoint)):
                 if vars(self.strategy).get(name) == ours:
                     delattr(self.strategy, name)
@@ -154,7 +174,9 @@ class LayerFabricCheckpoint:
         ck = self._open(root, _unwrap(state[mkey]), state[okey] if okey else None)
         step = self._steps[root].step(state.get("step"))  # state["step"] if an int, else one past the last
         extra = {EXTRA_KEY: {"module": mkey, "optimizer": okey, "keys": list(state), "state": rest}}
+        self._log_finished()
         self.last_save = ck.save(step, extra=extra, loss=self._loss)
+        self._metrics.add(self.last_save)
         self._steps[root].saved(step)
 
     def _taken_over(self, root: str) -> None:
@@ -177,6 +199,7 @@ class LayerFabricCheckpoint:
         ck = self._ckpts.pop(root, None)
         if ck is not None:  # read our own writes; a later save reopens the store on what was loaded
             ck.close()
+            self._log_finished()
         mpath = store.resolve(root, step)
         m = store.read_manifest(mpath)
         info = (m.extra or {}).get(EXTRA_KEY)

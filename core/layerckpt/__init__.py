@@ -14,6 +14,8 @@ from ._layers import LayerSpec
 from ._torchfile import TorchFileWriter
 from .checkpointer import Checkpointer
 from .config import Config
+from .interval import Interval
+from ._plot import plot
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -32,5 +34,5 @@ __all__ = [
     "Checkpointer", "Config", "PendingSave", "RestoreReport", "restore", "read_checkpoint", "LoadedCheckpoint",
     "CheckpointError", "CheckpointWriteError", "CheckpointCorruptError", "CheckpointGoneError",
     "CheckpointMismatchError",
-    "CheckpointNotFoundError", "ConfigError", "StalenessError", "LayerSpec", "TorchFileWriter", "store",
+    "CheckpointNotFoundError", "ConfigError", "StalenessError", "LayerSpec", "TorchFileWriter", "store", "Interval", "plot",
 ]

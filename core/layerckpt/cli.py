@@ -1,4 +1,4 @@
-"""Command line: layerckpt inspect | verify | export | bench.
+"""Command line: layerckpt inspect | verify | export | plot | bench.
 
 Exit codes: 0 done (verify: every checkpoint verified); 1 verify found a damaged checkpoint or file;
 2 any other error (nothing there, bad arguments), its message on stderr."""
@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import _store
+from . import _progress, _store
 from ._backend import checksum_function, make_backend
 from ._manifest import MODEL, OPTIM, ROWS, Manifest, load_manifest, model_name
 from .config import Config
@@ -19,14 +19,43 @@ from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundE
 from .restore import read_tensors
 
 
-def _read_tensors(root: str, m: Manifest, keys: List[str], mpath: str = "manifest") -> Dict[str, torch.Tensor]:
-    """Read the named tensors of manifest ``m`` (checksums verified)."""
+#: bytes (as stored) read per call while a progress bar runs: the bar moves at least this often
+_BATCH_BYTES = 256 << 20
+
+
+def _read_tensors(root: str, m: Manifest, keys: List[str], mpath: str = "manifest",
+                  bar: Optional[_progress.Bar] = None) -> Dict[str, torch.Tensor]:
+    """Read the named tensors of manifest ``m`` (checksums verified), in batches that move ``bar`` by the
+    bytes each takes in its file."""
     cfg = Config()
     backend = make_backend(cfg.backend, cfg.queue_depth)
+    out: Dict[str, torch.Tensor] = {}
     try:
-        return read_tensors(root, m, mpath, keys, backend, checksum_function(m.checksum), cfg)[0]
+        for batch in _batches(m, keys):
+            out.update(read_tensors(root, m, mpath, batch, backend, checksum_function(m.checksum), cfg)[0])
+            if bar is not None:
+                bar.update(sum(_stored(m.tensors[k]) for k in batch if k in m.tensors))
+        return out
     finally:
         backend.close()
+
+
+def _batches(m: Manifest, keys: List[str]) -> List[List[str]]:
+    """``keys`` in order, cut where a batch reaches ``_BATCH_BYTES`` as stored."""
+    out: List[List[str]] = [[]]
+    size = 0
+    for k in keys:
+        if out[-1] and size >= _BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(k)
+        e = m.tensors.get(k)
+        size += _stored(e) if e is not None else 0
+    return out
+
+
+def _stored_total(m: Manifest, keys: Optional[List[str]] = None) -> int:
+    return sum(_stored(m.tensors[k]) for k in (m.tensors if keys is None else keys) if k in m.tensors)
 
 
 def _locate(args):
@@ -99,24 +128,31 @@ def cmd_verify(args) -> int:
     if not good and not bad:
         raise CheckpointNotFoundError(f"no committed checkpoint in {root}: nothing to verify")
     failures = [f"{n}: damaged manifest: {_damage(root, n)}" for n in bad]
-    checked = 0
     damaged: set = set()
-    for name, m in sorted(good.items()):
-        try:
-            _read_tensors(root, m, list(m.tensors), name)
-            checked += 1
-        except CheckpointError as e:
-            failures.append(f"{name}: {e}")
-            if getattr(e, "path", None) and os.path.dirname(e.path).endswith(_store.DATA_DIR):
-                damaged.add(os.path.basename(e.path))
-        except _UNREADABLE as e:  # whatever else a damaged store provokes is a failure of that checkpoint too
-            failures.append(f"{name}: cannot be read ({type(e).__name__}: {e})")
+    shown = _progress.wanted(getattr(args, "quiet", False))
+    with _progress.Bar(sum(_stored_total(m) for m in good.values()), "verify", shown) as bar:
+        checked = sum(_verify_one(root, name, m, bar, failures, damaged) for name, m in sorted(good.items()))
     for f in failures:
         print(f"FAIL {f}")
     for line in _dependents(good, damaged):
         print(line)
     print(f"{checked} of {len(good) + len(bad)} checkpoint(s) verified" + ("" if not failures else f", {len(failures)} failed"))
     return 1 if failures else 0
+
+
+def _verify_one(root: str, name: str, m: Manifest, bar: _progress.Bar, failures: List[str], damaged: set) -> bool:
+    """Read every tensor of one committed checkpoint; a failure goes to ``failures`` (and its data file, when
+    named, to ``damaged``)."""
+    try:
+        _read_tensors(root, m, list(m.tensors), name, bar)
+        return True
+    except CheckpointError as e:
+        failures.append(f"{name}: {e}")
+        if getattr(e, "path", None) and os.path.dirname(e.path).endswith(_store.DATA_DIR):
+            damaged.add(os.path.basename(e.path))
+    except _UNREADABLE as e:  # whatever else a damaged store provokes is a failure of that checkpoint too
+        failures.append(f"{name}: cannot be read ({type(e).__name__}: {e})")
+    return False
 
 
 def _dependents(good: Dict[str, Manifest], damaged: set) -> List[str]:
@@ -145,15 +181,16 @@ def _damage(root: str, name: str) -> str:
 
 
 def cmd_export(args) -> int:
-    from safetensors.torch import save_file
-
+    shown = _progress.wanted(getattr(args, "quiet", False))
     if args.dcp is not None:
         if args.output is not None or args.lightning or args.accelerate:
             raise CheckpointError("--dcp OUT_DIR is the output: drop -o, --lightning and --accelerate")
         from .interop import export_dcp
 
         _, path = _locate(args)
-        print(f"wrote the DCP checkpoint of step {load_manifest(path).step} to {export_dcp(path, args.dcp)}")
+        with _watch_output(args.dcp, path, "export --dcp", shown):
+            out = export_dcp(path, args.dcp)
+        print(f"wrote the DCP checkpoint of step {load_manifest(path).step} to {out}")
         return 0
     if args.output is None:
         raise CheckpointError("name the output: -o FILE, or --dcp OUT_DIR for a torch.distributed.checkpoint")
@@ -161,29 +198,73 @@ def cmd_export(args) -> int:
     if not os.path.isdir(out_dir):
         raise CheckpointError(f"cannot write {args.output}: the directory {out_dir} does not exist; create it first")
     if args.accelerate:
-        try:
-            from accelerate_layerckpt.export import export_folder
-        except ImportError as e:
-            raise CheckpointError(f"--accelerate needs accelerate installed (pip install 'layerckpt[accelerate]'): {e}")
-        print(f"wrote {export_folder(args.dir, args.output)}: plain accelerate's load_state reads it")
-        return 0
+        return _export_accelerate(args, shown)
     root, path = _locate(args)
     if args.lightning:
         try:
             from lightning_layerckpt.export import export_ckpt
         except ImportError as e:
             raise CheckpointError(f"--lightning needs lightning installed (pip install 'layerckpt[lightning]'): {e}")
-        export_ckpt(path, args.output)
+        with _watch_output(args.output, path, "export --lightning", shown):
+            export_ckpt(path, args.output)
         print(f"wrote the Lightning checkpoint of step {load_manifest(path).step} to {args.output}")
         return 0
+    return _export_safetensors(args, root, path, shown)
+
+
+def _export_accelerate(args, shown: bool) -> int:
+    try:
+        from accelerate_layerckpt.export import export_folder
+    except ImportError as e:
+        raise CheckpointError(f"--accelerate needs accelerate installed (pip install 'layerckpt[accelerate]'): {e}")
+    with _progress.watching(lambda: _progress.size_of(args.output), None, "export --accelerate", shown):
+        out = export_folder(args.dir, args.output)
+    print(f"wrote {out}: plain accelerate's load_state reads it")
+    return 0
+
+
+def _watch_output(out: str, mpath: str, desc: str, shown: bool):
+    """A bar of the bytes ``out`` holds, against the composite's size (raw): for exports by library calls."""
+    total = sum(e.nbytes for e in load_manifest(mpath).tensors.values()) if shown else None
+    return _progress.watching(lambda: _progress.size_of(out), total, desc, shown)
+
+
+def _export_safetensors(args, root: str, path: str, shown: bool) -> int:
+    from safetensors.torch import save_file
+
     m = load_manifest(path)
     keys = [k for k in m.logical_keys() if model_name(k) is not None]
-    ts = _read_tensors(root, m, keys)
+    with _progress.Bar(_stored_total(m, keys), "export (read)", shown) as bar:
+        ts = _read_tensors(root, m, keys, bar=bar)
     out = {model_name(k): t for k, t in ts.items()}
     for alias, canon in m.aliases.items():
         out[alias] = out[canon].clone()
-    save_file(out, args.output, metadata={"format": "pt", "step": str(m.step)})
+    with _progress.watching(lambda: _progress.size_of(args.output), sum(t.nbytes for t in out.values()),
+                            "export (write)", shown):
+        save_file(out, args.output, metadata={"format": "pt", "step": str(m.step)})
     print(f"wrote {len(out)} tensors of step {m.step} to {args.output}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from ._plot import figure, history, _matplotlib
+
+    out = os.path.abspath(args.output)
+    if not os.path.isdir(os.path.dirname(out)):
+        raise CheckpointError(f"cannot write {args.output}: the directory {os.path.dirname(out)} does not exist; "
+                              f"create it first")
+    ext = os.path.splitext(out)[1].lower()
+    if ext not in (".png", ".svg", ".pdf"):
+        raise CheckpointError(f"-o {args.output}: name a .png, .svg or .pdf file")
+    try:
+        _matplotlib()
+    except ImportError as e:
+        raise CheckpointError(str(e)) from None
+    root, _ = _store.locate(args.dir)
+    h = history(root)
+    title = args.title or getattr(args, "url", None) or args.dir
+    figure(h, title=title, max_rows=args.max_rows).savefig(out, dpi=120)
+    print(f"wrote {args.output}: {len(h.layers)} layers x {len(h.steps)} checkpoints (steps {h.steps[0]}..{h.steps[-1]})")
     return 0
 
 
@@ -192,10 +273,22 @@ def _bench(args) -> int:
 
     kind = ("sharded" if args.sharded else "lightning_io" if args.lightning else "policy" if args.policy
             else "restore" if args.restore else "steps" if args.steps else "run")
-    return importlib.import_module("layerckpt.bench." + kind).main(args)
+    shown = _progress.wanted(getattr(args, "quiet", False))
+    # the bench reports nothing while it runs: the bar shows this process's disk traffic and its rate
+    with _progress.printing_beside(shown), _progress.watching(_progress.process_io, None, f"bench {kind} I/O", shown):
+        return importlib.import_module("layerckpt.bench." + kind).main(args)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _on_local_view(args)
+    except CheckpointError as e:
+        print(f"layerckpt {args.cmd}: {e}", file=sys.stderr)
+        return 1 if args.cmd == "verify" and isinstance(e, CheckpointCorruptError) else 2  # 1: damage found
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="layerckpt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("inspect", help="per layer: persisted step, steps behind, bytes, estimated cost")
@@ -218,6 +311,26 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="instead: DIR is a folder save_state wrote through the plugin; -o a folder plain "
                         "accelerate's load_state reads")
     a.set_defaults(fn=cmd_export)
+    a = sub.add_parser("plot", help="a figure of the store's history from its manifests: layers written, skipped "
+                                    "or unchanged per checkpoint, bytes, estimated loss increase (needs the 'plot' "
+                                    "extra: matplotlib)")
+    a.add_argument("dir")
+    a.add_argument("-o", "--output", required=True, help="the figure: a .png, .svg or .pdf file")
+    a.add_argument("--max-rows", type=int, default=64, help="more layers than this are drawn as this many rows")
+    a.add_argument("--title", help="the figure's title (default: DIR)")
+    a.set_defaults(fn=cmd_plot)
+    _bench_parser(sub)
+    for a in (sub.choices["verify"], sub.choices["export"], sub.choices["bench"]):
+        a.add_argument("-q", "--quiet", action="store_true",
+                       help="no progress bar (one is drawn on stderr only when it is a terminal)")
+    for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"], sub.choices["plot"],
+              sub.choices["bench"]):
+        a.add_argument("--remote-options", metavar="JSON",
+                       help="when DIR is a URL (s3://bucket/prefix): fsspec options, e.g. credentials")
+    return p
+
+
+def _bench_parser(sub) -> None:
     a = sub.add_parser("bench", help="time layerckpt against torch.save, safetensors and DCP")
     a.add_argument("--preset", default="gpt2-small", choices=["gpt2-small", "tiny"])
     a.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
@@ -254,15 +367,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="with --sharded, --lightning or --steps: the model")
     a.add_argument("--nproc", type=int, default=2, help="with --sharded: processes")
     a.set_defaults(fn=_bench)
-    for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"], sub.choices["bench"]):
-        a.add_argument("--remote-options", metavar="JSON",
-                       help="when DIR is a URL (s3://bucket/prefix): fsspec options, e.g. credentials")
-    args = p.parse_args(argv)
-    try:
-        return _on_local_view(args)
-    except CheckpointError as e:
-        print(f"layerckpt {args.cmd}: {e}", file=sys.stderr)
-        return 1 if args.cmd == "verify" and isinstance(e, CheckpointCorruptError) else 2  # 1: damage found
 
 
 def _on_local_view(args) -> int:
@@ -272,9 +376,9 @@ def _on_local_view(args) -> int:
 
     if not is_url(getattr(args, "dir", None)) or getattr(args, "accelerate", False):
         return args.fn(args)
-    what = {"inspect": "manifests", "verify": "all"}.get(args.cmd, "one")
+    what = {"inspect": "manifests", "plot": "manifests", "verify": "all"}.get(args.cmd, "one")
     with local_view(args.dir, cli_options(args.remote_options), getattr(args, "step", None), what) as local:
-        args.dir = local
+        args.url, args.dir = args.dir, local
         return args.fn(args)
 
 
