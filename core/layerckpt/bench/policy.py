@@ -36,7 +36,7 @@ BYTES_TARGET = {**{f"{kind}-{lr}": 10.0 for kind in ("classify", "finetune") for
 LOSS_TARGET = 0.005
 
 
-HELDOUT = 4  # held-out batches the lag is measured on (Workload.eval_loss's own seed stream)
+HELDOUT = 16  # held-out batches the lag is measured on (Workload.eval_loss's own seed stream)
 
 
 class _Store:
