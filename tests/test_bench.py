@@ -116,6 +116,9 @@ def test_lag_places_the_excess_on_the_monotone_fit():
     assert lag_steps(curve, 6, curve[6] - 0.5) == 0.0  # better than the run: no lag either
     assert lag_steps(curve, 6, curve[6] + 2.5) == pytest.approx(2.5)
     assert lag_steps(curve, 6, 100.0) == 6.0  # worse than the start: at most the whole run
+    # a curve sampled every 5 steps (the saves): linear in between
+    assert lag_steps(curve[::5], 10, curve[10] + 2.5, at=[0, 5, 10]) == pytest.approx(2.5)
+    assert lag_steps(curve[::5], 10, curve[10] + 7.0, at=[0, 5, 10]) == pytest.approx(7.0)
     # a plateau: an excess within the curve's scatter around its fit is no lag at all
     flat = [1.0, 0.5, 0.5, 0.51, 0.49, 0.5, 0.5]
     assert lag_steps(flat, 5, 0.501) == 0.0

@@ -5,8 +5,8 @@ taken.  A selective composite loses those too, plus its *lag*: the steps the res
 catch up with the run that never stopped.
 
 The lag is measured on a fixed held-out set (16 batches no training step sees): the restored
-composite's held-out loss is placed on the uninterrupted run's held-out curve, recorded after every
-step.  Its excess over the curve at the composite's own step (exactly 0 for a bit-exact restore) is
+composite's held-out loss is placed on the uninterrupted run's held-out curve, recorded at the start
+and at every save (linear in between: a forward pass over the set costs up to 10 training steps).  Its excess over the curve at the composite's own step (exactly 0 for a bit-exact restore) is
 turned into steps with a monotone (isotonic, non-increasing) fit of the curve: the lag is how far
 back the fit had to go to be that much higher.  An excess within the curve's own scatter around
 that fit counts 0: on a plateau (the embedding workload after its first 40 steps) the run makes no
@@ -63,20 +63,23 @@ def scatter(curve: Sequence[float], fit: Sequence[float]) -> float:
     return math.sqrt(sum((c - f) ** 2 for c, f in zip(curve, fit)) / len(curve))
 
 
-def lag_steps(curve: Sequence[float], step: int, loss: float) -> float:
+def lag_steps(curve: Sequence[float], step: int, loss: float, at: Optional[Sequence[int]] = None) -> float:
     """Steps a composite of ``step`` whose held-out loss is ``loss`` trails the uninterrupted run, whose
-    held-out loss after ``s`` steps is ``curve[s]``: 0 when it is no worse than the run at ``step`` or worse
-    by no more than the curve's own scatter around its isotonic fit (a plateau: no progress to lose), else
-    the distance back to where that fit was higher by the same excess (at most ``step``)."""
-    excess = loss - curve[step]
+    held-out loss after ``at[i]`` steps (default: ``i``) is ``curve[i]`` (``step`` one of them): 0 when it is
+    no worse than the run at ``step`` or worse by no more than the curve's own scatter around its isotonic
+    fit (a plateau: no progress to lose), else the distance back to where that fit was higher by the same
+    excess, linear between the curve's steps (at most ``step``)."""
+    at = list(range(len(curve))) if at is None else list(at)
+    i = at.index(step)
+    excess = loss - curve[i]
     fit = isotonic_decreasing(curve)
     if excess <= 0 or excess <= scatter(curve, fit):
         return 0.0
-    target = fit[step] + excess
-    for s in range(step, 0, -1):  # fit[s] < target here; find the first earlier point at or above it
-        if fit[s - 1] >= target:
-            return step - (s - (target - fit[s]) / (fit[s - 1] - fit[s]))
-    return float(step)
+    target = fit[i] + excess
+    for j in range(i, 0, -1):  # fit[j] < target here; find the first earlier point at or above it
+        if fit[j - 1] >= target:
+            return step - (at[j] - (at[j] - at[j - 1]) * (target - fit[j]) / (fit[j - 1] - fit[j]))
+    return float(step - at[0])
 
 
 def frontier_at(points: Sequence[Tuple[float, float]], nbytes: float) -> float:
