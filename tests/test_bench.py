@@ -161,5 +161,20 @@ def test_policy_frontier_end_to_end(tmp_path):
     assert f["default"]["since"] == 2.0 and f["default"]["lag"] == 0.0 and f["ok"]  # only the head trains
     assert r["crashes"][0]["deviation"] == 0.0
     table = policy.format_table([r], layerckpt.Config()) + "\n" + format_frontier([r])
-    for column in ("raw", "written", "default lost (since+lag)", "frontier@bytes", "k8 "):
+    for column in ("raw", "written", "default lost (since+lag)", "est.lag", "frontier@bytes", "k8 "):
         assert column in table, column
+
+
+def test_plot_is_written_where_matplotlib_is_installed(tmp_path):
+    from layerckpt.bench.frontier import plot
+
+    row = {"workload": "w", "frontier": {"full": [{"k": 1, "bytes": 400.0, "lost": 2.0}, {"k": 2, "bytes": 200.0,
+                                                                                       "lost": 4.5}],
+                                         "default": {"bytes": 300.0, "lost": 3.0}}}
+    out = tmp_path / "frontier.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert plot([row], str(out)) is None and not out.exists()
+    else:
+        assert plot([row], str(out)) == str(out) and out.stat().st_size > 0

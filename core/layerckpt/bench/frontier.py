@@ -104,8 +104,8 @@ def _mb(n: float) -> str:
 
 def _default_cell(d: Dict[str, Any]) -> str:
     if d.get("refused"):
-        return f"{'REFUSED ' + str(d['refused']):>22}"
-    return f"{d['lost']:>6.1f} ({d['since']:.1f}+{d['lag']:.1f})"
+        return f"{'REFUSED at ' + str(d['restored']):>24}"
+    return f"{d['lost']:>6.1f} ({d['since']:.1f}+{d['lag']:.1f}) {d.get('estimated_lag', math.nan):>5.1f}"
 
 
 def format_frontier(rows: List[Dict[str, Any]]) -> str:
@@ -113,7 +113,7 @@ def format_frontier(rows: List[Dict[str, Any]]) -> str:
     at the same written bytes, and each full cadence's (written bytes / steps lost)."""
     lines = ["steps lost per crash (mean over crash points at (i+1/2)/8 of the run; default = steps since its "
              "composite + the composite's held-out lag; full every k intervals: the steps since it)",
-             f"{'workload':<17}{'raw':>9}{'written':>9}{'vs full':>8}{'default lost (since+lag)':>25}"
+             f"{'workload':<17}{'raw':>9}{'written':>9}{'vs full':>8}{'default lost (since+lag) est.lag':>33}"
              f"{'frontier@bytes':>15}  verdict   full every k: written / lost"]
     for r in rows:
         f = r.get("frontier")
@@ -123,8 +123,9 @@ def format_frontier(rows: List[Dict[str, Any]]) -> str:
         cells = "  ".join(f"k{p['k']}{'~' if p.get('estimated') else ''} {_mb(p['bytes'])}/{p['lost']:.1f}"
                           for p in f["full"])
         lines.append(f"{r['workload']:<17}{_mb(d['raw']):>9}{_mb(d['bytes']):>9}{f['ratio']:>7.1f}x"
-                     f"{_default_cell(d):>25}{f['frontier_lost']:>15.1f}  {'ok' if f['ok'] else 'MISSED':<8}  {cells}")
-    lines.append("k~: beyond the measured cadences, estimated from every 8's bytes per save")
+                     f"{_default_cell(d):>33}{f['frontier_lost']:>15.1f}  {'ok' if f['ok'] else 'MISSED':<8}  {cells}")
+    lines.append("k~: beyond the measured cadences, estimated from every 8's bytes per save; est.lag: the lag the "
+                 "composites' manifests estimate (first-order cost, in steps), beside the measured one")
     return "\n".join(lines)
 
 

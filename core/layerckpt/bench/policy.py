@@ -163,8 +163,10 @@ def run(w: Workload, config: Config, root: str, crashes: Sequence[float] = CRASH
 
 def _default_point(w: Workload, config: Config, st: _Store, curve: List[float], points: List[int]) -> Dict[str, Any]:
     """The default's mean steps lost over the crash points: the steps since its newest composite plus that
-    composite's held-out lag; a refused restore makes the point a failure (``refused``)."""
+    composite's held-out lag; a refused restore makes the point a failure (``refused``).  Beside the measured
+    lag, the one the composite's manifest estimates (its ``lag`` in intervals, in steps)."""
     lags: Dict[int, float] = {}
+    estimated: Dict[int, float] = {}
     since = [steps_since(c, st.saves) for c in points]
     for c, s in zip(points, since):
         at = c - s
@@ -174,9 +176,11 @@ def _default_point(w: Workload, config: Config, st: _Store, curve: List[float], 
         if model is None:
             return {"bytes": sum(st.written), "raw": sum(st.raw), "refused": rep, "restored": at}
         lags[at] = lag_steps(curve, at, _heldout(w, model), range(0, len(curve) * w.every, w.every))
+        estimated[at] = (rep.lag or 0.0) * w.every
     lag = statistics.fmean(lags.get(c - s, 0.0) for c, s in zip(points, since))
     return {"bytes": sum(st.written), "raw": sum(st.raw), "since": statistics.fmean(since), "lag": lag,
-            "lost": statistics.fmean(since) + lag, "lags": {str(k): v for k, v in sorted(lags.items())}}
+            "lost": statistics.fmean(since) + lag, "lags": {str(k): v for k, v in sorted(lags.items())},
+            "estimated_lag": statistics.fmean(estimated.get(c - s, 0.0) for c, s in zip(points, since))}
 
 
 def _full_points(stores: Dict[Any, _Store], points: List[int], steps: int, every: int,
