@@ -160,6 +160,7 @@ def test_policy_frontier_end_to_end(tmp_path):
     assert f["crash_points"] == [2, 7, 12, 17, 22, 27, 32, 37]
     assert f["default"]["since"] == 2.0 and f["default"]["lag"] == 0.0 and f["ok"]  # only the head trains
     assert r["crashes"][0]["deviation"] == 0.0
+    assert f["full_check"] == {"step": 40, "lag": 0.0}  # the newest full checkpoint: accepted, bit for bit
     table = policy.format_table([r], layerckpt.Config()) + "\n" + format_frontier([r])
     for column in ("raw", "written", "default lost (since+lag)", "est.lag", "frontier@bytes", "k8 "):
         assert column in table, column

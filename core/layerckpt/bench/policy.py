@@ -200,14 +200,25 @@ def _full_points(stores: Dict[Any, _Store], points: List[int], steps: int, every
     return out
 
 
+def _full_check(w: Workload, config: Config, st: _Store, curve: List[float]) -> Dict[str, Any]:
+    """The newest full checkpoint every interval, restored strictly: accepted, and with no held-out lag (it is
+    bit for bit the run's state, so the lag measure must give exactly 0)."""
+    at = st.saves[-1]
+    model, _, rep = _restore(w, config, st.root, at)
+    if model is None:
+        return {"step": at, "refused": rep}
+    return {"step": at, "lag": lag_steps(curve, at, _heldout(w, model), range(0, len(curve) * w.every, w.every))}
+
+
 def _frontier(w: Workload, config: Config, stores: Dict[Any, _Store], curve: List[float],
               steps: int) -> Dict[str, Any]:
     points = crash_points(steps)
     d = _default_point(w, config, stores["default"], curve, points)
     full = _full_points(stores, points, steps, w.every, d["bytes"])
+    check = _full_check(w, config, stores[INTERVALS[0]], curve)
     at = frontier_at([(p["bytes"], p["lost"]) for p in full], d["bytes"])
-    ok = not d.get("refused") and d["lost"] <= at + 1e-9
-    return {"crash_points": points, "default": d, "full": full, "frontier_lost": at, "ok": ok,
+    ok = not d.get("refused") and d["lost"] <= at + 1e-9 and check.get("lag") == 0.0
+    return {"crash_points": points, "default": d, "full": full, "full_check": check, "frontier_lost": at, "ok": ok,
             "ratio": full[0]["bytes"] / max(d["bytes"], 1)}
 
 
@@ -257,6 +268,8 @@ def format_table(rows: List[Dict[str, Any]], config: Config) -> str:
     refused = [(r["workload"], c["step"], c["refused"]) for r in rows for c in r["crashes"] if c.get("refused")]
     refused += [(r["workload"], r["frontier"]["default"]["restored"], r["frontier"]["default"]["refused"])
                 for r in rows if r.get("frontier", {}).get("default", {}).get("refused")]
+    refused += [(r["workload"], r["frontier"]["full_check"]["step"], "full: " + r["frontier"]["full_check"]["refused"])
+                for r in rows if r.get("frontier", {}).get("full_check", {}).get("refused")]
     lines += [f"refused: {name} step {step}: {why}" for name, step, why in refused]
     return "\n".join(lines)
 
