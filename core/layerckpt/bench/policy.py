@@ -18,6 +18,7 @@ the full cadences, at equal bytes written.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -71,9 +72,17 @@ def _stores(w: Workload, config: Config, root: str, frontier: bool) -> Dict[Any,
     if not frontier:
         return {"default": _Store(root, config.replace(keep_last=0), w.every)}
     stores = {"default": _Store(os.path.join(root, "default"), config.replace(keep_last=0), w.every)}
-    for k in INTERVALS:  # older full checkpoints are never restored here: keep two, as users would
-        stores[k] = _Store(os.path.join(root, f"full-{k}"), Config(full=True, keep_last=2), k * w.every)
+    for k in INTERVALS:
+        stores[k] = _Store(os.path.join(root, f"full-{k}"), _full_config(config), k * w.every)
     return stores
+
+
+def _full_config(config: Config) -> Config:
+    """``config`` (its engine settings: encoding, chunks, backend...) with every layer at every save.  Older
+    full checkpoints are never restored here: keep two, as users would."""
+    selection = ("fidelity", "threshold", "budget_bytes", "full", "keep_last")
+    same = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config) if f.init and f.name not in selection}
+    return Config(full=True, keep_last=2, **same)
 
 
 @functools.lru_cache(maxsize=2)
