@@ -37,8 +37,8 @@ if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
             "layerckpt._uring",
-            sources=["csrc/module.c", "csrc/ring.c", "csrc/sys.c", "csrc/crc32c.c"],
-            depends=["csrc/ring.h", "csrc/sys.h", "csrc/crc32c.h"],
+            sources=["csrc/module.c", "csrc/ring.c", "csrc/sys.c", "csrc/crc32c.c", "csrc/planes.c"],
+            depends=["csrc/ring.h", "csrc/sys.h", "csrc/crc32c.h", "csrc/planes.h"],
             extra_compile_args=["-O2", "-Wall", "-Werror", "-std=gnu11"],
         )
     )

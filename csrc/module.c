@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "crc32c.h"
+#include "planes.h"
 #include "ring.h"
 
 /* The Python objects of one request slot. */
@@ -567,7 +568,83 @@ static PyObject *py_probe(PyObject *self, PyObject *noargs)
 	Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(planes_doc,
+"planes(raw, ref, out, esize) -> bool\n--\n\n"
+"Byte planes of raw's elements of esize bytes (1, 2, 4 or 8) into out, or, where ref is not None, of the\n"
+"zigzag-mapped wrapping difference raw - ref.  Returns whether any byte written is nonzero.");
+
+static int check_es(int es, Py_ssize_t n)
+{
+	if ((es != 1 && es != 2 && es != 4 && es != 8) || n % es) {
+		PyErr_Format(PyExc_ValueError, "element size %d does not divide %zd bytes (or is not 1, 2, 4, 8)", es, n);
+		return -1;
+	}
+	return 0;
+}
+
+static PyObject *py_planes(PyObject *self, PyObject *args)
+{
+	Py_buffer raw, ref = {0}, out;
+	PyObject *refobj;
+	int es, any = 0, have_ref;
+
+	if (!PyArg_ParseTuple(args, "y*Ow*i", &raw, &refobj, &out, &es))
+		return NULL;
+	have_ref = refobj != Py_None;
+	if (have_ref && PyObject_GetBuffer(refobj, &ref, PyBUF_SIMPLE) < 0)
+		goto fail;
+	if (out.len != raw.len || (have_ref && ref.len != raw.len)) {
+		PyErr_Format(PyExc_ValueError, "planes: raw has %zd bytes, out %zd, ref %zd", raw.len, out.len,
+			     have_ref ? ref.len : raw.len);
+		goto fail;
+	}
+	if (check_es(es, raw.len) < 0)
+		goto fail;
+	Py_BEGIN_ALLOW_THREADS
+	any = lc_planes(raw.buf, have_ref ? ref.buf : NULL, out.buf, (size_t)raw.len, es);
+	Py_END_ALLOW_THREADS
+	PyBuffer_Release(&raw);
+	PyBuffer_Release(&out);
+	if (have_ref)
+		PyBuffer_Release(&ref);
+	return PyBool_FromLong(any);
+fail:
+	PyBuffer_Release(&raw);
+	PyBuffer_Release(&out);
+	if (have_ref && ref.buf)
+		PyBuffer_Release(&ref);
+	return NULL;
+}
+
+PyDoc_STRVAR(unplanes_doc,
+"unplanes(planes, out, esize, add)\n--\n\n"
+"The inverse of planes(): elements into out; with add, out holds the reference and the delta is added.");
+
+static PyObject *py_unplanes(PyObject *self, PyObject *args)
+{
+	Py_buffer planes, out;
+	int es, add;
+
+	if (!PyArg_ParseTuple(args, "y*w*ip", &planes, &out, &es, &add))
+		return NULL;
+	if (planes.len != out.len || check_es(es, out.len) < 0) {
+		if (!PyErr_Occurred())
+			PyErr_Format(PyExc_ValueError, "unplanes: planes has %zd bytes, out %zd", planes.len, out.len);
+		PyBuffer_Release(&planes);
+		PyBuffer_Release(&out);
+		return NULL;
+	}
+	Py_BEGIN_ALLOW_THREADS
+	lc_unplanes(planes.buf, out.buf, (size_t)out.len, es, add);
+	Py_END_ALLOW_THREADS
+	PyBuffer_Release(&planes);
+	PyBuffer_Release(&out);
+	Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+	{"planes", py_planes, METH_VARARGS, planes_doc},
+	{"unplanes", py_unplanes, METH_VARARGS, unplanes_doc},
 	{"crc32c", py_crc32c, METH_VARARGS, crc32c_doc},
 	{"copy_crc32c", py_copy_crc32c, METH_VARARGS, copy_crc32c_doc},
 	{"probe", py_probe, METH_NOARGS, probe_doc},

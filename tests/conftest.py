@@ -137,3 +137,13 @@ def s3():
     server = S3()
     yield server
     server.stop()
+
+
+def stored_byte(entry: dict) -> int:
+    """The file offset of a byte in the middle of a manifest tensor entry's stored bytes (its first encoded
+    block where it is encoded), for tests that damage one tensor."""
+    if entry.get("enc"):
+        off, n = next(b[:2] for b in entry["enc"]["blocks"] if b[1] > 0)  # not an unchanged block: it holds none
+        return off + n // 2
+    return entry["offset"] + entry["nbytes"] // 2
+

@@ -43,6 +43,9 @@ def _check_ratios(res: dict) -> None:
             "dcp_async_durable_over_ours": runs["dcp"]["async_durable_s"] / lc["durable_s"],
             "dcp_async_stall_over_ours": runs["dcp"]["async_stall_s"] / lc["stall_s"],
             "dcp_async_stall_over_our_blocked": runs["dcp"]["async_stall_s"] / lc["blocked_s"]}
+    raw = runs["layerckpt raw"]
+    want.update(raw_bytes_over_encoded=raw["bytes"] / lc["bytes"], encoded_durable_over_raw=lc["durable_s"] /
+                raw["durable_s"], encoded_restore_over_raw=lc["restore_s"] / raw["restore_s"])
     for name in ("torch.save", "safetensors", "dcp"):
         want[f"{name}_durable_over_ours"] = runs[name]["durable_s"] / lc["durable_s"]
         want[f"{name}_restore_over_ours"] = runs[name]["restore_s"] / lc["restore_s"]
@@ -55,12 +58,15 @@ def test_bench_tiny_json(tmp_path):
                         "--dir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
-    assert set(res["runs"]) == {"layerckpt", "torch.save", "safetensors", "dcp"}
-    lc = res["runs"]["layerckpt"]
+    assert set(res["runs"]) == {"layerckpt", "layerckpt raw", "torch.save", "safetensors", "dcp"}
+    lc, raw = res["runs"]["layerckpt"], res["runs"]["layerckpt raw"]
     model, opt = build_state("tiny")
     assert res["state_bytes"] == state_bytes(model, opt)
-    # a full save is the state once (the tied head not again), plus RNG states, header and alignment: 27 KiB here
-    assert lc["restore_bit_exact"] and res["state_bytes"] < lc["bytes"] <= res["state_bytes"] + 40 * 1024
+    # a raw full save is the state once (the tied head not again), plus RNG states, header and alignment: 27 KiB
+    assert raw["restore_bit_exact"] and res["state_bytes"] < raw["bytes"] <= res["state_bytes"] + 40 * 1024
+    # encoded (the default): the same saves, fewer bytes, restored bit for bit
+    assert lc["encoding"] == "delta" and raw["encoding"] == "off"
+    assert lc["restore_bit_exact"] and lc["bytes"] < raw["bytes"]
     rows = res["selective"]
     assert [r["blocks_moved"] for r in rows] == [0, 1, 2, 4]
     # each moved block adds its weights and AdamW state (and at most 8 KiB of header and alignment), nothing else

@@ -6,7 +6,7 @@ import sys
 from safetensors.torch import load_file
 
 import layerckpt
-from conftest import assert_same_state, small_model, trained
+from conftest import assert_same_state, small_model, trained, stored_byte
 
 
 def cli(*args):
@@ -38,7 +38,7 @@ def test_inspect_verify_export(tmp_path):
     m = json.loads((root / "manifests" / "step-00000010.json").read_text())
     e = m["tensors"]["model/ln_f.weight"]
     with open(root / "data" / e["file"], "r+b") as f:
-        f.seek(e["offset"])
+        f.seek(stored_byte(e))
         f.write(b"\x13\x37")
     r = cli("verify", root)
     assert r.returncode == 1

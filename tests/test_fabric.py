@@ -180,7 +180,10 @@ def test_two_processes_each_write_a_share_and_load_bit_exact(tmp_path):
     m = json.load(open(layerckpt.read_checkpoint(str(tmp_path / "store")).manifest))
     assert m["world_size"] == 2 and m["step"] == 2
     assert {e["rank"] for e in m["layers"].values()} == {0, 1}
-    assert sorted(m["files"]) == ["step-00000002.rank0.safetensors", "step-00000002.rank1.safetensors"]
+    # each rank's own file of step 2; the others listed are the references its deltas are encoded against
+    assert sorted(f for f, e in m["files"].items() if e["step"] == 2) == ["step-00000002.rank0.safetensors",
+                                                                          "step-00000002.rank1.safetensors"]
+    assert {t["file"] for t in m["tensors"].values()} == {f for f, e in m["files"].items() if e["step"] == 2}
 
 
 def ddp_main(out: str) -> None:

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 import layerckpt
-from conftest import assert_same_optimizer, assert_same_state, run_py, small_model, trained
+from conftest import assert_same_optimizer, assert_same_state, run_py, small_model, stored_byte, trained
 
 pytestmark = pytest.mark.usefixtures("backend")
-FULL = layerckpt.Config(threshold=0.0)  # every layer in every file: these tests damage one file
+# every layer in every file, each file self-contained (compressed, no delta against the one before): these tests
+# damage one file
+FULL = layerckpt.Config(threshold=0.0, encoding="compress")
 
 
 @pytest.fixture
@@ -38,7 +40,7 @@ def test_flipped_byte_names_tensor_and_file(saved):
     key = "optim/h.2.c_attn.weight/exp_avg"
     e = m["tensors"][key]
     with open(_data(root, 2), "r+b") as f:
-        f.seek(e["offset"] + e["nbytes"] // 2)
+        f.seek(stored_byte(e))
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x10]))
@@ -58,7 +60,7 @@ def test_flipped_byte_in_model_weights(saved):
     root, _, _ = saved
     e = _manifest(root, 2)["tensors"]["model/h.1.c_fc.weight"]
     with open(_data(root, 2), "r+b") as f:
-        f.seek(e["offset"])
+        f.seek(stored_byte(e))
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 1]))
@@ -110,6 +112,8 @@ def test_manifest_path_outside_dirpath_refused(saved, name):
     m["files"] = {name: m["files"][old]}
     for e in m["tensors"].values():
         e["file"] = name
+        if e.get("enc") and e["enc"]["ref"]:
+            e["enc"]["ref"]["file"] = name
     p.write_text(json.dumps(m))
     with pytest.raises(layerckpt.CheckpointCorruptError, match="refused"):
         layerckpt.restore(root, small_model())
@@ -186,7 +190,7 @@ def _sized_model(nbytes: int) -> torch.nn.Module:
 def test_disk_full_raises_and_recovers(tiny_fs):
     model = _sized_model(1 << 20)  # ~1 MiB a checkpoint; 3 MiB disk
     root = tiny_fs / "ck"
-    cfg = FULL.replace(keep_last=0, chunk_bytes="256KiB")
+    cfg = FULL.replace(keep_last=0, chunk_bytes="256KiB", encoding="off")  # raw: sizes known to the byte
     ck = layerckpt.Checkpointer(root, model, config=cfg)
     ck.save(1).wait()
     ck.save(2).wait()
@@ -210,10 +214,15 @@ def test_disk_full_raises_and_recovers(tiny_fs):
     assert torch.all(out[0].weight == 7)
 
 
-def test_error_surfaces_from_next_save(tiny_fs):
+@pytest.mark.parametrize("encoding", ["off", "delta"])
+def test_error_surfaces_from_next_save(tiny_fs, encoding):
     model = _sized_model(2 << 20)
-    ck = layerckpt.Checkpointer(tiny_fs / "ck", model, config=FULL.replace(keep_last=0))
+    ck = layerckpt.Checkpointer(tiny_fs / "ck", model, config=FULL.replace(keep_last=0, encoding=encoding))
     ck.save(1).wait()
+    if encoding == "delta":  # an unchanged tensor is encoded to nothing: move every weight (random: ~raw size)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p))
     p = ck.save(2)  # does not fit; nobody waits on it
     with pytest.raises(layerckpt.CheckpointWriteError, match="No space left"):
         ck.save(3)

@@ -212,6 +212,8 @@ def test_a_tensor_claiming_terabytes_is_refused_before_allocating(store):
         e = d["tensors"]["model/0.weight"]
         e.update(shape=[tb // 4], nbytes=tb)
         d["files"][e["file"]]["size"] = e["offset"] + tb
+        if e.get("enc"):  # encoded: one raw block of it all, where the tensor's bytes start
+            e["enc"].update(blocks=[[e["offset"], tb, tb, 0]], ref=None)
 
     edit(mpath, huge)
     for cfg in (None, layerckpt.Config(direct_io=False)):

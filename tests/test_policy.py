@@ -1,6 +1,7 @@
 """The selection defaults on a fast subset of the workload family, through the real engine (the whole
 family is `layerckpt bench --policy`), and the guards against a silent rollback."""
 import logging
+import json
 import os
 import subprocess
 import sys
@@ -37,24 +38,19 @@ def _state_bytes(w):
 
 
 def _written(root) -> dict:
-    """Data file -> names of the layer tensors (model and optimizer) in it: what the saves put on disk."""
-    out = {}
-    for f in sorted(os.listdir(root / "data")):
-        with safe_open(str(root / "data" / f), "pt") as sf:
-            out[f] = {k: sf.get_slice(k) for k in sf.keys() if k.startswith(("model/", "optim/"))}
+    """Data file -> {name: raw bytes} of the layer tensors (model and optimizer) the save put in it, as the
+    manifest of that save places them (encoded or not)."""
+    out = {f: {} for f in sorted(os.listdir(root / "data"))}
+    for name in sorted(os.listdir(root / "manifests")):
+        m = json.loads((root / "manifests" / name).read_text())
+        for k, t in m["tensors"].items():
+            if m["files"][t["file"]]["step"] == m["step"] and k.startswith(("model/", "optim/")):
+                out[t["file"]][k] = t["nbytes"]
     return out
 
 
 def _disk_bytes(written: dict) -> int:
-    size = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
-    total = 0
-    for tensors in written.values():
-        for t in tensors.values():
-            n = size[t.get_dtype()]
-            for d in t.get_shape():
-                n *= d
-            total += n
-    return total
+    return sum(n for tensors in written.values() for n in tensors.values())
 
 
 def _check_accounting(r, w, root) -> tuple:

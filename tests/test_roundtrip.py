@@ -90,8 +90,9 @@ def test_module_buffers_of_every_dtype(tmp_path):
 
 
 def test_data_file_is_valid_aligned_safetensors(tmp_path):
+    """With encoding off a data file holds every tensor as it is (see test_encode for encoded files)."""
     model, opt = trained()
-    with layerckpt.Checkpointer(tmp_path, model, opt) as ck:
+    with layerckpt.Checkpointer(tmp_path, model, opt, config=layerckpt.Config(encoding="off")) as ck:
         p = ck.save(3).wait()
     data = os.listdir(tmp_path / "data")
     assert data == ["step-00000003.rank0.safetensors"]
@@ -127,10 +128,15 @@ def test_back_pressure_small_pool_and_many_saves(tmp_path):
         for step in range(1, 5):
             ck.save(step).wait()
             assert ck.pool.allocated_bytes <= 16 * 1024  # never past the bound
-    # keep_last=2: only the last two composites remain, and their files only
+    # keep_last=2: only the last two composites remain, and their files only: their own, and the first save's,
+    # which holds the self-contained versions their tensors are delta-encoded against
     assert sorted(os.listdir(tmp_path / "manifests")) == ["step-00000003.json", "step-00000004.json"]
-    assert sorted(os.listdir(tmp_path / "data")) == ["step-00000003.rank0.safetensors",
+    assert sorted(os.listdir(tmp_path / "data")) == ["step-00000001.rank0.safetensors",
+                                                       "step-00000003.rank0.safetensors",
                                                        "step-00000004.rank0.safetensors"]
+    m = json.loads((tmp_path / "manifests" / "step-00000004.json").read_text())
+    assert {t["enc"]["ref"]["file"] for t in m["tensors"].values() if t["enc"]["ref"]} == {
+        "step-00000001.rank0.safetensors"}
     assert (tmp_path / "latest").read_text().strip() == "step-00000004.json"
     fresh, fopt = small_model(3), torch.optim.AdamW(small_model(3).parameters())
     fopt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
@@ -154,7 +160,8 @@ def test_pipelined_saves_and_resave_of_a_committed_step(tmp_path):
             model.wte.weight.fill_(20)
         ck.save(2).wait()  # the same step again: a new file, the old one untouched until the commit
     m = json.loads((tmp_path / "manifests" / "step-00000002.json").read_text())
-    assert list(m["files"]) == ["step-00000002.v1.rank0.safetensors"]
+    assert [f for f, e in m["files"].items() if e["step"] == 2] == ["step-00000002.v1.rank0.safetensors"]
+    assert {t["file"] for t in m["tensors"].values()} == {"step-00000002.v1.rank0.safetensors"}  # the rest: refs
     for step, fill in ((1, 1.0), (2, 20.0), (3, 3.0)):
         out = small_model(4)
         layerckpt.restore(tmp_path, out, step=step)

@@ -203,7 +203,8 @@ def test_large_files_go_up_in_parts(s3, tmp_path):
     url, options = f"s3://{s3.bucket()}/run", s3.options
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)])  # a 12.6 MB file
-    cfg = FULL.replace(remote=url, remote_options=options, chunk_bytes="1MiB")  # parts of 5 MiB, S3's least
+    # parts of 5 MiB, S3's least; raw, so that the file is as big as the state
+    cfg = FULL.replace(remote=url, remote_options=options, chunk_bytes="1MiB", encoding="off")
     with layerckpt.Checkpointer(tmp_path / "ck", model, config=cfg) as ck:
         ck.save(1)
     _, path = _fs(url, options)
@@ -434,7 +435,7 @@ def test_bandwidth_cap_on_the_remote_tier(s3, tmp_path):
     url, options = f"s3://{s3.bucket()}/run", s3.options
     cap = 3_000_000
     model = stack()
-    cfg = FULL.replace(remote=url, remote_options=options, remote_bandwidth="3MB/s")
+    cfg = FULL.replace(remote=url, remote_options=options, remote_bandwidth="3MB/s", encoding="off")  # raw: MBs
     assert cfg.remote_bandwidth == cap
     with layerckpt.Checkpointer(tmp_path / "ck", model, config=cfg) as ck:
         move(model, 1)

@@ -16,8 +16,9 @@ from layerckpt._track import DriftTracker
 
 # ------------------------------------------------------------------ policy
 
-def _st(cost, nbytes=100, progress=0.0, age=0, drift=0.1, frozen=False):
-    return policy.LayerState(drift=drift, age=age, nbytes=nbytes, frozen=frozen, cost=cost, progress=progress)
+def _st(cost, nbytes=100, progress=0.0, age=0, drift=0.1, frozen=False, unchanged=False):
+    return policy.LayerState(drift=drift, age=age, nbytes=nbytes, frozen=frozen, cost=cost, progress=progress,
+                             unchanged=unchanged)
 
 
 def test_policy_first_and_base_write_everything():
@@ -43,7 +44,7 @@ def test_policy_budget_skips_cheapest_per_byte_until_the_allowance_is_spent():
 
 
 def test_policy_unknown_cost_staleness_and_frozen():
-    layers = {"new": _st(math.inf), "old": _st(0.0, age=3), "frozen": _st(0.0, frozen=True, drift=0.0),
+    layers = {"new": _st(math.inf), "old": _st(0.0, age=3), "frozen": _st(0.0, frozen=True, drift=0.0, unchanged=True),
               "thawed": _st(0.0, frozen=True, drift=0.2)}
     out = policy.decide(layers, first=False, base_due=False, max_staleness=3, fidelity=1.0, loss=1.0)
     assert out == {"new": "cost", "old": "stale", "frozen": "frozen", "thawed": "frozen-changed"}

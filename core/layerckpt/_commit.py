@@ -55,12 +55,16 @@ class RankResult:
 
 
 def rank_result(rank: int, fname: str, layout: Layout, crcs: Sequence[int], rng: Any,
-                failed: Optional[BaseException], path: str) -> RankResult:
-    """What this rank tells the others about its file: where each tensor landed, or its error."""
+                failed: Optional[BaseException], path: str, tensors: Optional[Dict[str, TensorEntry]] = None,
+                size: Optional[int] = None) -> RankResult:
+    """What this rank tells the others about its file: where each tensor landed, or its error.  ``tensors``
+    and ``size``: the file's entries and size when it was written encoded (else the layout's)."""
     if failed is not None:
         error = RankFailure(getattr(failed, "errno", None) or errno.EIO, getattr(failed, "path", None) or path,
                             str(failed))
         return RankResult(rank, fname, layout.size, rng, error)
+    if tensors is not None:
+        return RankResult(rank, fname, layout.size if size is None else size, rng, tensors=tensors)
     tensors = {it.key: TensorEntry(file=fname, dtype=DTYPES[it.tensor.dtype], shape=list(it.tensor.shape),
                                    offset=it.offset, nbytes=it.nbytes, crc=crcs[i])
                for i, it in enumerate(layout.items)}

@@ -10,10 +10,11 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, Optional, Protocol, Sequence
 
-from . import _commit, _faults, _registry
+from . import _commit, _encwrite, _faults, _registry
 from ._backend import CHECKSUM, Backend, open_file
 from ._dist import Group
 from ._layout import Layout
@@ -77,8 +78,8 @@ class PendingSave(Pending):
         self.manifest_path: Optional[str] = None
         self.cancelled = False  # its directory was removed while it flushed: dropped, not failed
         #: seconds by phase: plan (gather, drift, selection, layout: what save() blocks for under lazy
-        #: staging), stage (the copies), checksum, write (waiting for the disk beyond the copies and
-        #: checksums), fdatasync, commit (ranks agree, the manifest durable), retention (after the commit)
+        #: staging), stage (the copies), checksum, encode (the encoder threads' seconds, summed over them;
+        #: encoded saves only), write (waiting for the disk beyond the copies, checksums and encoding), fdatasync, commit (ranks agree, the manifest durable), retention (after the commit)
         self.phases: Dict[str, float] = {}
 
     def _what(self) -> str:
@@ -121,6 +122,10 @@ class FlushJob:
     resolve: Optional[Callable[[Manifest], None]] = None  # completes the manifest from saves committed before
     on_fail: Optional[Callable[[], None]] = None
     crcs: Dict[int, int] = field(default_factory=dict)  # item -> checksum, of those the stager took itself
+    self_contained: bool = False  # encode every tensor without a reference (a base composite)
+    #: once written encoded: what the manifest says of each tensor, and the file's size
+    encoded: Optional[Dict[str, Any]] = None
+    size: Optional[int] = None
 
 
 class CommitListener(Protocol):
@@ -184,6 +189,14 @@ class Flusher:
         self.root = root
         self.listeners = tuple(listeners)
         self.thread = thread if thread is not None else FlushThread()
+        self.refs = _encwrite.Refs(config.encoding == "delta", config.delta_chain)
+        self._encoders: Optional[ThreadPoolExecutor] = None
+
+    def _encoder_threads(self) -> ThreadPoolExecutor:
+        if self._encoders is None:
+            self._encoders = ThreadPoolExecutor(_encwrite.threads(self.config.encode_threads),
+                                                thread_name_prefix="layerckpt-encode")
+        return self._encoders
 
     def submit(self, job: FlushJob) -> None:
         _registry.save_started(job.pending.root, job.pending)  # read your writes: restore waits for it
@@ -196,11 +209,15 @@ class Flusher:
     def stop(self) -> None:
         """Finish the jobs queued, then end the thread (from the thread itself it only asks)."""
         self.thread.stop()
+        if self._encoders is not None and self.thread._thread is None:  # else the thread still runs jobs
+            self._encoders.shutdown(wait=True)
+            self._encoders = None
 
     def _run(self, job: FlushJob) -> None:
         try:
             self._flush(job)
         except BaseException as e:  # noqa: BLE001 - kept and re-raised from wait()
+            self.refs.failed()
             if job.on_fail is not None:
                 job.on_fail()
             if not os.path.isdir(self.root):  # the user removed the directory: nothing to fight over
@@ -230,17 +247,20 @@ class Flusher:
             failed, crcs = _as_checkpoint_error(e, job.pending.path), []
         _faults.point("flush.written")
         m = job.manifest
-        mine = _commit.rank_result(self.group.rank, job.fname, job.layout, crcs, m.rng, failed, job.pending.path)
+        mine = _commit.rank_result(self.group.rank, job.fname, job.layout, crcs, m.rng, failed, job.pending.path,
+                                   tensors=job.encoded, size=job.size)
         ranks = _commit.agree(self.group, mine, failed, job.pending.path)
         _commit.merge(m, ranks, CHECKSUM)
+        _encwrite.merge_refs(m.tensors, m.files)
         t = time.perf_counter()
         job.pending.manifest_path = _commit.publish(self.group, self.root, m)
+        self.refs.committed(m.tensors, m.files)
         job.pending.durable_s = time.perf_counter() - job.t0  # committed: what follows is housekeeping
         job.pending.phases["commit"] = time.perf_counter() - t
         t = time.perf_counter()
         if job.on_commit is not None:
             job.on_commit(m)
-        job.pending.bytes_written = job.layout.size
+        job.pending.bytes_written = job.size if job.size is not None else job.layout.size
         job.pending.bytes_all_ranks = sum(r.size for r in ranks)
         for listener in self.listeners:  # the tiers queue their copies, then the local retention runs
             listener.committed(m)
@@ -255,9 +275,7 @@ class Flusher:
         except OSError as e:
             self._discard(job)
             raise CheckpointWriteError(e.errno or errno.EIO, path) from None
-        loop = WriteLoop(self.backend, self.pool, job.chunks, path, nitems=len(job.layout.items),
-                         staged=job.staged, aborted=lambda: job.abort_error or CheckpointError(
-                             "staging was interrupted; nothing was committed"))
+        loop = self._loop(job, path)
         try:
             crcs = loop.run(fd, direct, job.layout.size, phases=job.pending.phases)
         except BaseException as e:
@@ -266,7 +284,20 @@ class Flusher:
                 failed = _diagnose_einval(path, job.layout.size, e)
             _commit.unlink_quietly(path)
             raise failed
-        return [job.crcs.get(i, c) for i, c in enumerate(crcs)]
+        crcs = [job.crcs.get(i, c) for i, c in enumerate(crcs)]
+        if isinstance(loop, _encwrite.EncodingLoop):
+            job.encoded, job.size = loop.entries(job.fname, crcs), loop.size
+        return crcs
+
+    def _loop(self, job: FlushJob, path: str) -> WriteLoop:
+        """The write loop of this job: encoded unless ``Config.encoding='off'``."""
+        kw = dict(nitems=len(job.layout.items), staged=job.staged, aborted=lambda: job.abort_error or CheckpointError(
+            "staging was interrupted; nothing was committed"))
+        if self.config.encoding == "off":
+            return WriteLoop(self.backend, self.pool, job.chunks, path, **kw)
+        plan = self.refs.plan(job.layout, job.self_contained)
+        return _encwrite.EncodingLoop(self.backend, self.pool, job.chunks, path, layout=job.layout, plan=plan,
+                                      pool_exec=self._encoder_threads(), chunk_bytes=self.pool.chunk_bytes, **kw)
 
     def _discard(self, job: FlushJob) -> None:
         discard(job.chunks, self.pool)

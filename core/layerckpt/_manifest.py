@@ -2,8 +2,8 @@
 
 A manifest is a *composite*: for every layer it names the step and file of the
 layer's newest persisted version, and for every tensor where its bytes are.
-On disk it is JSON (``manifests/step-N.json``); the keys are those of
-format version 1, and readers of version 1 read it unchanged.
+On disk it is JSON (``manifests/step-N.json``).  Format version 2 adds ``enc`` to a tensor entry
+(how its bytes are encoded, ``_encode``); a version 1 manifest reads unchanged.
 
 Tensor keys in a checkpoint have fixed prefixes, named here and nowhere else:
 ``model/<state_dict name>``, ``optim/<parameter name>/<state key>``,
@@ -28,7 +28,7 @@ from ._json import load_strict, loads_strict  # noqa: F401 - loads_strict: the J
 from .errors import CheckpointCorruptError
 
 FORMAT_NAME = "layerckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tensors may be encoded (TensorEntry.enc); version 1 manifests read unchanged
 
 MODEL = "model/"
 OPTIM = "optim/"
@@ -94,7 +94,11 @@ class TensorEntry:
     shape: List[int]
     offset: int  # absolute offset in the file
     nbytes: int
-    crc: int
+    crc: int  # of the raw bytes (after decoding, for an encoded tensor)
+    #: how it is encoded (``_encode``): {"codec", "blocks": [[file offset, length, raw length, mode], ...],
+    #: "ref": None or the reference's {"file", "step", "rank", "size", "crc", "blocks"}}; None: raw bytes at
+    #: ``offset`` (format version 1's only kind)
+    enc: Optional[Dict[str, Any]] = None
 
 
 @dataclass
@@ -117,6 +121,9 @@ class LayerEntry:
     drift: Optional[float] = None
     frozen: bool = False
     cost: Optional[float] = None  # first-order loss the composite gives up by holding this version
+    #: this save proved the layer bit-identical to that version (every byte fingerprinted, see _exact): it is
+    #: current however old; False where not proven, or written before the proof existed
+    unchanged: bool = False
 
 
 @dataclass
@@ -297,15 +304,56 @@ def _tensor_entry(key: str, e: Any, files: Dict[str, FileEntry], path: str) -> T
     if f is None:
         raise _corrupt(path, f"tensor {key!r} points to file {e['file']!r} that the manifest does not list",
                        tensor=key)
-    if e["offset"] + e["nbytes"] > f.size:
+    enc = e.get("enc")
+    if enc is not None:
+        _check_enc(key, enc, e["nbytes"], f.size, e["file"], files, path)
+    elif e["offset"] + e["nbytes"] > f.size:
         raise _corrupt(path, f"tensor {key!r} claims bytes {e['offset']}..{e['offset'] + e['nbytes']} of file "
                              f"{e['file']!r}, which the manifest says holds {f.size}", tensor=key)
-    return TensorEntry(**{k: e[k] for k in _TENSOR_FIELDS})
+    return TensorEntry(**{k: e.get(k) for k in _TENSOR_FIELDS})
+
+
+def _check_enc(key: str, enc: Any, nbytes: int, size: int, fname: str, files: Dict[str, FileEntry],
+               path: str) -> None:
+    """An encoded tensor's record: a codec this reader knows, blocks inside the file covering the tensor's
+    bytes, and a reference (itself self-contained) inside a file the manifest lists."""
+    from ._encode import CODEC, MODES
+
+    if not (isinstance(enc, dict) and enc.get("codec") == CODEC and isinstance(enc.get("blocks"), list)):
+        raise _corrupt(path, f"tensor {key!r} has an encoding this layerckpt does not read "
+                             f"({_short(enc)}); upgrade layerckpt", tensor=key)
+    ref = enc.get("ref")
+    _check_blocks(key, enc["blocks"], nbytes, size, fname, MODES, path)
+    if ref is None:
+        if any(b[3] in (2, 3) for b in enc["blocks"]):
+            raise _corrupt(path, f"tensor {key!r} has delta blocks but no reference", tensor=key)
+        return
+    if not (isinstance(ref, dict) and isinstance(ref.get("file"), str) and ref["file"] in files
+            and _is_int(ref.get("crc"), 0, (1 << 64) - 1) and isinstance(ref.get("blocks"), list)):
+        raise _corrupt(path, f"tensor {key!r} has a malformed reference", tensor=key)
+    _check_blocks(key, ref["blocks"], nbytes, files[ref["file"]].size, ref["file"], (0, 1), path)
+
+
+def _check_blocks(key: str, blocks: list, nbytes: int, size: int, fname: str, modes, path: str) -> None:
+    from ._encode import BLOCK, RAW, SAME
+
+    total = 0
+    for b in blocks:
+        if not (isinstance(b, list) and len(b) == 4 and all(_is_int(x) for x in b) and b[3] in modes
+                and (b[1] == b[2] if b[3] == RAW else b[2] <= BLOCK and (b[1] == 0 or b[3] != SAME))):
+            raise _corrupt(path, f"tensor {key!r} has a malformed block {_short(b)}", tensor=key)
+        if b[0] + b[1] > size:
+            raise _corrupt(path, f"tensor {key!r} claims bytes {b[0]}..{b[0] + b[1]} of file {fname!r}, which "
+                                 f"the manifest says holds {size}", tensor=key)
+        total += b[2]
+    if total != nbytes:
+        raise _corrupt(path, f"tensor {key!r}'s blocks in {fname!r} cover {total} bytes, not its {nbytes}",
+                       tensor=key)
 
 
 _LAYER_TYPES = {"step": int, "file": (str, type(None)), "tensors": list, "nbytes": int, "rank": int, "age": int,
                 "reason": str, "drift": (int, float, type(None)), "frozen": bool,
-                "cost": (int, float, type(None))}
+                "cost": (int, float, type(None)), "unchanged": bool}
 
 
 def _layer_entry(name: str, e: Any, path: str) -> LayerEntry:

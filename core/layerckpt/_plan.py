@@ -4,6 +4,13 @@ A manifest is a *composite*: for every layer it names the step and file of the
 layer's newest persisted version, carrying forward the entries of layers that
 this save skips.  A layer's weights and its optimizer state always travel
 together, so they always come from the same step.
+
+The drift sample can show that a layer moved, never that it did not: a layer
+the sample calls still is fingerprinted on every byte (``_exact``) and counts
+as unchanged, exempt from ``max_staleness``, only where every tensor matches its
+persisted version; anything else is changed.  Under the fidelity rule a layer
+the tracker cannot price (no gradient average for any of its tensors) is
+written at every save where it changed.
 """
 from __future__ import annotations
 
@@ -17,10 +24,11 @@ import torch
 
 from . import _policy as policy
 from ._codec import Entries
+from ._exact import Fingerprint, Fingerprints, fingerprint
 from ._layers import LayerSpec, group_layers
 from ._layout import CODES, ITEMSIZE
-from ._manifest import (FileEntry, LayerEntry, Manifest, RowBlocks, TensorEntry, is_rng, model_name, param_of,
-                        piece_key, row_pieces, split_piece)
+from ._manifest import (ROWS, FileEntry, LayerEntry, Manifest, RowBlocks, TensorEntry, is_rng, model_name,
+                        param_of, piece_key, row_pieces, split_piece)
 from ._dist import Group
 from ._track import DriftTracker, Measure, Views, combine
 from .config import Config
@@ -40,7 +48,7 @@ class SavePlan:
     files: Dict[str, FileEntry]  # the older files they are in
     persisted: Set[str]  # layers this save writes (on some rank)
     chain: int  # saves since the chain's first
-    samples: Dict[str, Views] = field(default_factory=dict)  # drift references once committed
+    samples: Dict[str, Views] = field(default_factory=dict)  # the persisted layers' drift references, from its plan
     cost: float = 0.0  # the composite's estimated fidelity cost (first-order loss of its stale layers)
     progress: float = 0.0  # the model's first-order progress over the last interval, in the same unit
     #: this save's identity while in flight, and the layers whose tensors it carries from saves still in
@@ -101,7 +109,8 @@ def _compose(prev, layer_keys: Dict[str, List[str]], states: Dict[str, policy.La
     for layer, keys in layer_keys.items():
         st = states[layer]
         info = dict(reason=reasons[layer], drift=_finite(st.drift), frozen=st.frozen,
-                    cost=0.0 if layer in persist else _finite(st.cost))
+                    cost=0.0 if layer in persist else _finite(st.cost),
+                    unchanged=st.unchanged and layer not in persist)
         if layer in persist:
             layers[layer] = LayerEntry(step=step, file=fname, rank=owner_rank.get(layer, 0),
                                        age=0, tensors=keys, nbytes=nbytes[layer], **info)
@@ -128,6 +137,7 @@ class Selector:
         self.config = config
         self.spec = layers if layers is not None else config.layers
         self.tracker = DriftTracker(config.drift_sample)
+        self.fingerprints = Fingerprints()  # of the tensors' persisted versions, where taken (see _exact)
         self.composite: Optional[Manifest] = None  # the last committed manifest of this Checkpointer
         #: the newest save planned and not yet committed (one process only): the next plan builds on it, so
         #: selective saves may be in flight together (Config.max_inflight)
@@ -196,7 +206,8 @@ class Selector:
         return self._keys[1], self._keys[2]
 
     def _by_layer(self, entries: Entries):
-        """(key -> layer, layer -> keys, layer -> {name: weight}, layer -> {name: gradient average}, layer -> bytes).
+        """(key -> layer, layer -> keys, layer -> {name: weight}, layer -> {name: gradient average}, layer -> bytes,
+        layer -> {key: (tensor, its weight name or None)} of the tensors this rank holds).
         A row block's weight and gradient average are named ``<parameter>#rows=<a>:<b>``."""
         local = tuple(k for k, _ in entries)
         have = set(local)
@@ -206,6 +217,7 @@ class Selector:
         weights: Dict[str, Dict[str, torch.Tensor]] = {}
         grads: Dict[str, Dict[str, torch.Tensor]] = {}
         nbytes: Dict[str, int] = {}
+        held: Dict[str, Dict[str, Tuple[torch.Tensor, Optional[str]]]] = {}
         for key, pk, a, z in self._shard_pieces:  # a sharded layer's bytes are every rank's shards
             b = self._shards[key]
             if pk in key_layer:
@@ -220,11 +232,13 @@ class Selector:
                 nbytes[layer] = nbytes.get(layer, 0) + t.numel() * t.element_size()
             name = model_name(base)
             if name is not None:
-                weights.setdefault(layer, {})[name if rows is None else piece_key(name, *rows)] = t
+                name = name if rows is None else piece_key(name, *rows)
+                weights.setdefault(layer, {})[name] = t
             elif base.rsplit("/", 1)[-1] in GRAD_AVERAGE:
                 p = param_of(base)
                 grads.setdefault(layer, {})[p if rows is None else piece_key(p, *rows)] = t
-        return key_layer, layer_keys, weights, grads, nbytes
+            held.setdefault(layer, {})[k] = (t, name)
+        return key_layer, layer_keys, weights, grads, nbytes, held
 
     def _shapes(self, entries: Entries) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]:
         shapes = {k: (t.dtype, tuple(t.shape)) for k, t in entries}
@@ -233,23 +247,69 @@ class Selector:
             shapes.setdefault(pk, (CODES[b.dtype], (z - a, *b.shape[1:])))
         return shapes
 
-    def _measure_across_ranks(self, layers, measures: Dict[str, Measure]) -> Dict[str, Measure]:
-        """A sharded model's layers measured on every rank's shard, summed: every rank decides alike."""
+    def _measure_across_ranks(self, layers, measures: Dict[str, Measure], proof: Dict[str, Tuple[bool, bool]]
+                              ) -> Tuple[Dict[str, Measure], Dict[str, Tuple[bool, bool]]]:
+        """A sharded model's layers measured on every rank's shard, summed, and proven unchanged only where
+        every rank proved its shards so (unpriced state changed where it did on any rank): every rank decides
+        alike."""
         if not self._shards or self.group.world == 1:
-            return measures
+            return measures, proof
         mine = {layer: list(m.parts) if m.parts is not None else None for layer, m in measures.items()}
-        ranks = self.group.exchange(mine)
-        return {layer: combine([r[layer] for r in ranks if layer in r]) for layer in layers}
+        ranks = self.group.exchange((mine, proof))
+        joined = {}
+        for layer in layers:
+            got = [r[1][layer] for r in ranks if layer in r[1]]
+            if got:
+                joined[layer] = (all(u for u, _ in got), any(c for _, c in got))
+        return {layer: combine([r[0][layer] for r in ranks if layer in r[0]]) for layer in layers}, joined
+
+    def _prove(self, measures: Dict[str, Measure], held, grads) -> Tuple[Dict[str, Tuple[bool, bool]],
+                                                                        Dict[str, Fingerprint], Dict[str, List[str]]]:
+        """layer -> (proven bit-identical to its persisted version, state the cost cannot price changed), the
+        fingerprints taken, and each layer's unpriced tensors: under the fidelity rule, the weights and buffers
+        of a layer whose optimizer keeps no gradient average for any of them (SGD without momentum, parameters
+        outside the optimizer, a layer of buffers only), which the tracker would price at 0.
+        Only what the sample cannot settle is fingerprinted: every tensor of a layer none of whose sampled
+        elements moved, and the unpriced tensors none of whose sampled elements moved."""
+        proof: Dict[str, Tuple[bool, bool]] = {}
+        taken: Dict[str, Fingerprint] = {}
+        unpriced_keys: Dict[str, List[str]] = {}
+        if self.full:
+            return proof, taken, unpriced_keys
+        plans = {}
+        for layer, tensors in held.items():
+            m = measures.get(layer)
+            names = [n for _, n in tensors.values() if n is not None]
+            moved = dict(zip(names, m.moved)) if m is not None and m.moved is not None else {}
+            still = m is not None and m.drift == 0.0
+            # unpriced: a layer none of whose tensors has a gradient average prices at 0 under the fidelity rule
+            # (a layer with one is priced by it, its buffers riding along); the threshold rule prices nothing
+            unpriced = [] if grads.get(layer) or self.config.threshold is not None else [
+                k for k, (_, n) in tensors.items() if n is not None]
+            unpriced_moved = any(moved.get(tensors[k][1], True) for k in unpriced)
+            for k in list(tensors) if still else ([] if unpriced_moved else unpriced):
+                taken[k] = fingerprint(tensors[k][0])
+            plans[layer] = (still, list(tensors), unpriced, unpriced_moved)
+            unpriced_keys[layer] = unpriced
+        with self._lock:
+            same = self.fingerprints.matches
+            for layer, (still, keys, unpriced, unpriced_moved) in plans.items():
+                proof[layer] = (still and all(same(k, taken[k]) for k in keys),
+                                bool(unpriced) and (unpriced_moved or not all(same(k, taken[k]) for k in unpriced)))
+        return proof, taken, unpriced_keys
 
     def plan(self, step: int, fname: str, entries: Entries, rank: int = 0, world: int = 1,
              loss: Optional[float] = None) -> SavePlan:
         """With several ranks each persisted layer is written by one rank (balanced by bytes), or, sharded,
         by every rank that holds a shard of it; ``file`` is filled in when the ranks' results are merged."""
-        key_layer, layer_keys, weights, grads, nbytes = self._by_layer(entries)
+        key_layer, layer_keys, weights, grads, nbytes, held = self._by_layer(entries)
         shapes = self._shapes(entries)
-        prev, measures, snaps = self._measure(layer_keys, weights, grads)
+        prev, measures, snaps = self._measure(weights, grads)
+        proof, taken, unpriced = self._prove(measures, held, grads)
+        if not self.full:
+            measures, proof = self._measure_across_ranks(layer_keys, measures, proof)
         chain = 0 if prev is None else prev.chain + 1
-        states, forced = self._states(prev, layer_keys, measures, nbytes, shapes)
+        states, forced = self._states(prev, layer_keys, measures, nbytes, shapes, proof)
         reasons = self._decide(states, forced, prev is None, chain, loss)
         persist = {layer for layer, why in reasons.items() if why in policy.WRITE or why in (NEW, "full")}
         # a sharded layer is written by every rank, each its own shards (its unsharded tensors, such as
@@ -268,10 +328,10 @@ class Selector:
             samples={layer: snaps[layer][0] for layer in persist if layer in snaps},
             cost=policy.composite_cost(states, persist),
             progress=sum(st.progress for st in states.values() if not st.frozen), deferred=deferred, shapes=shapes)
-        self._planned_now(out, snaps, world)
+        self._planned_now(out, snaps, world, self._references(out, held, taken, unpriced))
         return out
 
-    def _measure(self, layer_keys: Dict[str, List[str]], weights, grads):
+    def _measure(self, weights, grads):
         """(the composite this save builds on: the newest plan still in flight, else the last committed one;
         each layer's drift, cost and progress measured against its reference; this save's samples)."""
         with self._lock:
@@ -280,12 +340,10 @@ class Selector:
             now = {} if self.full else {layer: self.tracker.sample(w, grads.get(layer, {}))
                                         for layer, w in weights.items()}
             measures, snaps = self.tracker.measure(now)
-        if not self.full:
-            measures = self._measure_across_ranks(layer_keys, measures)
         return prev, measures, snaps
 
     def _states(self, prev, layer_keys: Dict[str, List[str]], measures: Dict[str, Measure], nbytes: Dict[str, int],
-                shapes) -> Tuple[Dict[str, policy.LayerState], Set[str]]:
+                shapes, proof: Dict[str, Tuple[bool, bool]]) -> Tuple[Dict[str, policy.LayerState], Set[str]]:
         """Each layer's state for the policy, and the layers that are written whatever it decides: new, or
         whose tensors changed since ``prev`` (added, reshaped, new optimizer state)."""
         frozen = self._owner[2]  # layers whose parameters all have requires_grad off
@@ -297,10 +355,11 @@ class Selector:
                     prev_shapes.get(k) != shapes[k] for k in keys):
                 forced.add(layer)
             ms = measures.get(layer)
+            unchanged, unpriced = proof.get(layer, (False, False))
             states[layer] = policy.LayerState(
                 drift=ms.drift if ms else math.inf, age=before.age if before else 0, nbytes=nbytes[layer],
                 frozen=layer in frozen, cost=ms.cost if ms else math.inf,
-                progress=ms.progress if ms else 0.0)
+                progress=ms.progress if ms else 0.0, unchanged=unchanged, unpriced=unpriced)
         return states, forced
 
     def _decide(self, states: Dict[str, policy.LayerState], forced: Set[str], first: bool, chain: int,
@@ -317,12 +376,34 @@ class Selector:
                 reasons[layer] = NEW
         return reasons
 
-    def _planned_now(self, out: SavePlan, snaps, world: int) -> None:
+    def _references(self, out: SavePlan, held, taken: Dict[str, Fingerprint], unpriced: Dict[str, List[str]]
+                    ) -> Dict[str, Fingerprint]:
+        """The fingerprints of the tensors this save persists (on this rank) that become their references: those
+        taken to decide, and those taken now of what the next saves must prove unchanged to skip: every tensor
+        of a frozen layer or of a block of table rows written as new, and the unpriced tensors of any layer
+        (written whenever they change, so skipped only where proven unchanged)."""
+        if self.full:
+            return {}
+        frozen = self._owner[2] if self._owner is not None else frozenset()
+        refs: Dict[str, Fingerprint] = {}
+        for layer in out.persisted:
+            tensors = held.get(layer, {})
+            settle = layer in frozen or (ROWS in layer and out.layers[layer].reason in (policy.FIRST, NEW))
+            wanted = set(tensors) if settle else set(unpriced.get(layer, ()))
+            for k, (t, _) in tensors.items():
+                if k in taken:
+                    refs[k] = taken[k]
+                elif k in wanted:
+                    refs[k] = fingerprint(t)
+        return refs
+
+    def _planned_now(self, out: SavePlan, snaps, world: int, refs: Dict[str, Fingerprint]) -> None:
         with self._lock:
             self.tracker.advance(snaps)
             # the persisted layers' references move now, so that a save planned while this one is in
             # flight measures against them; should this one fail, they are forgotten (failed())
             self.tracker.commit(out.samples)
+            self.fingerprints.persisted([k for layer in out.persisted for k in out.layers[layer].tensors], refs)
             if not self.full and world == 1:
                 self._planned = out
 
@@ -347,13 +428,14 @@ class Selector:
             if p is not None and (p is plan or plan.token in p.deferred.values()):
                 self._planned = None
             self.tracker.forget(plan.persisted)  # no reference: the next save writes them again
+            self.fingerprints.forget(k for layer in plan.persisted for k in plan.layers[layer].tensors)
 
     def adopt(self, manifest: Manifest, entries: Entries) -> None:
         """Take a committed composite as the base of the next save, as if this Selector had written it.
         ``entries`` are the model's and optimizer's tensors *now*, which must be the composite's (just
         restored): every layer stands at its persisted version, so each one's drift reference is its
         current value and its cost is zero."""
-        _, _, weights, grads, _ = self._by_layer(entries)
+        _, _, weights, grads, _, held = self._by_layer(entries)
         samples = {}
         if not self.full:
             with self._lock:
@@ -362,6 +444,13 @@ class Selector:
                                  0.0) for layer, s in now.items()}
                 self.tracker.advance(snaps)
             samples = {layer: snap[0] for layer, snap in snaps.items()}
+            frozen = self._owner[2]
+            # what a save that wrote them would fingerprint (_references): frozen layers, table rows, and
+            # the unpriced tensors of every layer
+            refs = {k: fingerprint(t) for layer, tensors in held.items() for k, (t, n) in tensors.items()
+                    if layer in frozen or ROWS in layer or (n is not None and n not in grads.get(layer, {}))}
+            with self._lock:
+                self.fingerprints.persisted([k for tensors in held.values() for k in tensors], refs)
         self.committed(manifest, samples)
 
     def committed(self, manifest: Manifest, samples: Dict[str, Views], plan: Optional[SavePlan] = None) -> None:

@@ -1,9 +1,12 @@
 """Policy: which layers a checkpoint persists, and why.  Pure: no tensors, no I/O.
 
 Always written: every layer at the first save and when a base (full) checkpoint
-is due; a frozen layer only when it changed; any other layer when skipping it
-would let it lag more than ``max_staleness`` checkpoints, unless not one of its
-sampled elements moved since it was persisted (its persisted version is current).
+is due; a frozen layer whenever it is not proven unchanged; a layer holding state
+the tracker cannot price (buffers, parameters outside the optimizer or without a
+gradient average) whenever that state changed; any other layer when skipping it
+would let it lag more than ``max_staleness`` checkpoints, unless it is proven
+bit-identical to its persisted version (``_exact``: every byte fingerprinted, not
+a sample), in which case its persisted version is current, however old.
 
 The rest is chosen by one of two rules:
 
@@ -30,20 +33,23 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 FIRST, BASE, COST, DRIFT, STALE, CHANGED = "first", "base", "cost", "drift", "stale", "frozen-changed"
+UNPRICED = "unpriced-changed"  # holds state the tracker cannot price (cost 0 would be a guess), and it changed
 SKIP_BUDGET, SKIP_DRIFT, SKIP_FROZEN, SKIP_BYTES = "within-budget", "below-threshold", "frozen", "over-budget"
-UNCHANGED = "unchanged"  # not one sampled element moved since it was persisted: not stale, however old
-WRITE = frozenset({FIRST, BASE, COST, DRIFT, STALE, CHANGED})
+UNCHANGED = "unchanged"  # proven bit-identical to its persisted version: not stale, however old
+WRITE = frozenset({FIRST, BASE, COST, DRIFT, STALE, CHANGED, UNPRICED})
 NO_LOSS_INTERVALS = 0.25  # without a loss: the composite may give up this much of one interval's progress
 
 
 @dataclass
 class LayerState:
-    drift: float  # relative drift since persisted; 0.0 unchanged, inf unknown
+    drift: float  # relative drift since persisted, on the sample; inf unknown (0.0 proves nothing)
     age: int  # checkpoints since this layer was persisted (before this one)
     nbytes: int
     frozen: bool
     cost: float = math.inf  # first-order loss given up by keeping the persisted version; inf unknown
     progress: float = 0.0  # this layer's first-order progress over the last interval
+    unchanged: bool = False  # proven bit-identical to its persisted version (every byte, see _exact)
+    unpriced: bool = False  # state the cost cannot price (buffers, no gradient average) changed since persisted
 
 
 def decide(layers: Dict[str, LayerState], *, first: bool, base_due: bool, max_staleness: int,
@@ -57,9 +63,11 @@ def decide(layers: Dict[str, LayerState], *, first: bool, base_due: bool, max_st
     open_: List[str] = []
     for name, s in layers.items():
         if s.frozen:
-            out[name] = CHANGED if s.drift > 0 else SKIP_FROZEN
-        elif s.drift == 0.0:  # e.g. a block of embedding rows no batch touched
+            out[name] = SKIP_FROZEN if s.unchanged else CHANGED
+        elif s.unchanged:  # e.g. a block of embedding rows no batch touched
             out[name] = UNCHANGED
+        elif s.unpriced:
+            out[name] = UNPRICED
         elif s.age + 1 > max_staleness:
             out[name] = STALE
         else:

@@ -26,6 +26,7 @@ from ._flush import wait_for_saves
 from ._gather import shard_rows
 from ._layout import CODES
 from ._manifest import Manifest, load_manifest, row_pieces
+from ._encread import read_encoded
 from ._read import MissingDataError, Want, read_into, read_views
 from ._stage import BufferPool
 from .config import Config
@@ -202,10 +203,17 @@ def check_claims(root: str, m: Manifest, mpath: str, keys: List[str]) -> None:
                                          f" the store is damaged: restore another step", path=path)
         if st.st_size < m.files[fname].size:
             lost = next((k for k in sorted(held, key=lambda k: m.tensors[k].offset)
-                         if m.tensors[k].offset + m.tensors[k].nbytes > st.st_size), None)
+                         if _end(m.tensors[k]) > st.st_size), None)
             raise CheckpointCorruptError(
                 f"data file {path} is truncated: {st.st_size} bytes, the manifest expects {m.files[fname].size}"
                 + (f"; tensor {lost!r} is cut off" if lost else ""), path=path, tensor=lost)
+
+
+def _end(e) -> int:
+    """Where a tensor's stored bytes end in its file."""
+    if e.enc is not None:
+        return max((b[0] + b[1] for b in e.enc["blocks"]), default=0)
+    return e.offset + e.nbytes
 
 
 def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str], backend, pool, check,
@@ -214,10 +222,17 @@ def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str],
     target, file by file; returns the fresh tensors and the bytes read."""
     direct, partial = _route(m, targets)
     by_file: Dict[str, List[Want]] = {}
+    encoded: List[str] = []
     for k in list(dict.fromkeys(plain + sorted({src for src, _, _, _ in partial}))) + list(direct):
-        by_file.setdefault(m.tensors[k].file, []).append(Want.from_entry(k, m.tensors[k]))
+        if m.tensors[k].enc is not None:
+            encoded.append(k)
+        else:
+            by_file.setdefault(m.tensors[k].file, []).append(Want.from_entry(k, m.tensors[k]))
     total = 0
     read: Dict[str, torch.Tensor] = {}
+    if encoded:
+        read, total = read_encoded(root, m, mpath, encoded, {k: direct[k] for k in encoded if k in direct},
+                                   backend, check, cfg)
     with torch.no_grad():
         for fname, wants in sorted(by_file.items()):
             path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")

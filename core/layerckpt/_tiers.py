@@ -85,9 +85,12 @@ def same_store(local: Optional[str], tier: Optional[str], local_empty: bool = Fa
 
 
 def is_base(m: Manifest) -> bool:
-    """Whether ``m`` is a base composite: every layer persisted at its own step, so it reads no older file
-    (the first save, a due ``base_every``, every save of a full Config)."""
-    return all(e.step == m.step for e in m.layers.values())
+    """Whether ``m`` is a base composite: every layer persisted at its own step and no tensor encoded
+    against an older version, so it reads no older file (the first save, a due ``base_every``; a full
+    Config's saves where its tensors' references were renewed, or every one with ``encoding`` other than
+    'delta')."""
+    return all(e.step == m.step for e in m.layers.values()) and not any(
+        t.enc is not None and t.enc.get("ref") for t in m.tensors.values())
 
 
 def _entries(m: Manifest) -> Dict[str, Dict[str, tuple]]:

@@ -3,7 +3,11 @@
 For every layer, at every save, on the training thread:
 
 - ``drift``: ||W - W_p|| / ||W_p|| against the layer's last persisted version W_p
-  (what ``Config(threshold=...)`` selects on; 0.0 means unchanged);
+  (what ``Config(threshold=...)`` selects on), on the sample; 0.0 means no sampled
+  element moved, which proves nothing about the others: ``_exact`` decides
+  whether a layer is unchanged;
+- ``moved``: per tensor, whether one of its sampled elements moved (a tensor that
+  moved needs no exact check to count as changed);
 - ``progress``: the first-order loss decrease the layer contributed over the last
   checkpoint interval, ``-<g, W_now - W_prev>`` with ``g`` the mean of the optimizer's
   gradient average (Adam's ``exp_avg``, SGD's ``momentum_buffer``) at both ends;
@@ -12,13 +16,20 @@ For every layer, at every save, on the training thread:
 
 Where the optimizer keeps no gradient average, squared distances stand in
 (``progress = ||W_now - W_prev||^2``, ``cost = ||W - W_p||^2``): still in one unit
-across layers, which is all the policy compares.
+across layers, which is all the policy compares.  Where some layers have one and
+others not, the others' moves are priced at 0: ``_plan`` writes such state
+whenever it changed instead of trusting that price.
 
 Large tensors are estimated on a fixed strided sample (``Config.drift_sample``
 elements per layer, spread over the layer's tensors by size, the same elements
 every save), scaled up by each tensor's sampling ratio, so memory and time stay
-bounded however big the model is.  The reference W_p moves, and a layer's cost
-restarts from zero, only when a save that persists the layer is planned (forgotten if that save fails).
+bounded however big the model is.
+
+References move at *plan*, not at commit: when a save that persists a layer is
+planned, :meth:`DriftTracker.commit` makes that save's samples the layer's
+reference W_p and restarts its cost from zero, so that a save planned while this
+one is still in flight measures against what this one writes.  Should the save
+fail, :meth:`DriftTracker.forget` drops those references (the layers count as new).
 """
 from __future__ import annotations
 
@@ -50,6 +61,8 @@ class Measure:
     #: the sums these come from, which add up over the shards of a layer held by several ranks:
     #: (||W - W_p||^2, ||W_p||^2, signed cost, signed progress); None where the measure is unknown
     parts: Optional[Tuple[float, float, float, float]] = None
+    #: per tensor (in the order sampled): whether a sampled element moved, or there is no reference
+    moved: Optional[List[bool]] = None
 
 
 def combine(parts: List[Optional[Tuple[float, float, float, float]]]) -> Measure:
@@ -109,40 +122,43 @@ class DriftTracker:
         """Copies of sampled values (float32), to keep once the save that took them is planned."""
         return [v.to(dtype=torch.float32, copy=True) for v in views]
 
-    def drifts(self, now: Dict[str, Views]) -> Tuple[Dict[str, float], Dict[str, float]]:
+    def drifts(self, now: Dict[str, Views]) -> Tuple[Dict[str, float], Dict[str, float], Dict[str, List[bool]]]:
         """Relative drift of every layer against its reference (inf where there is none, or it changed
-        shape), and the squared distance it comes from."""
+        shape), the squared distance it comes from, and per tensor whether a sampled element moved."""
         out = {layer: math.inf for layer in now}
-        pairs: Dict[torch.device, Tuple[List[str], Views, Views]] = {}
+        moved = {layer: [True] * len(vs) for layer, vs in now.items()}
+        pairs: Dict[torch.device, Tuple[List[Tuple[str, int]], Views, Views]] = {}
         for layer, vs in now.items():
             ref = self._ref.get(layer)
             if ref is None or not _same_shapes(ref[0], vs):
                 continue
             if ref[1] == 0.0:
                 continue  # all-zero reference: decided below, per layer
-            for r, v in zip(ref[0], vs):
+            for i, (r, v) in enumerate(zip(ref[0], vs)):
                 names, a, b = pairs.setdefault(v.device, ([], [], []))
-                names.append(layer)
+                names.append((layer, i))
                 a.append(v if v.dtype == torch.float32 else v.float())
                 b.append(r if r.device == v.device else r.to(v.device))
         sq: Dict[str, float] = {}
         for names, a, b in pairs.values():
             norms = torch.stack(torch._foreach_norm(torch._foreach_sub(a, b))).double().cpu().tolist()
-            for layer, nv in zip(names, norms):
+            for (layer, i), nv in zip(names, norms):
                 sq[layer] = sq.get(layer, 0.0) + nv * nv
+                moved[layer][i] = nv != 0.0
         for layer, s in sq.items():
             out[layer] = math.sqrt(s / self._ref[layer][1])
         for layer, vs in now.items():  # a zero reference: no drift while it stays zero
             ref = self._ref.get(layer)
             if ref is not None and ref[1] == 0.0 and _same_shapes(ref[0], vs):
-                out[layer] = 0.0 if all(not bool(v.any()) for v in vs) else math.inf
+                moved[layer] = [bool(v.any()) for v in vs]
+                out[layer] = math.inf if any(moved[layer]) else 0.0
                 sq[layer] = 0.0 if out[layer] == 0.0 else float(sum(float(v.float().square().sum()) for v in vs))
-        return out, sq
+        return out, sq, moved
 
     def measure(self, now: Dict[str, LayerSample]) -> Tuple[Dict[str, Measure], Dict[str, "Snap"]]:
         """Drift, progress and cost of every layer; plus the float32 snapshots this save leaves behind
         (hand them to :meth:`advance` once the decision is taken)."""
-        drift, sq = self.drifts({layer: s.w for layer, s in now.items()})
+        drift, sq, moved = self.drifts({layer: s.w for layer, s in now.items()})
         use_grad = any(s.g is not None for s in now.values())
         out: Dict[str, Measure] = {}
         snaps: Dict[str, Snap] = {}
@@ -153,7 +169,7 @@ class DriftTracker:
             prev = self._prev.get(layer)
             ref = self._ref.get(layer)
             if prev is None or ref is None or not _same_shapes(prev[0], w) or not _same_shapes(ref[0], w):
-                out[layer] = Measure(drift=drift[layer], progress=0.0, cost=math.inf)
+                out[layer] = Measure(drift=drift[layer], progress=0.0, cost=math.inf, moved=moved[layer])
                 continue
             if use_grad:
                 step = -_scaled_dot(_mean(prev[1], g), _sub(w, prev[0]), s.scale)
@@ -164,18 +180,21 @@ class DriftTracker:
                 u = _sub(w, ref[0])
                 step, cost = _scaled_dot(d, d, s.scale), _scaled_dot(u, u, s.scale)
             out[layer] = Measure(drift=drift[layer], progress=abs(step), cost=abs(cost),
-                                 parts=(sq.get(layer, math.inf), ref[1], cost, step))
+                                 parts=(sq.get(layer, math.inf), ref[1], cost, step), moved=moved[layer])
         return out, snaps
 
     def advance(self, snaps: Dict[str, "Snap"]) -> None:
-        """This save's samples become the start of the next interval; costs carry on until a commit."""
+        """This save's samples become the start of the next interval; a layer's cost carries on until a save
+        that persists it is planned (:meth:`commit`)."""
         for layer, (w, g, cost) in snaps.items():
             self._prev[layer] = (w, g)
             if cost is not None:
                 self._cost[layer] = cost
 
     def commit(self, samples: Dict[str, Views]) -> None:
-        """The layers in ``samples`` were persisted with these (snapshotted) values."""
+        """A save that persists the layers in ``samples`` is planned (or, from ``Selector.adopt``, they stand at
+        their persisted versions): these snapshotted values become their references and their costs restart
+        from zero, now, before that save commits (:meth:`forget` undoes it if the save fails)."""
         for layer, refs in samples.items():
             norms = torch._foreach_norm(refs) if refs else []
             self._ref[layer] = (refs, float(sum(float(x) ** 2 for x in norms)))

@@ -39,3 +39,8 @@ def populate(buffer: Buffer, /) -> None:
 
 def probe() -> None:
     """Raise OSError if this kernel refuses io_uring."""
+
+def planes(raw: Buffer, ref: Any, out: Buffer, esize: int, /) -> bool:
+    """Byte planes of raw's elements (or, with ref, of the zigzag-mapped difference raw - ref) into out; whether any byte is nonzero."""
+def unplanes(planes: Buffer, out: Buffer, esize: int, add: bool, /) -> None:
+    """The inverse of planes(); with add, out holds the reference and the delta is added to it."""

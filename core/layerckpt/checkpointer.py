@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from . import _dist, _registry, _retain, _store, _tiers
+from . import _dist, _policy, _registry, _retain, _store, _tiers
 from ._backend import make_backend
 from ._flush import FlushJob, Flusher, FlushThread, PendingSave
 from ._blocks import split, table_names
@@ -373,7 +373,8 @@ class Checkpointer:
         job = FlushJob(pending=pending, layout=layout, fname=fname, manifest=manifest, t0=t0,
                        on_commit=functools.partial(self.selector.committed, samples=plan.samples, plan=plan),
                        resolve=functools.partial(self.selector.resolve, plan) if plan.deferred else None,
-                       on_fail=functools.partial(self.selector.failed, plan))
+                       on_fail=functools.partial(self.selector.failed, plan),
+                       self_contained=_is_base(plan, self.config))
         self.pool.reserve(layout.size)
         self._flusher.submit(job)
         self._pending.append(pending)
@@ -454,6 +455,13 @@ def _copy(job: FlushJob, pool: BufferPool, verify: Optional[Callable[[], None]],
         job.abort_error = e if lazy else None
         job.chunks.put(ABORT)
         raise
+
+
+def _is_base(plan, config: Config) -> bool:
+    """Whether a save is a base (the first, a due ``base_every``, in full mode too): written self-contained,
+    no delta."""
+    due = config.full and config.base_every > 0 and plan.chain % config.base_every == 0
+    return due or any(plan.layers[n].reason in (_policy.FIRST, _policy.BASE) for n in plan.persisted)
 
 
 def _tell(pending: PendingSave, plan, layout, t0: float) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from . import _store
 from ._backend import checksum_function, make_backend
-from ._manifest import Manifest, load_manifest, model_name
+from ._manifest import MODEL, OPTIM, ROWS, Manifest, load_manifest, model_name
 from .config import Config
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .restore import read_tensors
@@ -50,19 +50,47 @@ def cmd_inspect(args) -> int:
     elif m.lag is not None:
         lag = f"; estimated fidelity cost {m.cost:.3g} ({m.lag:.2f} checkpoint intervals of progress)"
     behind = m.steps_behind()
+    stored = {k: _stored(e) for k, e in m.tensors.items()}
     print(f"composite: layers trail step {m.step} by up to {max(behind.values(), default=0)} steps{lag}")
-    print(f"{'layer':<32}{'step':>10}{'behind':>8}{'age':>5}{'MB':>10}{'cost':>10}  reason")
+    print(f"{'layer':<32}{'step':>10}{'behind':>8}{'age':>5}{'MB':>10}{'stored':>10}{'cost':>10}  reason")
     for name, e in sorted(m.layers.items()):
         mb = sum(nbytes.get(k, 0) for k in e.tensors) / 1e6
+        st = sum(stored.get(k, 0) for k in e.tensors) / 1e6
         drift = f"  drift {e.drift:.4g}" if e.drift is not None else ""
         cost = f"{e.cost:.3g}" if e.cost is not None else "-"
-        print(f"{name:<32}{e.step:>10}{behind[name]:>8}{e.age:>5}{mb:>10.2f}{cost:>10}  {e.reason}{drift}")
+        print(f"{name:<32}{e.step:>10}{behind[name]:>8}{e.age:>5}{mb:>10.2f}{st:>10.2f}{cost:>10}  {e.reason}{drift}")
+    print("by kind (MB raw -> MB stored, the version each tensor's newest file holds; a delta's reference not "
+          "counted):")
+    for kind, (raw, st) in sorted(_by_kind(m, stored).items()):
+        print(f"  {kind:<24}{raw / 1e6:>10.2f} -> {st / 1e6:>8.2f}  ({raw / max(st, 1):.2f}x)")
     for key, b in (m.blocks or {}).items():
         print(f"row blocks: {key} {tuple(b.shape)} {b.dtype} in {len(b.rows)} blocks of up to "
               f"{max(z - a for a, z in b.rows)} rows")
     committed = [s for s, _ in _store.list_manifests(root)]
     print(f"committed steps: {committed}")
     return 0
+
+
+def _stored(e) -> int:
+    """Bytes a tensor's entry takes in its own file (encoded: its blocks; else raw)."""
+    return sum(b[1] for b in e.enc["blocks"]) if e.enc is not None else e.nbytes
+
+
+def _by_kind(m: Manifest, stored: Dict[str, int]) -> Dict[str, tuple]:
+    """Tensor kind (weights, each optimizer state key, other) -> (raw bytes, stored bytes)."""
+    out: Dict[str, list] = {}
+    for k, e in m.tensors.items():
+        base = k.split(ROWS)[0]
+        if base.startswith(MODEL):
+            kind = "weights"
+        elif base.startswith(OPTIM) and base.count("/") >= 2:
+            kind = "optimizer " + base.rsplit("/", 1)[1]
+        else:
+            kind = "other"
+        acc = out.setdefault(kind, [0, 0])
+        acc[0] += e.nbytes
+        acc[1] += stored[k]
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def cmd_verify(args) -> int:
@@ -72,18 +100,33 @@ def cmd_verify(args) -> int:
         raise CheckpointNotFoundError(f"no committed checkpoint in {root}: nothing to verify")
     failures = [f"{n}: damaged manifest: {_damage(root, n)}" for n in bad]
     checked = 0
+    damaged: set = set()
     for name, m in sorted(good.items()):
         try:
             _read_tensors(root, m, list(m.tensors), name)
             checked += 1
         except CheckpointError as e:
             failures.append(f"{name}: {e}")
+            if getattr(e, "path", None) and os.path.dirname(e.path).endswith(_store.DATA_DIR):
+                damaged.add(os.path.basename(e.path))
         except _UNREADABLE as e:  # whatever else a damaged store provokes is a failure of that checkpoint too
             failures.append(f"{name}: cannot be read ({type(e).__name__}: {e})")
     for f in failures:
         print(f"FAIL {f}")
+    for line in _dependents(good, damaged):
+        print(line)
     print(f"{checked} of {len(good) + len(bad)} checkpoint(s) verified" + ("" if not failures else f", {len(failures)} failed"))
     return 1 if failures else 0
+
+
+def _dependents(good: Dict[str, Manifest], damaged: set) -> List[str]:
+    """For each damaged data file: every composite that needs it (as its own data or as the reference its
+    deltas are encoded against)."""
+    out = []
+    for f in sorted(damaged):
+        needs = [n for n, m in sorted(good.items()) if f in m.files]
+        out.append(f"DAMAGED {f}: needed by {len(needs)} checkpoint(s): {', '.join(needs)}")
+    return out
 
 
 #: what verify counts as a failed checkpoint beside the library's own errors: a damaged store must never make
@@ -203,6 +246,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="instead: step time of a training loop with a checkpoint after every step: layerckpt "
                         "against DCP async_save and TorchSnapshot async_take (with --size, --steps-n)")
     a.add_argument("--steps-n", type=int, default=6, help="with --steps: steps measured")
+    a.add_argument("--steps-every", type=int, default=1,
+                   help="with --steps: a full checkpoint every N steps instead, encoded against raw")
     a.add_argument("--sizes", default="10MB,50MB,200MB,gpt2-small",
                    help="with --restore: comma-separated state sizes (e.g. 10MB) and/or gpt2-small")
     a.add_argument("--cache", default="warm,cold", help="with --restore: page-cache conditions, warm and/or cold")

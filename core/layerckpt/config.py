@@ -16,6 +16,7 @@ from ._units import ALIGN, GiB, KiB, MiB, parse_size  # noqa: F401 - their home 
 from ._url import check_config
 from .errors import ConfigError
 
+ENCODINGS = ("delta", "compress", "off")  # Config.encoding's choices
 REMOTE_BASES = "base"  # Config.remote_every: base composites only
 FIDELITY = 0.004  # Config.fidelity's default
 
@@ -54,12 +55,12 @@ class Config:
     full mode unless the new threshold is 0.0."""
     max_staleness: int = 16
     """A layer that moves may lag at most this many checkpoints; at the bound it is persisted regardless.
-    Also restore's bound: ``restore()`` checks a composite against the max_staleness recorded in its manifest,
-    or against this one when it is passed a Config.  Nothing lags in full mode."""
+    Also restore's bound: ``restore()`` checks a composite against the Config it is passed, else against the
+    default, never against the one recorded in its manifest.  Nothing lags in full mode."""
     base_every: int = 0
-    """Write a full (every-layer) checkpoint every N checkpoints; 0 never forces one after the first.  With
-    ``remote_every="base"`` it decides which composites reach the remote tier (so there 0 is refused unless
-    every save is full).  Nothing to force in full mode."""
+    """Write a base composite every N checkpoints: every layer, every tensor self-contained (no delta against
+    an older file); 0 never forces one after the first.  With ``remote_every="base"`` it decides which
+    composites reach the remote tier (so there 0 is refused unless every save is full)."""
     keep_last: int = 2
     """Composites kept restorable, locally and on the remote tier (besides ``Checkpointer.keep()``'s pins and
     the composites a tier is still copying); older manifests (and data no kept manifest needs) are deleted.
@@ -128,17 +129,33 @@ class Config:
     never written into a manifest.  Refused without ``remote``."""
     remote_every: Union[int, str] = 1
     """Copy every N-th composite to the remote tier (the first, then each N-th); a failed copy is retried with
-    the next composite.  ``"base"``: base composites only, those that carry no layer from an older save (the
-    first, every ``base_every``-th, and every save in full mode), so the remote holds only composites that
-    restore from their own files: refused with ``base_every=0`` unless in full mode.  Refused without
-    ``remote``."""
+    the next composite.  ``"base"``: base composites only, those that read no older file (the first, every
+    ``base_every``-th, and in full mode each save whose tensors are written self-contained, see ``delta_chain``),
+    so the remote holds only composites that restore from their own files: refused with ``base_every=0``
+    unless in full mode.  Refused without ``remote``."""
     remote_bandwidth: Optional[int] = None
     """Cap on the remote tier's upload speed, bytes per second over all its uploads at once ('200MB', '1GiB/s',
     or a number); None: as fast as the network goes.  Uploads take longer; training is not slowed.  Refused
     without ``remote``."""
+    encoding: str = "delta"
+    """How a data file holds what a save writes, losslessly (restores are bit for bit either way): 'delta'
+    encodes each tensor against a version of it the store already holds (the difference of the bit patterns,
+    split into byte planes, zstd-compressed; raw where that does not pay), keeping a host copy of each
+    reference (as much host memory as the state the references cover); 'compress' compresses each tensor on
+    its own (byte planes + zstd, no reference kept); 'off' writes raw bytes (fastest to durable where the
+    disk is faster than the encoder and bytes do not matter).  The remote tier gets what the disk got."""
+    delta_chain: int = 8
+    """Under ``encoding='delta'``: a tensor is encoded against its reference for at most this many versions,
+    then written self-contained again (a new reference).  A delta always refers to a self-contained
+    version directly (never to another delta), so a restore reads at most two versions of a tensor."""
+    encode_threads: int = 0
+    """Threads that encode (and decode on restore); 0: half the machine's cores, at least one, so training
+    keeps the rest."""
     # last, so that every other field keeps its place for positional arguments
     full: bool = False
-    """Full mode: every layer at every save, so no save depends on the one before (each is a base composite).
+    """Full mode: every layer at every save, so no save carries a layer from the one before (under
+    ``encoding='delta'`` its tensors are still encoded against their references: a base composite, one that
+    reads no older file, every ``delta_chain + 1`` saves, or every ``base_every``-th).
     Besides deciding nothing by drift, it turns off what only selective saves need: drift sampling, row blocks
     of embedding tables, the exchange of the loss across ranks and the manifest's cost estimates; saves
     pipeline across ranks up to ``max_inflight``; ``base_every`` and ``max_staleness`` have nothing left to
@@ -205,6 +222,11 @@ class Config:
         if self.backend not in ("auto", "uring", "threads"):
             raise ConfigError(f"Config.backend must be 'auto', 'uring' or 'threads', got {self.backend!r}")
         _flags(self, "direct_io", "lazy_staging")
+        if self.encoding not in ENCODINGS:
+            raise ConfigError(f"Config.encoding must be one of {', '.join(map(repr, ENCODINGS))}, got "
+                              f"{self.encoding!r}")
+        _number(self, "delta_chain", int, lo=1)
+        _number(self, "encode_threads", int, lo=0, hi=1024)
 
     def _check_tiers(self) -> None:
         """Where copies go and how many stay; the remote_* fields only with a remote."""
@@ -301,7 +323,8 @@ class Config:
 GROUPS: Dict[str, Tuple[str, ...]] = {
     "selection": ("full", "fidelity", "threshold", "budget_bytes", "max_staleness", "base_every", "drift_sample",
                   "row_block_bytes", "layers"),
-    "io": ("staging_bytes", "chunk_bytes", "queue_depth", "max_inflight", "lazy_staging", "backend", "direct_io"),
+    "io": ("staging_bytes", "chunk_bytes", "queue_depth", "max_inflight", "lazy_staging", "backend", "direct_io",
+           "encoding", "delta_chain", "encode_threads"),
     "tiers": ("keep_last", "memory_tier", "remote", "remote_options", "remote_every", "remote_bandwidth"),
     "restore": ("verify_checksums", "restore_rng"),
 }

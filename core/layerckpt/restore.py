@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar, Union
 
 import torch
 
-from . import _dist, _fetch, _policy as policy
+from . import _dist, _fetch
 from ._codec import decode, tensor_refs
 from ._gather import model_state, optimizer_params, param_names, set_rng_state
 from ._layout import CODES, DTYPES
@@ -107,7 +107,7 @@ def restore(
 
 
 def _restore_from(r: Reader, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], strict: bool,
-                  bound: Optional[int]) -> RestoreReport:
+                  bound: int) -> RestoreReport:
     """restore() of the composite ``r`` reads: match, check, read what the model does not hold, then the model."""
     m = r.m
     plan = _ModelPlan(model, m, strict)  # names, shapes and dtypes: every difference before anything is read
@@ -142,7 +142,7 @@ def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *
     return _as_viewed(loaded, v)
 
 
-def _load_from(r: Reader, strict: bool, bound: Optional[int]) -> LoadedCheckpoint:
+def _load_from(r: Reader, strict: bool, bound: int) -> LoadedCheckpoint:
     """read_checkpoint() of the composite ``r`` reads: every tensor but other ranks' RNG, into fresh memory."""
     m = r.m
     _check_staleness(m, bound, strict)
@@ -175,9 +175,10 @@ def _as_viewed(out: _Out, v: _fetch.View) -> _Out:
     return out
 
 
-def _bound(config: Optional[Config]) -> Optional[int]:
-    """The staleness bound a Config passed sets; None: the one the checkpoint was saved with."""
-    return config.max_staleness if config is not None else None
+def _bound(config: Optional[Config]) -> int:
+    """The staleness bound restore checks: the caller's Config's, else the default's; never the one the
+    manifest records (the policy that wrote the composite does not vouch for itself)."""
+    return config.max_staleness if config is not None else Config.max_staleness
 
 
 def _state_keys(m: Manifest, rng: Optional[Dict[str, Any]], with_optimizer: bool) -> Set[str]:
@@ -396,19 +397,22 @@ def _numbered(saved: Dict[str, Any], tensors: Dict[str, torch.Tensor], index: Di
     return {"state": state, "param_groups": groups}
 
 
-def _check_staleness(m: Manifest, bound: Optional[int], strict: bool) -> None:
-    """Refuse (strict) or warn about a composite that silently rolls training back: a layer older than the
-    staleness bound (frozen and unchanged layers are exempt: their old version is their current one), or a composite
-    whose estimated fidelity cost exceeds ``MAX_LAG`` checkpoint intervals of progress."""
-    if bound is None:
-        bound = m.config.get("max_staleness", Config.max_staleness)
+def _check_staleness(m: Manifest, bound: int, strict: bool) -> None:
+    """Refuse (strict) or warn about a composite that silently rolls training back: a layer older than
+    ``bound`` checkpoints (the caller's, see :func:`_bound`), unless the save proved it bit-identical to its
+    persisted version (``LayerEntry.unchanged``: every byte fingerprinted; a frozen or "unchanged" layer
+    without that proof is held to the bound like any other), or a composite whose estimated fidelity cost
+    exceeds ``MAX_LAG`` checkpoint intervals of progress."""
     behind = m.steps_behind()
-    old = sorted((n, e.age) for n, e in m.layers.items()
-                 if e.age > bound and not e.frozen and e.reason != policy.UNCHANGED)
+    old = sorted((n, e.age) for n, e in m.layers.items() if e.age > bound and not e.unchanged)
     problems = []
     if old:
-        problems.append(f"{len(old)} layer(s) older than max_staleness={bound} checkpoints: "
-                        + ", ".join(f"{n} (age {a}, {behind[n]} steps)" for n, a in old))
+        oldest = max(a for _, a in old)
+        problems.append(
+            f"{len(old)} layer(s) older than max_staleness={bound} checkpoints and not proven unchanged: "
+            + ", ".join(f"{n} (age {a}, {behind[n]} steps)" for n, a in old)
+            + f"; to restore them, pass config=Config(max_staleness={oldest}) or more (the bound is the caller's, "
+            f"or the default {Config.max_staleness}, never the one the checkpoint recorded)")
     if m.loss_increase is not None:
         rollback = m.loss_increase > MAX_LOSS_INCREASE
         what = f"raise the training loss by {m.loss_increase:.2%} (more than {MAX_LOSS_INCREASE:.0%})"

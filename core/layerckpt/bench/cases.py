@@ -242,8 +242,9 @@ def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLim
         ck = Checkpointer(d, model, opt, config=cfg)
         first = ck.save(0).wait()
     pool = ck.pool.allocated_bytes
-    stalls, waits, durables, phases = [], [], [], []
+    stalls, waits, durables, phases, written = [], [], [], [], []
     for i in range(reps):
+        perturb(model, opt, seed=i)  # a training step's worth of change: deltas see what they would in training
         disk.write()
         p = ck.save(i + 1)
         next_step(opt)
@@ -252,6 +253,7 @@ def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLim
         waits.append(p.step_wait_s)
         durables.append(p.durable_s)
         phases.append(dict(p.phases))
+        written.append(p.bytes_written)
     backend = ck.backend_name
     lazy = ck._lazy
     ck.close()
@@ -265,7 +267,8 @@ def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLim
         restores.append(_timed(lambda: restore(d, m2, o2)))
         ok = ok and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
     out: Dict[str, Any] = {"first_save_durable_s": first.durable_s, "restore_bit_exact": ok, "lazy_staging": lazy,
-                           "bytes": first.bytes_written, "extra_mem_bytes": mem.extra, "pool_bytes": pool,
+                           "bytes": statistics.median(written), "first_bytes": first.bytes_written,
+                           "encoding": cfg.encoding, "extra_mem_bytes": mem.extra, "pool_bytes": pool,
                            "backend": backend,
                            "phases_s": {k: statistics.median(ph.get(k, 0.0) for ph in phases) for k in phases[0]}}
     record(out, "stall_s", stalls)  # save() call to return
@@ -274,6 +277,22 @@ def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLim
     record(out, "durable_s", durables)
     record(out, "restore_s", restores)
     return out
+
+
+def perturb(model, opt, seed: int, lr: float = 1e-4) -> None:
+    """One AdamW-like update of every parameter and its moments from random gradients (seeded), outside every
+    timing: what a save sees change between two checkpoints of a fine-tune at ``lr``."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    with torch.no_grad():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = opt.state.get(p)
+                if not st or "exp_avg" not in st:
+                    continue
+                grad = torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-2
+                st["exp_avg"].mul_(0.9).add_(grad, alpha=0.1)
+                st["exp_avg_sq"].mul_(0.999).addcmul_(grad, grad, value=0.001)
+                p.addcdiv_(st["exp_avg"], st["exp_avg_sq"].sqrt().add_(1e-8), value=-lr)
 
 
 def next_step(opt) -> None:

@@ -47,6 +47,9 @@ def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3
         runs = {}
         if "layerckpt" in want:
             runs["layerckpt"] = bench_layerckpt(root, model, opt, cfg, reps, disk, preset)
+            if cfg.encoding != "off":  # the same saves written raw: what encoding costs and saves
+                runs["layerckpt raw"] = bench_layerckpt(root, model, opt, cfg.replace(encoding="off"), reps, disk,
+                                                        preset)
         else:
             disk.write()
             disk.read(fresh=False)
@@ -88,6 +91,11 @@ def _ratios(res: Dict[str, Any]) -> Dict[str, float]:
         "extra_mem_vs_state": lc["extra_mem_bytes"] / res["state_bytes"],
         "extra_mem_over_pool_vs_state": (lc["extra_mem_bytes"] - lc["pool_bytes"]) / res["state_bytes"],
     }
+    raw = r.get("layerckpt raw")
+    if raw:
+        out["raw_bytes_over_encoded"] = raw["bytes"] / lc["bytes"]
+        out["encoded_durable_over_raw"] = lc["durable_s"] / raw["durable_s"]
+        out["encoded_restore_over_raw"] = lc["restore_s"] / raw["restore_s"]
     for name in ("torch.save", "safetensors", "dcp"):
         if name in r:
             out[f"{name}_durable_over_ours"] = r[name]["durable_s"] / lc["durable_s"]
@@ -127,8 +135,12 @@ def format_table(res: Dict[str, Any]) -> str:
         f"staging; the others' saves are synchronous); durable s: the call to durable (fsync) and, for layerckpt, "
         f"committed; every save writes a new file or folder, deleting the previous one outside every timing; "
         f"every restore reads cold (dropped from the page cache) into a fresh model",
+        f"layerckpt: full saves (threshold 0.0), Config.encoding {res['runs'].get('layerckpt', {}).get('encoding')!r}"
+        f"; 'layerckpt raw': the same with encoding 'off'; before each save the state takes one AdamW-like step "
+        f"(random gradients, lr 1e-4, outside the timings) so deltas see what training changes; GB/s and "
+        f"'vs O_DIRECT' are of the state's raw size",
         f"{'method':<16}{'save() s':>22}{'blocked s':>22}{'durable s':>22}{'GB/s':>6}{'vs O_DIRECT':>12}"
-        f"{'restore s':>22}",
+        f"{'restore s':>22}{'MB written':>12}",
     ]
 
     def cell(r: Dict[str, Any], key: str) -> str:
@@ -139,7 +151,8 @@ def format_table(res: Dict[str, Any]) -> str:
 
     for name, r in res["runs"].items():
         lines.append(f"{name:<16}{cell(r, 'stall_s')}{cell(r, 'blocked_s')}{cell(r, 'durable_s')}"
-                     f"{gb / r['durable_s']:>6.2f}{r['durable_s'] / res['disk']['write_s']:>11.2f}x{cell(r, 'restore_s')}")
+                     f"{gb / r['durable_s']:>6.2f}{r['durable_s'] / res['disk']['write_s']:>11.2f}x{cell(r, 'restore_s')}"
+                     + (f"{r['bytes'] / 1e6:>12.1f}" if "bytes" in r else ""))
         if name == "dcp" and "async_durable_s" in r:
             lines.append(f"{'dcp async_save':<16}{cell(r, 'async_stall_s')}{cell(r, 'async_stall_s')}"
                          f"{cell(r, 'async_durable_s')}"

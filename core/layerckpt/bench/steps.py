@@ -57,25 +57,32 @@ def _train(preset: str, steps: int, warmup: int, seq: int,
         if step >= warmup:
             times.append(t2 - t0)
             blocked.append(t2 - t1)
-    return {"model": model, "opt": opt, "step": summary(times), "blocked": summary(blocked)}
+    return {"model": model, "opt": opt, "step": summary(times), "blocked": summary(blocked), "total_s": sum(times)}
 
 
 def run(preset: str = "gpt2-small", steps: int = 6, warmup: int = 2, seq: int = 128,
-        dirpath: Optional[str] = None) -> Dict[str, Any]:
+        dirpath: Optional[str] = None, every: int = 1) -> Dict[str, Any]:
+    """``every`` > 1: a full checkpoint every that many steps, layerckpt encoded (the default) against raw
+    (``encoding='off'``) and none; the overhead is then of the total time of the measured steps."""
     seq = min(seq, SIZES[preset].n_positions + 1)
     root = tempfile.mkdtemp(prefix="layerckpt-bench-steps-", dir=dirpath)
-    res: Dict[str, Any] = {"preset": preset, "steps": steps, "warmup": warmup, "seq": seq,
+    res: Dict[str, Any] = {"preset": preset, "steps": steps, "warmup": warmup, "seq": seq, "every": every,
                            "machine": machine(),
                            "runs": {}}
     try:
         res["runs"]["none"] = _strip(_train(preset, steps, warmup, seq, None))
-        res["runs"]["layerckpt"] = _layerckpt(root, preset, steps, warmup, seq)
-        res["runs"]["dcp async_save"] = _dcp(root, preset, steps, warmup, seq)
-        res["runs"]["torchsnapshot async_take"] = _torchsnapshot(root, preset, steps, warmup, seq)
-        base = res["runs"]["none"]["step"]["median"]
+        res["runs"]["layerckpt"] = _layerckpt(root, preset, steps, warmup, seq, every)
+        if every > 1:
+            res["runs"]["layerckpt raw"] = _layerckpt(root, preset, steps, warmup, seq, every, encoding="off")
+        else:
+            res["runs"]["dcp async_save"] = _dcp(root, preset, steps, warmup, seq)
+            res["runs"]["torchsnapshot async_take"] = _torchsnapshot(root, preset, steps, warmup, seq)
+        key = "median" if every == 1 else None
+        base = res["runs"]["none"]
         for r in res["runs"].values():
             if "step" in r:
-                r["overhead"] = r["step"]["median"] / base - 1
+                r["overhead"] = (r["step"]["median"] / base["step"]["median"] if key else
+                                 r["total_s"] / base["total_s"]) - 1
         return res
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -85,7 +92,8 @@ def _strip(r: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in r.items() if k not in ("model", "opt")}
 
 
-def _layerckpt(root: str, preset: str, steps: int, warmup: int, seq: int) -> Dict[str, Any]:
+def _layerckpt(root: str, preset: str, steps: int, warmup: int, seq: int, every: int = 1,
+               encoding: str = "delta") -> Dict[str, Any]:
     from ..checkpointer import Checkpointer
     from ..config import Config
 
@@ -94,15 +102,19 @@ def _layerckpt(root: str, preset: str, steps: int, warmup: int, seq: int) -> Dic
 
     def save(step, model, opt, loss):
         if not cks:
-            cks.append(Checkpointer(os.path.join(root, "layerckpt"), model, opt, Config(threshold=0.0)))
-        saves.append(cks[0].save(step, loss=loss))
+            cks.append(Checkpointer(os.path.join(root, "layerckpt-" + encoding), model, opt,
+                                    Config(threshold=0.0, encoding=encoding)))
+        if (step + 1) % every == 0:
+            saves.append(cks[0].save(step, loss=loss))
 
     out = _train(preset, steps, warmup, seq, save)
     cks[0].close()
     r = _strip(out)
     r["lazy_staging"] = cks[0]._lazy
+    r["encoding"] = encoding
+    r["bytes"] = [p.bytes_written for p in saves]
     # the last measured save has no step after it: its wait is not known
-    r["step_wait"] = summary([p.step_wait_s for p in saves[warmup:-1]] or [0.0])
+    r["step_wait"] = summary([p.step_wait_s for p in saves[warmup if every == 1 else 0:-1]] or [0.0])
     return r
 
 
@@ -158,10 +170,14 @@ def _torchsnapshot(root: str, preset: str, steps: int, warmup: int, seq: int) ->
 
 def format_table(res: Dict[str, Any]) -> str:
     m = res["machine"]
-    lines = [f"layerckpt bench --steps: {res['preset']} + AdamW, a checkpoint after every step, {res['steps']} "
+    every = res.get("every", 1)
+    cadence = "a checkpoint after every step" if every == 1 else f"a full checkpoint every {every} steps"
+    over = "" if every == 1 else " (overhead: total time of the measured steps against none)"
+    lines = [f"layerckpt bench --steps: {res['preset']} + AdamW, {cadence}, {res['steps']} "
              f"steps measured after {res['warmup']} warm-up ones (batch 1 x {res['seq']} tokens), on {m['cpu']} "
-             f"({m['cores']} cores), torch {m['torch']}; medians [min-max]",
-             f"{'checkpointing':<28}{'step s':>24}{'overhead':>10}{'call returned s':>24}{'next step waited s':>24}"]
+             f"({m['cores']} cores), torch {m['torch']}; medians [min-max]{over}",
+             f"{'checkpointing':<28}{'step s':>24}{'overhead':>10}{'call returned s':>24}{'next step waited s':>24}"
+             f"{'MB/save':>10}"]
     for name, r in res["runs"].items():
         if "error" in r:
             lines.append(f"{name:<28}{r['error']}")
@@ -170,12 +186,13 @@ def format_table(res: Dict[str, Any]) -> str:
         lines.append(f"{name:<28}{s['median']:>8.3f} [{s['min']:.3f}-{s['max']:.3f}]".ljust(52)
                      + f"{r['overhead'] * 100:>+9.1f}%"
                      + f"{b['median']:>8.3f} [{b['min']:.3f}-{b['max']:.3f}]".rjust(24)
-                     + (f"{w['median']:>8.3f} [{w['min']:.3f}-{w['max']:.3f}]".rjust(24) if (w := r.get("step_wait")) else ""))
+                     + (f"{w['median']:>8.3f} [{w['min']:.3f}-{w['max']:.3f}]".rjust(24) if (w := r.get("step_wait")) else "")
+                     + (f"{sum(r['bytes']) / len(r['bytes']) / 1e6:>10.1f}" if r.get("bytes") else ""))
     return "\n".join(lines)
 
 
 def main(args) -> int:
     res = run(args.size if args.size in SIZES else "gpt2-small", steps=getattr(args, "steps_n", 6),
-              dirpath=args.dir)
+              dirpath=args.dir, every=getattr(args, "steps_every", 1) or 1)
     print(json.dumps(res) if args.json else format_table(res))
     return 0

@@ -1,0 +1,289 @@
+"""Delta encoding: lossless blocks, encoded data files that stay safetensors, bounded chains, retention and
+verify across chains, damaged encodings refused by name."""
+import copy
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import layerckpt
+from layerckpt import _encode, _faults
+from layerckpt.errors import CheckpointCorruptError, CheckpointError
+from conftest import assert_same_optimizer_state, assert_same_state, trained
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(-1).view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
+                                   torch.int32, torch.uint8, torch.bool])
+def test_every_mode_round_trips_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(70001, generator=g) * 0.05)
+    moved = base + torch.randn(70001, generator=g) * 1e-4
+    if dtype.is_floating_point:
+        ref, raw = base.to(dtype), moved.to(dtype)
+        raw[5] = float("nan")  # any bit pattern comes back, NaN and -0.0 included
+        raw[6] = -0.0
+    elif dtype == torch.bool:
+        ref, raw = base > 0, moved > 0
+    else:
+        ref, raw = (base * 1e4).to(dtype), (moved * 1e4).to(dtype)
+    es = raw.element_size()
+    a, r = _bits(raw), _bits(ref)
+    seen = set()
+    for cut in range(0, a.size, 1 << 16):
+        blk, rblk = a[cut:cut + (1 << 16)], r[cut:cut + (1 << 16)]
+        for reference in (None, rblk, blk.copy()):
+            mode, data = _encode.encode_block(blk, reference, es)
+            seen.add(mode)
+            out = np.zeros_like(blk) if reference is None else reference.copy()
+            payload = memoryview(blk if mode == _encode.RAW else data)
+            _encode.decode_block(mode, payload, out, es, "test")
+            assert np.array_equal(out, blk)
+    assert _encode.SAME in seen  # a block against itself stores nothing
+
+
+def test_encoding_pays_where_bytes_repeat_and_stays_raw_where_they_do_not():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1 << 18, generator=g) * 0.05
+    moved = w + torch.randn(1 << 18, generator=g) * 1e-5
+    mode, data = _encode.encode_block(_bits(moved)[:_encode.BLOCK], _bits(w)[:_encode.BLOCK], 4)
+    assert mode == _encode.DELTA and len(data) < 0.75 * _encode.BLOCK
+    noise = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
+    assert _encode.encode_block(noise, None, 1) == (_encode.RAW, None)
+
+
+def test_damaged_blocks_are_refused_with_a_clear_error():
+    w = (torch.randn(1 << 14) * 0.05)
+    mode, data = _encode.encode_block(_bits(w), None, 4)
+    assert mode == _encode.PLANES
+    out = np.zeros(w.numel() * 4, dtype=np.uint8)
+    bad = bytearray(data)
+    bad[0:4] = (10 ** 6).to_bytes(4, "little")  # a plane longer than the block
+    with pytest.raises(CheckpointCorruptError, match="plane sizes do not add up"):
+        _encode.decode_block(mode, memoryview(bytes(bad)), out, 4, "tensor 'x'")
+    with pytest.raises(CheckpointCorruptError, match="raw block of"):
+        _encode.decode_block(_encode.RAW, memoryview(b"abc"), out, 4, "tensor 'x'")
+    with pytest.raises(CheckpointCorruptError, match="unchanged block carries data"):
+        _encode.decode_block(_encode.SAME, memoryview(b"abc"), out, 4, "tensor 'x'")
+
+
+def _train(model, opt, steps=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 64, (2, 16), generator=g)
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _saves(root, config, n=6):
+    """n full saves with training between; returns the states at each step."""
+    model, opt = trained()
+    states = {}
+    with layerckpt.Checkpointer(root, model, opt, config=config) as ck:
+        for step in range(1, n + 1):
+            _train(model, opt, seed=step)
+            ck.save(step).wait()
+            states[step] = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    return states
+
+
+def _manifest(root, step):
+    with open(os.path.join(root, "manifests", f"step-{step:08d}.json")) as f:
+        return json.load(f)
+
+
+def _check_restore(root, states, step):
+    model, opt = trained(seed=1)
+    report = layerckpt.restore(root, model, opt, step=step)
+    assert report.step == step
+    ref_model, _ = trained(seed=1)
+    ref_model.load_state_dict(states[step][0])
+    assert_same_state(model, ref_model)
+    assert_same_optimizer_state(opt.state_dict(), states[step][1])
+
+
+def test_full_saves_are_deltas_restored_bit_for_bit_and_smaller(tmp_path):
+    states = _saves(tmp_path, layerckpt.Config(full=True, keep_last=0, delta_chain=3))
+    for step in states:
+        _check_restore(tmp_path, states, step)
+    sizes = {s: sum(f["size"] for f in _manifest(tmp_path, s)["files"].values() if f["step"] == s) for s in states}
+    m1 = _manifest(tmp_path, 1)
+    raw = sum(t["nbytes"] for t in m1["tensors"].values())
+    assert all(sizes[s] < raw for s in states), (sizes, raw)
+    # chains: the first save is self-contained; each delta refers straight to a self-contained version at most
+    # delta_chain versions back; then the tensor is written self-contained again
+    assert m1["version"] == 2 and all(t["enc"]["ref"] is None for t in m1["tensors"].values())
+    for s in (2, 3, 4, 6):
+        m = _manifest(tmp_path, s)
+        refs = {t["enc"]["ref"]["step"] for t in m["tensors"].values() if t["enc"]["ref"]}
+        assert refs and all(s - r <= 3 for r in refs), (s, refs)
+        for t in m["tensors"].values():
+            if t["enc"]["ref"]:
+                assert t["enc"]["ref"]["file"] in m["files"]  # retention and the tiers keep what a delta needs
+                assert all(b[3] in (0, 1) for b in t["enc"]["ref"]["blocks"])  # a reference is self-contained
+    assert not any(t["enc"]["ref"] for t in _manifest(tmp_path, 5)["tensors"].values() if t["nbytes"] >= 65536)
+
+
+def test_encoded_data_file_is_valid_safetensors(tmp_path):
+    model, opt = trained()
+    with layerckpt.Checkpointer(tmp_path, model, opt) as ck:
+        p = ck.save(3).wait()
+    path = tmp_path / "data" / "step-00000003.rank0.safetensors"
+    assert os.path.getsize(path) == p.bytes_written
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    assert (8 + header_len) % 4096 == 0
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata()["encoding"] == _encode.CODEC
+        total = sum(f.get_tensor(k).numel() for k in f.keys())
+        assert all(f.get_tensor(k).dtype == torch.uint8 for k in f.keys())
+    assert 8 + header_len + total == os.path.getsize(path)
+
+
+@pytest.mark.parametrize("encoding", ["compress", "off"])
+def test_other_encodings_are_self_contained(tmp_path, encoding):
+    states = _saves(tmp_path, layerckpt.Config(full=True, keep_last=0, encoding=encoding), n=3)
+    _check_restore(tmp_path, states, 3)
+    m = _manifest(tmp_path, 3)
+    assert list(m["files"]) == ["step-00000003.rank0.safetensors"]
+    for t in m["tensors"].values():
+        assert (t["enc"] is None) == (encoding == "off")
+        assert t["enc"] is None or t["enc"]["ref"] is None
+
+
+def test_retention_keeps_the_references_kept_composites_need(tmp_path):
+    states = _saves(tmp_path, layerckpt.Config(full=True, keep_last=1, delta_chain=8), n=5)
+    assert sorted(os.listdir(tmp_path / "manifests")) == ["step-00000005.json"]
+    assert sorted(os.listdir(tmp_path / "data")) == ["step-00000001.rank0.safetensors",
+                                                     "step-00000005.rank0.safetensors"]
+    _check_restore(tmp_path, states, 5)
+
+
+def test_a_damaged_reference_names_every_checkpoint_that_needs_it(tmp_path, capsys):
+    from layerckpt.cli import main
+
+    _saves(tmp_path, layerckpt.Config(full=True, keep_last=0, delta_chain=8), n=3)
+    path = tmp_path / "data" / "step-00000001.rank0.safetensors"
+    m = _manifest(tmp_path, 3)
+    big = next(t for t in m["tensors"].values() if t["enc"]["ref"])
+    off, n = big["enc"]["ref"]["blocks"][0][:2]
+    with open(path, "r+b") as f:
+        f.seek(off + n // 2)
+        byte = f.read(1)
+        f.seek(off + n // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    model, opt = trained()
+    with pytest.raises(CheckpointCorruptError, match="step-00000001"):
+        layerckpt.restore(tmp_path, model, opt, step=3)
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert ("DAMAGED step-00000001.rank0.safetensors: needed by 3 checkpoint(s): step-00000001.json, "
+            "step-00000002.json, step-00000003.json") in out
+
+
+def test_a_failed_save_leaves_no_reference_behind(tmp_path):
+    model, opt = trained()
+    config = layerckpt.Config(full=True, keep_last=0, delta_chain=8)
+    with layerckpt.Checkpointer(tmp_path, model, opt, config=config) as ck:
+        ck.save(1).wait()
+        _train(model, opt, seed=2)
+        ck.save(2).wait()
+
+        def boom():
+            raise OSError(5, "injected")
+
+        _faults.install("flush.written", boom)
+        try:
+            _train(model, opt, seed=3)
+            with pytest.raises(CheckpointError):
+                ck.save(3).wait()
+        finally:
+            _faults.remove("flush.written")
+        _train(model, opt, seed=4)
+        ck.save(4).wait()
+        want = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    _check_restore(tmp_path, {4: want}, 4)
+
+
+def test_version_1_manifests_still_read(tmp_path):
+    states = _saves(tmp_path, layerckpt.Config(full=True, keep_last=0, encoding="off"), n=2)
+    path = tmp_path / "manifests" / "step-00000002.json"
+    m = json.loads(path.read_text())
+    m["version"] = 1
+    for t in m["tensors"].values():
+        del t["enc"]
+    path.write_text(json.dumps(m))
+    _check_restore(tmp_path, states, 2)
+
+
+def test_an_edited_encoding_is_refused_by_name(tmp_path):
+    _saves(tmp_path, layerckpt.Config(full=True, keep_last=0), n=2)
+    path = tmp_path / "manifests" / "step-00000002.json"
+    m = json.loads(path.read_text())
+    key, t = next((k, t) for k, t in m["tensors"].items() if t["enc"]["ref"])
+    t["enc"]["blocks"][0][2] += 4  # blocks no longer cover the tensor
+    path.write_text(json.dumps(m))
+    model, opt = trained()
+    with pytest.raises(CheckpointCorruptError, match="blocks .* cover"):
+        layerckpt.restore(tmp_path, model, opt, step=2)
+    t["enc"]["blocks"][0][2] -= 4
+    t["enc"]["ref"]["file"] = "step-00000009.rank0.safetensors"  # a file the manifest does not list
+    path.write_text(json.dumps(m))
+    with pytest.raises(CheckpointCorruptError, match="malformed reference"):
+        layerckpt.restore(tmp_path, model, opt, step=2)
+
+
+def test_native_and_python_planes_agree(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.uint8):
+        a = _bits((torch.randn(4096, generator=g) * 100).to(dtype))
+        b = _bits((torch.randn(4096, generator=g) * 100).to(dtype))
+        es = a.size // 4096
+        native = [_encode.plane_bytes(a, ref, es) for ref in (None, b)]
+        monkeypatch.setattr(_encode, "_NATIVE", None)
+        python = [_encode.plane_bytes(a, ref, es) for ref in (None, b)]
+        monkeypatch.undo()
+        for (x, anyx), (y, anyy) in zip(native, python):
+            assert np.array_equal(x, y) and anyx == anyy
+        for add, start in ((False, np.zeros_like(a)), (True, b.copy())):
+            outs = []
+            for native_on in (True, False):
+                if not native_on:
+                    monkeypatch.setattr(_encode, "_NATIVE", None)
+                out = start.copy()
+                _encode.from_planes(python[1 if add else 0][0], out, es, add)
+                outs.append(out)
+                monkeypatch.undo()
+            assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], a)
+
+
+def test_a_buffer_of_unchanged_blocks_only_is_recorded(tmp_path):
+    """Every block of a staging buffer unchanged: nothing of it is written, yet each block is recorded."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(4)])
+    want = copy.deepcopy(model.state_dict())
+    config = layerckpt.Config(full=True, keep_last=0, chunk_bytes=64 * 1024)
+    with layerckpt.Checkpointer(tmp_path, model, config=config) as ck:
+        ck.save(1).wait()
+        p = ck.save(2).wait()
+    assert p.bytes_written < 64 * 1024  # the header and the small state
+    out = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(4)])
+    layerckpt.restore(tmp_path, out, step=2)
+    for k, v in out.state_dict().items():
+        assert torch.equal(v, want[k])
+
+
+def test_base_every_writes_self_contained_composites_in_full_mode(tmp_path):
+    from layerckpt._manifest import load_manifest
+    from layerckpt._tiers import is_base
+
+    _saves(tmp_path, layerckpt.Config(full=True, keep_last=0, base_every=2, delta_chain=100), n=5)
+    bases = [s for s in range(1, 6) if is_base(load_manifest(str(tmp_path / "manifests" / f"step-{s:08d}.json")))]
+    assert bases == [1, 3, 5]
+    for s in bases:
+        assert list(_manifest(tmp_path, s)["files"]) == [f"step-{s:08d}.rank0.safetensors"]
