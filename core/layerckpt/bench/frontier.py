@@ -113,7 +113,7 @@ def format_frontier(rows: List[Dict[str, Any]]) -> str:
     at the same written bytes, and each full cadence's (written bytes / steps lost)."""
     lines = ["steps lost per crash (mean over crash points at (i+1/2)/8 of the run; default = steps since its "
              "composite + the composite's held-out lag; full every k intervals: the steps since it)",
-             f"{'workload':<17}{'raw':>9}{'written':>9}{'vs full':>8}{'default lost (since+lag) est.lag':>33}"
+             f"{'workload':<17}{'raw':>9}{'written':>9}{'vs k1':>8}{'default lost (since+lag) est.lag':>33}"
              f"{'frontier@bytes':>15}  verdict   full every k: written / lost"]
     for r in rows:
         f = r.get("frontier")
