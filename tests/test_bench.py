@@ -98,3 +98,91 @@ def test_bench_restore_tiny_json(tmp_path):
         {f"{k}/ours": statistics.median(secs[k]) / statistics.median(secs["layerckpt"]) for k in ("torch.load", "dcp.load")},
         rel=1e-9)
     assert not list(tmp_path.iterdir())  # the bench cleans up after itself
+
+
+# ------------------------------------------------------------------ bench --policy: steps lost per crash
+def test_steps_since_counts_from_the_newest_save_at_or_before_the_crash():
+    from layerckpt.bench.frontier import crash_points, mean_steps_since, steps_since
+
+    assert steps_since(12, [5, 10, 15]) == 2 and steps_since(10, [5, 10, 15]) == 0
+    assert steps_since(4, [5, 10]) == 4  # no save yet: everything is trained again
+    # 8 points over 200 steps land at every phase of a 40-step cadence: its mean is the uniform mean, 19.5
+    points = crash_points(200)
+    assert points == [12, 37, 62, 87, 112, 137, 162, 187]
+    assert mean_steps_since(points, range(40, 201, 40)) == 19.5
+    assert mean_steps_since(points, range(5, 201, 5)) == 2.0
+
+
+def test_lag_places_the_excess_on_the_monotone_fit():
+    from layerckpt.bench.frontier import isotonic_decreasing, lag_steps
+
+    assert isotonic_decreasing([3.0, 1.0, 2.0, 0.0]) == [3.0, 1.5, 1.5, 0.0]
+    curve = [10.0 - s for s in range(11)]  # one unit of held-out loss per step
+    assert lag_steps(curve, 6, curve[6]) == 0.0  # a bit-exact restore: no lag
+    assert lag_steps(curve, 6, curve[6] - 0.5) == 0.0  # better than the run: no lag either
+    assert lag_steps(curve, 6, curve[6] + 2.5) == pytest.approx(2.5)
+    assert lag_steps(curve, 6, 100.0) == 6.0  # worse than the start: at most the whole run
+    # a curve sampled every 5 steps (the saves): linear in between
+    assert lag_steps(curve[::5], 10, curve[10] + 2.5, at=[0, 5, 10]) == pytest.approx(2.5)
+    assert lag_steps(curve[::5], 10, curve[10] + 7.0, at=[0, 5, 10]) == pytest.approx(7.0)
+    # a plateau: an excess within the curve's scatter around its fit is no lag at all
+    flat = [1.0, 0.5, 0.5, 0.51, 0.49, 0.5, 0.5]
+    assert lag_steps(flat, 5, 0.501) == 0.0
+    hi, lo = 1.51 / 3, 1.49 / 3  # the fit pools steps 1-3 and 4-6
+    assert isotonic_decreasing(flat) == pytest.approx([1.0, hi, hi, hi, lo, lo, lo])
+    # 0.1 above the run at step 5: the fit is 0.1 above its step-5 value between steps 0 and 1
+    assert lag_steps(flat, 5, 0.6) == pytest.approx(5 - (1 - (lo + 0.1 - hi) / (1.0 - hi)))
+
+
+def test_frontier_interpolates_in_log_bytes_and_clamps_outside():
+    from layerckpt.bench.frontier import frontier_at
+
+    points = [(400.0, 2.0), (200.0, 4.5), (100.0, 9.5), (50.0, 19.5)]
+    assert frontier_at(points, 200.0) == 4.5
+    assert frontier_at(points, math.sqrt(400.0 * 200.0)) == pytest.approx(3.25)  # halfway in log bytes
+    assert frontier_at(points, 1000.0) == 2.0 and frontier_at(points, 10.0) == 19.5
+    with pytest.raises(ValueError, match="no point"):
+        frontier_at([(0, 5.0)], 10.0)
+
+
+def test_policy_frontier_end_to_end(tmp_path):
+    """One short workload through the real engine: the new columns, and bytes written = the store's data files."""
+    import os
+
+    import layerckpt
+    from layerckpt.bench import policy
+    from layerckpt.bench.family import WORKLOADS
+    from layerckpt.bench.frontier import format_frontier
+
+    r = policy.run(WORKLOADS["frozen-backbone"], layerckpt.Config(), str(tmp_path), crashes=(0.5,), steps=40,
+                   frontier=True)
+    data = tmp_path / "default" / "data"
+    assert r["written_bytes"] == sum(os.path.getsize(data / f) for f in os.listdir(data))
+    f = r["frontier"]
+    assert f["default"]["bytes"] == r["written_bytes"] and f["default"]["raw"] == r["bytes"]
+    assert [p["k"] for p in f["full"]][:4] == [1, 2, 4, 8] and [p["saves"] for p in f["full"]][:4] == [8, 4, 2, 1]
+    # each cadence has a store of its own (encoded against its own previous saves): fewer saves, fewer bytes
+    assert f["full"][0]["bytes"] > f["full"][1]["bytes"] > f["full"][2]["bytes"] > f["full"][3]["bytes"] > 0
+    assert f["full"][0]["bytes"] > r["written_bytes"]
+    assert f["crash_points"] == [2, 7, 12, 17, 22, 27, 32, 37]
+    assert f["default"]["since"] == 2.0 and f["default"]["lag"] == 0.0 and f["ok"]  # only the head trains
+    assert r["crashes"][0]["deviation"] == 0.0
+    assert f["full_check"] == {"step": 40, "lag": 0.0}  # the newest full checkpoint: accepted, bit for bit
+    table = policy.format_table([r], layerckpt.Config()) + "\n" + format_frontier([r])
+    for column in ("raw", "written", "default lost (since+lag)", "est.lag", "frontier@bytes", "k8 "):
+        assert column in table, column
+
+
+def test_plot_is_written_where_matplotlib_is_installed(tmp_path):
+    from layerckpt.bench.frontier import plot
+
+    row = {"workload": "w", "frontier": {"full": [{"k": 1, "bytes": 400.0, "lost": 2.0}, {"k": 2, "bytes": 200.0,
+                                                                                       "lost": 4.5}],
+                                         "default": {"bytes": 300.0, "lost": 3.0}}}
+    out = tmp_path / "frontier.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert plot([row], str(out)) is None and not out.exists()
+    else:
+        assert plot([row], str(out)) == str(out) and out.stat().st_size > 0

@@ -345,6 +345,7 @@ def _bench_parser(sub) -> None:
     a.add_argument("--policy", action="store_true",
                    help="instead: the selection defaults on the workload family (bytes, loss after restore)")
     a.add_argument("--workloads", nargs="+", help="with --policy: which workloads (default: all)")
+    a.add_argument("--plot", metavar="FILE", help="with --policy: the steps-lost frontiers as an image (matplotlib)")
     a.add_argument("--sharded", action="store_true",
                    help="instead: an FSDP2 model on --nproc processes (launches torchrun itself) against "
                         "dcp.save, async_save and load")
