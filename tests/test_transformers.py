@@ -209,3 +209,23 @@ def test_killed_process_resumes_to_the_same_weights(tmp_path, plain):
     assert t.layerckpt.last_restore.step in (4, 8)
     assert same(t.model, plain.model)
     layerckpt.store.steps(str(tmp_path / "layerckpt"))  # readable after the kill
+
+
+def test_the_exported_folder_resumes_in_a_plain_trainer(tmp_path, plain, capsys):
+    from layerckpt.cli import main
+
+    with pytest.raises(KeyboardInterrupt):
+        make(tmp_path / "lc", attach={"full": True}, callbacks=[Stop()]).train()
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "lc" / "checkpoint-4"), "--transformers", "-o", str(out)]) == 0
+    assert "a plain Trainer resumes from it" in capsys.readouterr().out
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth",
+            "config.json"} <= set(os.listdir(out)) and "layerckpt.json" not in os.listdir(out)
+    t = make(tmp_path / "plain")  # no layerckpt
+    t.train(resume_from_checkpoint=str(out))
+    assert same(t.model, plain.model)
+    again = GPT2LMHeadModel.from_pretrained(str(out))  # save_pretrained-style weights
+    loaded = layerckpt.read_checkpoint(str(tmp_path / "lc" / "layerckpt"), step=4)
+    assert all(torch.equal(v, loaded.model[k]) for k, v in again.state_dict().items())
+    assert main(["export", str(tmp_path / "lc" / "checkpoint-4"), "--transformers", "-o", str(out)]) != 0
+    assert "exists and is not empty" in capsys.readouterr().err
