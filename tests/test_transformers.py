@@ -229,3 +229,18 @@ def test_the_exported_folder_resumes_in_a_plain_trainer(tmp_path, plain, capsys)
     assert all(torch.equal(v, loaded.model[k]) for k, v in again.state_dict().items())
     assert main(["export", str(tmp_path / "lc" / "checkpoint-4"), "--transformers", "-o", str(out)]) != 0
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_two_processes_under_ddp(tmp_path):
+    """torchrun, 2 CPU processes on gloo: each rank writes its share of every composite (one commit), and the
+    stopped run resumes to the weights of plain Trainer's uninterrupted 2-process run, bit for bit."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "tests", "transformers_ddp.py"), "--dir", str(tmp_path), "--out", str(tmp_path / "out")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    import json
+
+    out = json.loads((tmp_path / "out").read_text())
+    assert out["world"] == 2 and out["same"] and out["restored"] == EVERY
+    assert {n.split(".")[1] for n in out["data"] if n.startswith("step-00000012")} == {"rank0", "rank1"}
+    assert "layerckpt.json" in out["folder"] and "model.safetensors" not in out["folder"]
