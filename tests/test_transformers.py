@@ -244,3 +244,13 @@ def test_two_processes_under_ddp(tmp_path):
     assert out["world"] == 2 and out["same"] and out["restored"] == EVERY
     assert {n.split(".")[1] for n in out["data"] if n.startswith("step-00000012")} == {"rank0", "rank1"}
     assert "layerckpt.json" in out["folder"] and "model.safetensors" not in out["folder"]
+
+
+def test_resuming_from_an_older_folder_saves_its_steps_again(tmp_path, plain):
+    make(tmp_path, attach={"full": True}).train()
+    t = make(tmp_path, attach={"full": True})
+    t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))  # as plain Trainer: steps 8, 12 are redone
+    assert t.layerckpt.last_restore.step == 4 and same(t.model, plain.model)
+    again = make(tmp_path, attach={"full": True})
+    again.train(resume_from_checkpoint=True)
+    assert again.layerckpt.last_restore.step == STEPS and same(again.model, plain.model)

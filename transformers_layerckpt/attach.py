@@ -74,6 +74,9 @@ def attach(trainer: Any, config: Union[Config, str, "os.PathLike[str]", Dict[str
         return Attached(trainer, cfg, layers, enabled=False)
     if trainer in _attached:
         raise CheckpointError("attach(): this Trainer is already attached to layerckpt; attach it once")
+    if getattr(trainer.args, "push_to_hub", False):
+        log.warning("layerckpt: push_to_hub pushes checkpoint folders without weights while attached (they are in "
+                    "the store); the final trainer.save_model() and push_to_hub() are Trainer's own")
     att = Attached(trainer, cfg, layers)
     _attached[trainer] = att
     _route(trainer, att)

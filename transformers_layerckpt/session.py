@@ -126,7 +126,8 @@ class Attached:
         for what in (getattr(model, "config", None), getattr(model, "generation_config", None)):
             if what is not None and hasattr(what, "save_pretrained"):
                 what.save_pretrained(folder)
-        processing = getattr(self.trainer, "processing_class", None)
+        processing = getattr(self.trainer, "processing_class", None) or getattr(
+            getattr(self.trainer, "data_collator", None), "tokenizer", None)
         if processing is not None and hasattr(processing, "save_pretrained"):
             processing.save_pretrained(folder)
         torch.save(self.trainer.args, os.path.join(folder, TRAINING_ARGS_NAME))
