@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -166,9 +167,9 @@ def live_steps(store_root: str, run_dir: str) -> Dict[str, int]:
 
 def prune(store_root: str, run_dir: str) -> List[str]:
     """Delete the composites no folder of ``run_dir`` points at (the newest committed always stays), then the
-    data files only they used.  Call it with no save of the store in flight: a selective save in flight may
-    use files of composites older than the newest committed one.  A failure is logged, not raised: the next
-    save tries again."""
+    data files only they used.  Safe beside a save in flight: it builds on the composite before it, whose files
+    the newest committed composite (kept) or a live folder's references.  A failure is logged, not raised: the
+    next save tries again."""
     try:
         keep = set(live_steps(store_root, run_dir).values())
         drop = set(store.steps(store_root)) - keep
@@ -176,3 +177,22 @@ def prune(store_root: str, run_dir: str) -> List[str]:
     except (OSError, CheckpointError) as e:
         log.warning("layerckpt: pruning %s failed (retried at the next save): %s", store_root, e)
         return []
+
+
+class Pruner:
+    """:func:`prune` on a thread of its own, so that retention never blocks training; one at a time (a new
+    request waits for the one before it)."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, store_root: str, run_dir: str) -> None:
+        self.drain()
+        self._thread = threading.Thread(target=prune, args=(store_root, run_dir), name="layerckpt-prune", daemon=True)
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Wait for the request in progress, if any."""
+        t, self._thread = self._thread, None
+        if t is not None:
+            t.join()

@@ -43,6 +43,7 @@ class Attached:
         self._key: Optional[Tuple[str, int, int]] = None  # (store, model, optimizer) of _ck
         self._run_id: Optional[str] = None
         self._folder: Optional[str] = None  # the checkpoint folder being saved
+        self._pruner = folders.Pruner()
 
     # ------------------------------------------------------------ public
 
@@ -96,9 +97,8 @@ class Attached:
         step = self.trainer.state.global_step
         root = folders.store_of(folder)
         ck = self._checkpointer(root)
-        ck.wait()  # so that pruning never drops a file a save in flight builds on (save() waits here anyway)
-        if self.trainer.is_world_process_zero():
-            folders.prune(root, os.path.dirname(folder))
+        if self.trainer.is_world_process_zero():  # rotation has removed folders since the last save
+            self._pruner.submit(root, os.path.dirname(folder))
         token = f"{self._run_id}-{step}"
         extra = {folders.EXTRA_KEY: {"token": token, "folder": os.path.basename(folder)}}
         self.last_save = ck.save(step, extra=extra, loss=self.loss)
@@ -135,6 +135,7 @@ class Attached:
     def finish(self, quiet: bool) -> None:
         """Training returned (``quiet``: with an exception): every save committed, unneeded composites pruned,
         the Checkpointer closed.  ``quiet`` logs a flush error instead of raising it over the exception."""
+        self._pruner.drain()
         ck = self._ck
         if ck is None:
             return
