@@ -5,7 +5,7 @@ overrides are what get wrapped), and nowhere else.  Public, overridable methods:
 ``resume_from_checkpoint=True`` to the newest folder whose composite committed; wait for the saves when it
 returns), ``training_step`` (the loss), ``save_model`` (a checkpoint folder's weights go to the store).  Trainer
 has no hook for the rest, so four private methods are wrapped, each falling through to Trainer's own for a
-folder without a layerckpt pointer (transformers 4.46 to 4.x, the range the ``transformers`` extra pins):
+folder without a layerckpt pointer (transformers 4.50 to 4.x, the range the ``transformers`` extra pins):
 
 * ``_save_optimizer_and_scheduler``: for a folder whose optimizer went to the store, writes the scheduler only;
 * ``_load_from_checkpoint``: checks the folder's composite is committed (the model is restored with the
@@ -116,7 +116,7 @@ def _route(trainer: Any, att: Attached) -> None:
         import transformers
 
         raise CheckpointError(f"attach(): transformers {transformers.__version__} has no Trainer.{missing[0]}; "
-                              f"layerckpt supports transformers>=4.46,<5 (pip install 'layerckpt[transformers]')")
+                              f"layerckpt supports transformers>=4.50,<5 (pip install 'layerckpt[transformers]')")
     for name, make in routes.items():
         orig = getattr(trainer, name)
         setattr(trainer, name, functools.wraps(orig)(make(orig, att)))
