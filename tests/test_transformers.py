@@ -5,6 +5,7 @@ attached run with the plain one, so whatever differs is layerckpt's doing.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -238,8 +239,6 @@ def test_two_processes_under_ddp(tmp_path):
            os.path.join(ROOT, "tests", "transformers_ddp.py"), "--dir", str(tmp_path), "--out", str(tmp_path / "out")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    import json
-
     out = json.loads((tmp_path / "out").read_text())
     assert out["world"] == 2 and out["same"] and out["restored"] == EVERY
     assert {n.split(".")[1] for n in out["data"] if n.startswith("step-00000012")} == {"rank0", "rank1"}
