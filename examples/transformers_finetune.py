@@ -157,11 +157,11 @@ def print_table(s: Dict[str, Any]) -> None:
     b, t, r, loss = s["bytes"], s["blocked_s"], s["resume_s"], s["loss"]
     print(f"resumed from fine-tuning step {s['resumed_at']}: layers persisted at steps "
           f"{s['restored']['layer_steps']}, max staleness {s['restored']['max_staleness']} checkpoints\n")
-    print(f"over the {s['checkpoints']} checkpoints before the crash {'plain Trainer':>16} {'layerckpt':>12} {'ratio':>8}")
-    print(f"  {'bytes written':<40}{b['trainer'] / 1e6:>14.1f}MB {b['layerckpt'] / 1e6:>10.1f}MB {b['ratio']:>7.1f}x")
-    print(f"  {'training paid (in the save, in later steps)':<40}{t['trainer'] * 1e3:>14.0f}ms {t['layerckpt'] * 1e3:>10.0f}ms "
+    print(f"over the {s['checkpoints']} checkpoints before the crash    {'plain Trainer':>16} {'layerckpt':>12} {'ratio':>8}")
+    print(f"  {'bytes written':<44}{b['trainer'] / 1e6:>14.1f}MB {b['layerckpt'] / 1e6:>10.1f}MB {b['ratio']:>7.1f}x")
+    print(f"  {'training paid (in the save, in later steps)':<44}{t['trainer'] * 1e3:>14.0f}ms {t['layerckpt'] * 1e3:>10.0f}ms "
           f"{t['trainer'] / max(t['layerckpt'], 1e-9):>7.1f}x")
-    print(f"  {'resume (train() to the first step)':<40}{r['trainer'] * 1e3:>14.0f}ms {r['layerckpt'] * 1e3:>10.0f}ms")
+    print(f"  {'resume (train() to the first step)':<44}{r['trainer'] * 1e3:>14.0f}ms {r['layerckpt'] * 1e3:>10.0f}ms")
     exact = "bit-identical" if loss["identical"] else "not bit-identical: layers were skipped"
     print(f"  loss after resume vs uninterrupted: mean over the logged steps within {loss['mean_rel'] * 100:.3f}% "
           f"({exact}); final loss {loss['final']:.4f} vs {loss['final_reference']:.4f}")
