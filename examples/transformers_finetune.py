@@ -79,18 +79,19 @@ def _timer(role: str, args: argparse.Namespace, out: Dict[str, Any]):
             self.t = time.perf_counter()
             if role == "crash" and state.global_step == args.crash_at:
                 out["step_wait_s"] = sum(p.step_wait_s for p in self.pending)  # training paid that too
+                # what reached the disk (encoded) once committed; what was staged for a save still flushing
+                out["store_bytes"] = [p.bytes_all_ranks if p.done() and not p.error else p.nbytes
+                                      for p in self.pending]
                 with open(os.path.join(args.dir, f"{role}.json"), "w") as f:
                     json.dump(out, f)
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def on_save(self, a, state, control, **kw):
             lc = getattr(self, "layerckpt", None)
-            save = lc.last_save if lc is not None else None
-            if save is not None:
-                self.pending.append(save)
+            if lc is not None:
+                self.pending.append(lc.last_save)
             out["saves"].append({"blocked_s": time.perf_counter() - self.t,
-                                 "bytes": _folder_bytes(os.path.join(a.output_dir, f"checkpoint-{state.global_step}"))
-                                 + (save.nbytes if save is not None else 0)})
+                                 "bytes": _folder_bytes(os.path.join(a.output_dir, f"checkpoint-{state.global_step}"))})
 
     return Timer()
 
@@ -105,7 +106,8 @@ def child(role: str, args: argparse.Namespace) -> None:
     timer = _timer(role, args, out)
     targs = TrainingArguments(os.path.join(args.dir, "plain" if role == "reference" else "layerckpt"),
                               max_steps=args.finetune, save_steps=args.every, save_total_limit=args.total_limit,
-                              per_device_train_batch_size=args.batch_size, learning_rate=3e-4, lr_scheduler_type="constant",
+                              per_device_train_batch_size=args.batch_size, learning_rate=3e-4,
+                              lr_scheduler_type="constant",
                               logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
     trainer = Trainer(model=_model(args, pretrain=role != "resume"), args=targs, train_dataset=_dataset(args),
                       callbacks=[timer])
@@ -140,7 +142,8 @@ def _spawn(role: str, args: argparse.Namespace) -> int:
 def summarize(args: argparse.Namespace) -> Dict[str, Any]:
     ref, crash, res = ({**json.load(open(os.path.join(args.dir, f"{p}.json")))} for p in PHASES)
     n = len(crash["saves"])  # checkpoints before the crash
-    ref_bytes, lc_bytes = (sum(s["bytes"] for s in r["saves"][:n]) for r in (ref, crash))
+    ref_bytes, lc_bytes = (sum(s["bytes"] for s in r["saves"][:n]) + sum(r.get("store_bytes", [])[:n])
+                           for r in (ref, crash))
     blocked = [sum(s["blocked_s"] for s in r["saves"][:n]) + r.get("step_wait_s", 0.0) for r in (ref, crash)]
     start = res["restored"]["step"]
     steps = [s for s in ref["losses"] if int(s) > start]
@@ -157,10 +160,11 @@ def print_table(s: Dict[str, Any]) -> None:
     b, t, r, loss = s["bytes"], s["blocked_s"], s["resume_s"], s["loss"]
     print(f"resumed from fine-tuning step {s['resumed_at']}: layers persisted at steps "
           f"{s['restored']['layer_steps']}, max staleness {s['restored']['max_staleness']} checkpoints\n")
-    print(f"over the {s['checkpoints']} checkpoints before the crash    {'plain Trainer':>16} {'layerckpt':>12} {'ratio':>8}")
+    head = f"over the {s['checkpoints']} checkpoints before the crash"
+    print(f"{head:<46}{'plain Trainer':>16} {'layerckpt':>12} {'ratio':>8}")
     print(f"  {'bytes written':<44}{b['trainer'] / 1e6:>14.1f}MB {b['layerckpt'] / 1e6:>10.1f}MB {b['ratio']:>7.1f}x")
-    print(f"  {'training paid (in the save, in later steps)':<44}{t['trainer'] * 1e3:>14.0f}ms {t['layerckpt'] * 1e3:>10.0f}ms "
-          f"{t['trainer'] / max(t['layerckpt'], 1e-9):>7.1f}x")
+    print(f"  {'training paid (in the save, in later steps)':<44}{t['trainer'] * 1e3:>14.0f}ms "
+          f"{t['layerckpt'] * 1e3:>10.0f}ms {t['trainer'] / max(t['layerckpt'], 1e-9):>7.1f}x")
     print(f"  {'resume (train() to the first step)':<44}{r['trainer'] * 1e3:>14.0f}ms {r['layerckpt'] * 1e3:>10.0f}ms")
     exact = "bit-identical" if loss["identical"] else "not bit-identical: layers were skipped"
     print(f"  loss after resume vs uninterrupted: mean over the logged steps within {loss['mean_rel'] * 100:.3f}% "
