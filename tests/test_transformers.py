@@ -253,3 +253,17 @@ def test_resuming_from_an_older_folder_saves_its_steps_again(tmp_path, plain):
     again = make(tmp_path, attach={"full": True})
     again.train(resume_from_checkpoint=True)
     assert again.layerckpt.last_restore.step == STEPS and same(again.model, plain.model)
+
+
+def test_pruned_store_keeps_what_the_kept_folders_need(tmp_path):
+    """At defaults (selective, delta-encoded composites built on older files) with save_total_limit=2 and
+    saves every 2 steps: the composites of the folders Trainer kept read back whole, the others are gone."""
+    make(tmp_path, attach={}, save_steps=2, save_total_limit=2).train()
+    root = str(tmp_path / "layerckpt")
+    assert store.steps(root) == [10, 12]
+    for step in (10, 12):
+        loaded = layerckpt.read_checkpoint(root, step=step)  # every checksum verified
+        assert loaded.step == step and loaded.optimizer is not None
+    t = make(tmp_path, attach={})
+    t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-10"))
+    assert t.layerckpt.last_restore.step == 10
