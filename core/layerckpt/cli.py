@@ -197,6 +197,14 @@ def cmd_export(args) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise CheckpointError(f"cannot write {args.output}: the directory {out_dir} does not exist; create it first")
+    if args.transformers:
+        try:
+            from transformers_layerckpt.export import export_folder as export_trainer
+        except ImportError as e:
+            raise CheckpointError(f"--transformers needs transformers installed (pip install 'layerckpt[transformers]'): {e}")
+
+        print(f"wrote {export_trainer(args.dir, args.output)}: a plain Trainer resumes from it")
+        return 0
     if args.accelerate:
         return _export_accelerate(args, shown)
     root, path = _locate(args)
@@ -310,6 +318,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--accelerate", action="store_true",
                    help="instead: DIR is a folder save_state wrote through the plugin; -o a folder plain "
                         "accelerate's load_state reads")
+    a.add_argument("--transformers", action="store_true",
+                   help="instead: DIR is a checkpoint-<step> folder of an attached Trainer; -o a folder a plain "
+                        "Trainer resumes from")
     a.set_defaults(fn=cmd_export)
     a = sub.add_parser("plot", help="a figure of the store's history from its manifests: layers written, skipped "
                                     "or unchanged per checkpoint, bytes, estimated loss increase (needs the 'plot' "
