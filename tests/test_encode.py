@@ -324,3 +324,42 @@ def test_a_restore_reads_only_the_reference_blocks_its_deltas_need(tmp_path):
         got = {pos for _, _, placed in refs for _, pos in placed}
         assert need <= got and got <= {pos for _, pos in own[2]}  # the same block cuts: exactly those needed
         assert need == got
+
+
+def test_a_save_that_waits_for_the_previous_one_stops_its_encoding(tmp_path):
+    """Training never waits for the encoder: a save() that must wait for the save flushing (max_inflight=1)
+    makes the rest of that one go to disk unencoded, and both restore bit for bit."""
+    import threading
+
+    from layerckpt import _encwrite
+
+    gate = threading.Event()
+    real = _encwrite.encode_chunk
+
+    def slow(*args, **kwargs):
+        gate.wait(30)  # the encoder is slow: the next save() arrives while the first is still encoding
+        return real(*args, **kwargs)
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    config = layerckpt.Config(full=True, keep_last=0, chunk_bytes=64 * 1024, lazy_staging=False)
+    with layerckpt.Checkpointer(tmp_path, model, config=config) as ck:
+        _encwrite.encode_chunk = slow
+        try:
+            first = ck.save(1)
+            want1 = copy.deepcopy(model.state_dict())
+            threading.Timer(0.5, gate.set).start()  # released only once save(2) waits
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            second = ck.save(2)  # waits for the first: hurries it
+        finally:
+            _encwrite.encode_chunk = real
+        first.wait()
+        second.wait()
+        want2 = copy.deepcopy(model.state_dict())
+    assert first.unencoded > 0 and second.unencoded == 0
+    for step, want in ((1, want1), (2, want2)):
+        out = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+        layerckpt.restore(tmp_path, out, step=step)
+        for k, v in out.state_dict().items():
+            assert torch.equal(v, want[k]), (step, k)

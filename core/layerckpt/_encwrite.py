@@ -18,6 +18,7 @@ import collections
 import json
 import mmap
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -179,9 +180,10 @@ def chunk_blocks(layout: Layout, chunk_bytes: int) -> Dict[int, List[Tuple[int, 
 Record = Tuple[int, int, int, int, int, int]  # item, start in the tensor, raw length, mode, start in the output, length
 
 
-def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Layout, plan: ItemPlan
-                 ) -> Tuple[int, List[Record], float]:
-    """Encode a staged buffer's blocks, compacted in place at its start; returns (bytes, records, seconds)."""
+def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Layout, plan: ItemPlan,
+                 hurry: Optional[threading.Event] = None) -> Tuple[int, List[Record], float]:
+    """Encode a staged buffer's blocks, compacted in place at its start; returns (bytes, records, seconds).
+    Once ``hurry`` is set the blocks left are stored as they are (self-contained), nothing compressed."""
     t0 = time.perf_counter()
     arr = s.chunk.tensor.numpy()
     pos = 0
@@ -194,8 +196,9 @@ def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Lay
         if new is not None:
             new[ra:rb] = raw
         ref = plan.refs[i]
-        mode, data = _encode.encode_block(raw, None if ref is None else ref[ra:rb], it.tensor.element_size(),
-                                          None if ref is None else plan.rival(i, ra, rb - ra))
+        mode, data = (_encode.RAW, None) if hurry is not None and hurry.is_set() else _encode.encode_block(
+            raw, None if ref is None else ref[ra:rb], it.tensor.element_size(),
+            None if ref is None else plan.rival(i, ra, rb - ra))
         if mode == _encode.RAW:
             n = b - a
             if pos != a - s.base:
@@ -214,8 +217,10 @@ class EncodingLoop(WriteLoop):
     manifest says of each tensor."""
 
     def __init__(self, *args, layout: Layout, plan: ItemPlan, pool_exec: ThreadPoolExecutor, chunk_bytes: int,
-                 **kwargs):
+                 hurry: Optional[threading.Event] = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.hurry = hurry if hurry is not None else threading.Event()
+        self.hurried = 0  # buffers written without encoding because a save() waited
         self.layout = layout
         self.plan = plan
         self.exec = pool_exec
@@ -276,7 +281,7 @@ class EncodingLoop(WriteLoop):
             for i, a, b in s.segs:
                 self.writes.crcs[i] = checksum(s.chunk.view[a:b], self.writes.crcs[i])
             blocks = self.blocks.get(s.base // self.C, [])
-            self._encoding.append((s, self.exec.submit(encode_chunk, s, blocks, self.layout, self.plan)))
+            self._encoding.append((s, self.exec.submit(encode_chunk, s, blocks, self.layout, self.plan, self.hurry)))
 
     def _drain(self, want: int) -> None:
         """Write the encoded buffers at the head of the line: ``want`` of them at least (waiting for them),
@@ -287,6 +292,7 @@ class EncodingLoop(WriteLoop):
             try:
                 n, recs, took = fut.result()
                 self.encode_s += took
+                self.hurried += self.hurry.is_set() and any(r[3] == _encode.RAW for r in recs)
             except BaseException:
                 self.writes.pool.release(s.chunk)
                 raise

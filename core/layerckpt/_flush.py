@@ -72,6 +72,8 @@ class PendingSave(Pending):
         self.nbytes: int = 0  # bytes this save writes (known once staged)
         self.bytes_written: int = 0  # set once committed: this rank's file
         self.bytes_all_ranks: int = 0  # set once committed: every rank's file of this save
+        #: staging buffers of it written without encoding because a save() waited for this one (once committed)
+        self.unencoded: int = 0
         self.layers_persisted: int = 0  # layers written by this save (known once staged)
         self.layers_total: int = 0
         self.max_staleness: int = 0  # the composite's oldest layer, in checkpoints
@@ -192,6 +194,12 @@ class Flusher:
         self.thread = thread if thread is not None else FlushThread()
         self.refs = _encwrite.Refs(config.encoding == "delta", config.delta_chain)
         self._encoders: Optional[ThreadPoolExecutor] = None
+        self._hurry = threading.Event()  # a save() waits for the save flushing now: stop encoding it
+
+    def hurry(self) -> None:
+        """A ``save()`` waits for the save flushing now: the rest of it is written without encoding, so that
+        training never waits for the encoder (only for the disk, as without encoding)."""
+        self._hurry.set()
 
     def _encoder_threads(self) -> ThreadPoolExecutor:
         if self._encoders is None:
@@ -229,6 +237,7 @@ class Flusher:
                 job.pending.error = _as_checkpoint_error(e, job.pending.path)
                 log.debug("layerckpt: flush of step %d failed: %s", job.pending.step, e)
         finally:
+            self._hurry.clear()
             if not job.pending.durable_s:
                 job.pending.durable_s = time.perf_counter() - job.t0
             job.pending._done.set()
@@ -288,6 +297,7 @@ class Flusher:
         crcs = [job.crcs.get(i, c) for i, c in enumerate(crcs)]
         if isinstance(loop, _encwrite.EncodingLoop):
             job.encoded, job.size = loop.entries(job.fname, crcs), loop.size
+            job.pending.unencoded = loop.hurried
         return crcs
 
     def _loop(self, job: FlushJob, path: str) -> WriteLoop:
@@ -298,7 +308,8 @@ class Flusher:
             return WriteLoop(self.backend, self.pool, job.chunks, path, **kw)
         plan = self.refs.plan(job.layout, job.self_contained, job.frozen)
         return _encwrite.EncodingLoop(self.backend, self.pool, job.chunks, path, layout=job.layout, plan=plan,
-                                      pool_exec=self._encoder_threads(), chunk_bytes=self.pool.chunk_bytes, **kw)
+                                      pool_exec=self._encoder_threads(), chunk_bytes=self.pool.chunk_bytes,
+                                      hurry=self._hurry, **kw)
 
     def _discard(self, job: FlushJob) -> None:
         discard(job.chunks, self.pool)

@@ -311,6 +311,8 @@ class Checkpointer:
 
     def _throttle(self, allowed: int) -> None:
         running = [p for p in self._pending if not p.done()]
+        if len(running) > allowed:
+            self._flusher.hurry()  # training waits for it now: what is not encoded yet goes to disk raw
         for p in running[: max(0, len(running) - allowed)]:
             p._done.wait()
 
