@@ -7,16 +7,20 @@ through ``_codec``, which never pickles.
 """
 from __future__ import annotations
 
+import itertools
+import math
 import random
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+import zlib
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from ._codec import Entries, decode, encode
 from ._layout import DTYPES
-from ._manifest import EXTRA, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RowBlocks, piece_key, rng_prefix
+from ._manifest import (EXTRA, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, Boxes, RowBlocks, box_key, param_of, piece_key,
+                        rng_prefix)
 from .errors import CheckpointError
 
 
@@ -131,39 +135,144 @@ def shard_rows(n: int, world: int, i: int) -> Tuple[int, int]:
     return min(i * per, n), min((i + 1) * per, n)
 
 
-def shard_entries(entries: Entries) -> Tuple[Entries, Dict[str, RowBlocks]]:
-    """DTensors (FSDP2's parameters and their optimizer state) become this rank's shard, keyed as the row
-    block it is of the whole tensor; returns the entries and every sharded tensor's blocks on all ranks."""
+def shard_entries(entries: Entries) -> Tuple[Entries, Dict[str, Union[RowBlocks, Boxes]]]:
+    """DTensors (FSDP2's, tensor parallel's, HSDP's parameters and their optimizer state) become the boxes of
+    the whole tensor this rank writes: its local shard's, unless another replica of it writes them.  Returns
+    the entries and every sharded tensor's pieces on all ranks: row blocks where every piece spans the whole
+    of the other dims (FSDP2 on a 1-D mesh), else boxes."""
     dt = sys.modules.get("torch.distributed.tensor")
     if dt is None:  # nothing imported it, so no tensor is a DTensor (and its import is slow)
         return entries, {}
-    DTensor, Replicate, Shard = dt.DTensor, dt.Replicate, dt.Shard
     out: Entries = []
-    shards: Dict[str, RowBlocks] = {}
+    shards: Dict[str, Union[RowBlocks, Boxes]] = {}
     for k, t in entries:
-        if not isinstance(t, DTensor):
+        if not isinstance(t, dt.DTensor):
             out.append((k, t))
             continue
-        mesh, placements = t.device_mesh, t.placements
-        if mesh.ndim == 1 and isinstance(placements[0], Replicate):
+        _refuse_partial(k, t)
+        if not any(p.is_shard() for p in t.placements):
             out.append((k, t.to_local()))  # the same on every rank: saved once, as any other tensor
             continue
-        if mesh.ndim != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0 or t.dim() == 0:
-            raise CheckpointError(
-                f"{k} is a DTensor with placements {placements} on a {mesh.ndim}-D mesh; layerckpt saves "
-                f"DTensors sharded on dim 0 of a 1-D mesh (FSDP2's fully_shard) or replicated")
-        world, me = mesh.size(), mesh.get_local_rank()
+        layout = layout_boxes(k, t)
+        shards[k] = _record(k, t, layout)
         local = t.to_local()
-        a, b = shard_rows(t.shape[0], world, me)
-        if tuple(local.shape) != (b - a, *t.shape[1:]):
-            raise CheckpointError(
-                f"{k}: this rank's shard has shape {tuple(local.shape)}, not rows {a}:{b} of {tuple(t.shape)} as "
-                f"torch.chunk would split it (padded or uneven sharding is not supported)")
-        rows = [list(r) for r in (shard_rows(t.shape[0], world, i) for i in range(world)) if r[0] < r[1]]
-        shards[k] = RowBlocks(dtype=DTYPES[t.dtype], shape=list(t.shape), rows=rows)
-        if a < b:
-            out.append((piece_key(k, a, b), local))
+        mine = tuple(t.device_mesh.get_coordinate() or ())
+        for offsets, sizes, sl in layout.boxes[layout.shard_coord(mine)] if layout.writer(k, mine) else []:
+            piece = local[sl] if sl else local
+            key = (piece_key(k, offsets[0], offsets[0] + sizes[0]) if isinstance(shards[k], RowBlocks)
+                   else box_key(k, offsets, sizes))
+            out.append((key, piece if piece.is_contiguous() else piece.contiguous()))
     return out, shards
+
+
+def _refuse_partial(k: str, t) -> None:
+    bad = [p for p in t.placements if p.is_partial()]
+    if bad:
+        raise CheckpointError(
+            f"{k} is a DTensor with placements {t.placements}: a Partial placement holds summands of the tensor, "
+            f"not its values, and has no saved meaning; reduce it first (e.g. t.redistribute(placements=[Replicate()"
+            f" or Shard(d) ...]) or full_tensor()) before saving")
+
+
+def _record(k: str, t, layout: "Layout") -> Union[RowBlocks, Boxes]:
+    """Every rank's pieces of ``t``: row blocks where each spans the whole of the other dims, else boxes."""
+    pieces = sorted({(tuple(o), tuple(s)) for boxes in layout.boxes.values() for o, s, _ in boxes})
+    shape = list(t.shape)
+    if pieces and t.dim() >= 1 and all(list(o[1:]) == [0] * (t.dim() - 1) and list(s[1:]) == shape[1:] for o, s in pieces):
+        return RowBlocks(dtype=DTYPES[t.dtype], shape=shape, rows=[[o[0], o[0] + s[0]] for o, s in pieces])
+    return Boxes(dtype=DTYPES[t.dtype], shape=shape, boxes=[[list(o), list(s)] for o, s in pieces])
+
+
+class Layout:
+    """Where the shards of a DTensor lie: for each coordinate on the mesh's sharding dims, the boxes of the whole
+    tensor its local tensor holds, ``(offsets, sizes, local slices)``; replicas (the mesh's other dims) hold the
+    same boxes, one of them writes them."""
+
+    def __init__(self, mesh_shape: Tuple[int, ...], placements, boxes: Dict[Tuple[int, ...], List[Box]]):
+        self.mesh_shape = mesh_shape
+        self.sharding = [d for d, p in enumerate(placements) if p.is_shard()]
+        self.replicas = [d for d, p in enumerate(placements) if not p.is_shard()]
+        self.boxes = boxes
+
+    def shard_coord(self, coord: Tuple[int, ...]) -> Tuple[int, ...]:
+        return tuple(coord[d] for d in self.sharding)
+
+    def writer(self, key: str, coord: Tuple[int, ...]) -> bool:
+        """Whether the rank at ``coord`` writes its boxes: among the replicas of a shard, one picked by the
+        parameter's name and the shard, so that a parameter's weights and optimizer state go to the same rank
+        and the shards of a model spread over the replicas."""
+        n = math.prod(self.mesh_shape[d] for d in self.replicas)
+        if n == 1:
+            return True
+        salt = (param_of(key) or key) + repr(self.shard_coord(coord))
+        pick = zlib.crc32(salt.encode()) % n
+        mine = 0
+        for d in self.replicas:
+            mine = mine * self.mesh_shape[d] + coord[d]
+        return mine == pick
+
+
+Box = Tuple[List[int], List[int], Tuple[slice, ...]]
+
+
+def layout_boxes(k: str, t) -> Layout:
+    """The :class:`Layout` of the DTensor ``t`` (its placements applied to index ranges, as DTensor applies them
+    to the tensor: ``_StridedShard`` resolved to the boxes each rank really holds)."""
+    mesh, placements = t.device_mesh, t.placements
+    shape = tuple(mesh.shape)
+    sharding = [d for d, p in enumerate(placements) if p.is_shard()]
+    boxes: Dict[Tuple[int, ...], List[Box]] = {}
+    me = tuple(mesh.get_coordinate() or ())
+    for sc in itertools.product(*(range(shape[d]) for d in sharding)):
+        coord = [0] * len(shape)
+        for d, c in zip(sharding, sc):
+            coord[d] = c
+        boxes[sc], local_shape = _boxes_at(list(t.shape), shape, coord, placements, _order(t))
+        if me and sc == tuple(me[d] for d in sharding) and tuple(t.to_local().shape) != local_shape:
+            raise CheckpointError(
+                f"{k}: this rank's shard has shape {tuple(t.to_local().shape)}, not {local_shape} as its placements "
+                f"{placements} on a mesh of shape {shape} split {tuple(t.shape)} (padded or uneven sharding other "
+                f"than torch.chunk's is not supported)")
+    return Layout(shape, placements, boxes)
+
+
+def _order(t) -> Optional[Dict[int, List[int]]]:
+    """Tensor dim -> the mesh dims sharding it, in the order they apply, where the DTensor records an order
+    (without ``_StridedShard``); None: left to right, as ``_StridedShard`` placements are written."""
+    spec = getattr(t, "_spec", None)
+    order = getattr(spec, "shard_order", None)
+    if not order:
+        return None
+    return {e.tensor_dim: list(e.mesh_dims) for e in order}
+
+
+def _boxes_at(gshape: List[int], mesh_shape, coord, placements, order) -> Tuple[List[Box], Tuple[int, ...]]:
+    """The boxes of the whole tensor that the rank at ``coord`` holds, each with where it lies in the rank's local
+    tensor, and the local tensor's shape."""
+    runs, local = [], []
+    for dim, n in enumerate(gshape):
+        idx = torch.arange(n)
+        mesh_dims = order.get(dim, []) if order is not None else [
+            d for d, p in enumerate(placements) if p.is_shard() and p.dim == dim]
+        for d in mesh_dims:
+            idx = placements[d]._split_tensor(idx, mesh_shape[d], with_padding=False)[0][coord[d]]
+        runs.append(_runs(idx.tolist()))
+        local.append(idx.numel())
+    out: List[Box] = []
+    for combo in itertools.product(*runs):
+        out.append(([g for _, g, _ in combo], [n for _, _, n in combo], tuple(slice(i, i + n) for i, _, n in combo)))
+    return (out if all(local) else []), tuple(local)
+
+
+def _runs(idx: List[int]) -> List[Tuple[int, int, int]]:
+    """(local start, global start, length) of each run of consecutive global indices."""
+    out: List[Tuple[int, int, int]] = []
+    for i, g in enumerate(idx):
+        if out and out[-1][1] + out[-1][2] == g:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, g, 1))
+    return out
 
 
 def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Optional[dict],

@@ -13,7 +13,7 @@ import torch
 
 from . import _store
 from ._backend import checksum_function, make_backend
-from ._manifest import MODEL, OPTIM, ROWS, Manifest, load_manifest, model_name
+from ._manifest import MODEL, OPTIM, Manifest, load_manifest, model_name, piece_base
 from .config import Config
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .restore import read_tensors
@@ -66,6 +66,8 @@ def cmd_inspect(args) -> int:
     for key, b in (m.blocks or {}).items():
         print(f"row blocks: {key} {tuple(b.shape)} {b.dtype} in {len(b.rows)} blocks of up to "
               f"{max(z - a for a, z in b.rows)} rows")
+    for key, b in (m.boxes or {}).items():
+        print(f"boxes: {key} {tuple(b.shape)} {b.dtype} in {len(b.boxes)} boxes")
     committed = [s for s, _ in _store.list_manifests(root)]
     print(f"committed steps: {committed}")
     return 0
@@ -80,7 +82,7 @@ def _by_kind(m: Manifest, stored: Dict[str, int]) -> Dict[str, tuple]:
     """Tensor kind (weights, each optimizer state key, other) -> (raw bytes, stored bytes)."""
     out: Dict[str, list] = {}
     for k, e in m.tensors.items():
-        base = k.split(ROWS)[0]
+        base = piece_base(k)[0]
         if base.startswith(MODEL):
             kind = "weights"
         elif base.startswith(OPTIM) and base.count("/") >= 2:
