@@ -150,7 +150,7 @@ def shard_entries(entries: Entries) -> Tuple[Entries, Dict[str, Union[RowBlocks,
             out.append((k, t))
             continue
         _refuse_partial(k, t)
-        if not any(p.is_shard() for p in t.placements):
+        if not any(shards_dim(p) for p in t.placements):
             out.append((k, t.to_local()))  # the same on every rank: saved once, as any other tensor
             continue
         layout = layout_boxes(k, t)
@@ -163,6 +163,12 @@ def shard_entries(entries: Entries) -> Tuple[Entries, Dict[str, Union[RowBlocks,
                    else box_key(k, offsets, sizes))
             out.append((key, piece if piece.is_contiguous() else piece.contiguous()))
     return out, shards
+
+
+def shards_dim(p) -> bool:
+    """Whether the placement ``p`` shards a tensor dim: ``Shard(d)``, or ``_StridedShard`` (which is no Shard)."""
+    return p.is_shard() or (not p.is_replicate() and not p.is_partial() and hasattr(p, "dim")
+                            and hasattr(p, "_split_tensor"))
 
 
 def _refuse_partial(k: str, t) -> None:
@@ -188,11 +194,15 @@ class Layout:
     tensor its local tensor holds, ``(offsets, sizes, local slices)``; replicas (the mesh's other dims) hold the
     same boxes, one of them writes them."""
 
-    def __init__(self, mesh_shape: Tuple[int, ...], placements, boxes: Dict[Tuple[int, ...], List[Box]]):
+    def __init__(self, mesh_shape: Tuple[int, ...], placements, boxes: Dict[Tuple[int, ...], List[Box]],
+                 outside: Tuple[int, int] = (1, 0)):
         self.mesh_shape = mesh_shape
-        self.sharding = [d for d, p in enumerate(placements) if p.is_shard()]
-        self.replicas = [d for d, p in enumerate(placements) if not p.is_shard()]
+        self.sharding = [d for d, p in enumerate(placements) if shards_dim(p)]
+        self.replicas = [d for d, p in enumerate(placements) if not shards_dim(p)]
         self.boxes = boxes
+        #: (how many copies of the mesh hold the same tensor, which one this rank's is): a parameter sharded
+        #: over a slice of a bigger mesh (FSDP2's dp dim beside a tensor parallel dim) is replicated across it
+        self.outside = outside
 
     def shard_coord(self, coord: Tuple[int, ...]) -> Tuple[int, ...]:
         return tuple(coord[d] for d in self.sharding)
@@ -201,12 +211,12 @@ class Layout:
         """Whether the rank at ``coord`` writes its boxes: among the replicas of a shard, one picked by the
         parameter's name and the shard, so that a parameter's weights and optimizer state go to the same rank
         and the shards of a model spread over the replicas."""
-        n = math.prod(self.mesh_shape[d] for d in self.replicas)
+        n = self.outside[0] * math.prod(self.mesh_shape[d] for d in self.replicas)
         if n == 1:
             return True
         salt = (param_of(key) or key) + repr(self.shard_coord(coord))
         pick = zlib.crc32(salt.encode()) % n
-        mine = 0
+        mine = self.outside[1]
         for d in self.replicas:
             mine = mine * self.mesh_shape[d] + coord[d]
         return mine == pick
@@ -220,7 +230,7 @@ def layout_boxes(k: str, t) -> Layout:
     to the tensor: ``_StridedShard`` resolved to the boxes each rank really holds)."""
     mesh, placements = t.device_mesh, t.placements
     shape = tuple(mesh.shape)
-    sharding = [d for d, p in enumerate(placements) if p.is_shard()]
+    sharding = [d for d, p in enumerate(placements) if shards_dim(p)]
     boxes: Dict[Tuple[int, ...], List[Box]] = {}
     me = tuple(mesh.get_coordinate() or ())
     for sc in itertools.product(*(range(shape[d]) for d in sharding)):
@@ -233,7 +243,28 @@ def layout_boxes(k: str, t) -> Layout:
                 f"{k}: this rank's shard has shape {tuple(t.to_local().shape)}, not {local_shape} as its placements "
                 f"{placements} on a mesh of shape {shape} split {tuple(t.shape)} (padded or uneven sharding other "
                 f"than torch.chunk's is not supported)")
-    return Layout(shape, placements, boxes)
+    return Layout(shape, placements, boxes, _outside(k, mesh))
+
+
+def _outside(k: str, mesh) -> Tuple[int, int]:
+    """(copies of ``mesh`` in its root mesh, the index of this rank's copy): the root's dims along which the
+    mesh's ranks all sit at one coordinate are the dims it was sliced out of."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
+    if root is None or root.size() == mesh.size():
+        return 1, 0
+    full = root.mesh
+    coords = [(full == r).nonzero()[0].tolist() for r in mesh.mesh.flatten().tolist()]
+    fixed = [d for d in range(full.dim()) if len({c[d] for c in coords}) == 1]
+    n = math.prod(full.shape[d] for d in fixed)
+    if n * mesh.size() != root.size():
+        raise CheckpointError(
+            f"{k} is a DTensor on a mesh of ranks {mesh.mesh.flatten().tolist()} that is not a slice of its root mesh "
+            f"{full.tolist()}; layerckpt cannot tell which copy of it writes its shards: shard it over a slice of "
+            f"the root mesh (mesh['dp']) or the root mesh itself")
+    mine = 0
+    for d in fixed:
+        mine = mine * full.shape[d] + coords[0][d]
+    return n, mine
 
 
 def _order(t) -> Optional[Dict[int, List[int]]]:
@@ -251,12 +282,12 @@ def _boxes_at(gshape: List[int], mesh_shape, coord, placements, order) -> Tuple[
     tensor, and the local tensor's shape."""
     runs, local = [], []
     for dim, n in enumerate(gshape):
-        idx = torch.arange(n)
+        idx = torch.arange(n).reshape([n if i == dim else 1 for i in range(len(gshape))])  # split as the tensor
         mesh_dims = order.get(dim, []) if order is not None else [
-            d for d, p in enumerate(placements) if p.is_shard() and p.dim == dim]
+            d for d, p in enumerate(placements) if shards_dim(p) and p.dim == dim]
         for d in mesh_dims:
             idx = placements[d]._split_tensor(idx, mesh_shape[d], with_padding=False)[0][coord[d]]
-        runs.append(_runs(idx.tolist()))
+        runs.append(_runs(idx.reshape(-1).tolist()))
         local.append(idx.numel())
     out: List[Box] = []
     for combo in itertools.product(*runs):

@@ -24,7 +24,7 @@ from . import _store
 from ._backend import checksum_function, make_backend
 from ._fetch import View
 from ._flush import wait_for_saves
-from ._gather import layout_boxes, shard_rows
+from ._gather import layout_boxes, shard_rows, shards_dim
 from ._layout import CODES
 from ._manifest import Manifest, load_manifest
 from ._encread import read_encoded
@@ -297,7 +297,7 @@ def _copy_partial(partial, read: Dict[str, torch.Tensor]) -> None:
 def local_boxes(t: torch.Tensor) -> List[Tuple[List[int], List[int], Tuple[slice, ...]]]:
     """The boxes of the saved (whole) tensor that a restore writes into ``t``: ``(offsets, sizes, slices of its
     local tensor)``; a DTensor sharded in any layout takes its shard's boxes, anything else the whole."""
-    if hasattr(t, "to_local") and any(p.is_shard() for p in t.placements):
+    if is_sharded(t):
         layout = layout_boxes("tensor", t)
         return layout.boxes[layout.shard_coord(tuple(t.device_mesh.get_coordinate()))]
     shape = list(t.shape)
@@ -322,7 +322,7 @@ def is_row_sharded(t) -> bool:
 
 def is_sharded(t) -> bool:
     """A DTensor sharded (on any dim of any mesh dim), not only replicated."""
-    return hasattr(t, "to_local") and any(p.is_shard() for p in t.placements)
+    return hasattr(t, "to_local") and any(shards_dim(p) for p in t.placements)
 
 
 def with_layer(e: CheckpointCorruptError, m: Manifest) -> CheckpointCorruptError:
