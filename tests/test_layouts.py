@@ -1,0 +1,98 @@
+"""Any DTensor layout on CPU with gloo (tests/tp_helpers.py): FSDP2 x tensor parallel and HSDP on 2 x 2 meshes
+save each rank's boxes once across replicas, restore onto the same mesh bit for bit (weights, AdamW state, RNG)
+and reshard onto other layouts (2 x 2 -> 1, -> 2 and 4 FSDP2 ranks, HSDP -> FSDP2 x TP, 1 -> 2 x 2) element for
+element; a Partial DTensor is refused; a manifest's boxes are checked before anything is read."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import layerckpt
+from layerckpt._manifest import load_manifest
+import tp_helpers as h
+
+HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_helpers.py")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+
+
+def torchrun(world: int, *args: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), HELPER,
+           *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_fsdp_x_tp_saves_boxes_once_and_reshards(tmp_path):
+    # the helper checks on every rank: the same 2 x 2 mesh restores bit for bit, and a Partial DTensor is refused
+    torchrun(4, "save", str(tmp_path), "tp")
+    store = str(tmp_path / "store")
+    m = load_manifest(os.path.join(store, "manifests", "step-00000004.json"))
+    assert m.version == 3 and m.world_size == 4 and len(m.files) == 4
+    # RowwiseParallel's Shard(1) under FSDP2's Shard(0): four boxes of a quarter each
+    assert m.boxes["model/blocks.0.down.weight"].boxes == [[[0, 0], [6, 10]], [[0, 10], [6, 10]],
+                                                          [[6, 0], [6, 10]], [[6, 10], [6, 10]]]
+    assert m.boxes["optim/blocks.0.down.weight/exp_avg"].shape == [12, 20]
+    # ColwiseParallel's Shard(0) under FSDP2's _StridedShard: rank (dp i, tp j) holds rows (2j + i) * 5, in rows
+    assert m.blocks["model/blocks.0.up.weight"].rows == [[0, 5], [5, 10], [10, 15], [15, 20]]
+    files = {m.tensors[f"model/blocks.0.up.weight#rows={a}:{a + 5}"].file for a in (0, 5, 10, 15)}
+    assert len(files) == 4  # each rank its own box
+    # the embedding is sharded over dp only: each half is held by both tp ranks and written by one of them
+    emb = [k for k in m.tensors if k.startswith("model/emb.weight")]
+    assert sorted(emb) == ["model/emb.weight#rows=0:19", "model/emb.weight#rows=19:37"]
+    assert len({m.tensors[k].file for k in emb}) == 2
+
+    # 2 x 2 -> one plain process: every tensor whole, element for element; read_checkpoint sees whole tensors
+    h.load(str(tmp_path), "plain")
+    ref = torch.load(tmp_path / "ref.pt", weights_only=True)
+    loaded = layerckpt.read_checkpoint(store)
+    assert torch.equal(loaded.model["blocks.1.down.weight"], ref["model/blocks.1.down.weight"])
+    names = [n for g in m.optimizer["param_groups"] for n in g["params"]]  # the saved order numbers them
+    for n in ("blocks.0.up.weight", "blocks.0.down.weight", "emb.weight"):
+        st = loaded.optimizer["state"][names.index(n)]
+        assert torch.equal(st["exp_avg_sq"], ref[f"optim/{n}/exp_avg_sq"]), n
+    torchrun(2, "load", str(tmp_path), "dp")  # 2 x 2 -> 2 FSDP2 ranks (dp only)
+    _refuses_hostile_boxes(tmp_path, store)
+
+
+def _refuses_hostile_boxes(tmp_path, store: str) -> None:
+    path = os.path.join(store, "manifests", "step-00000004.json")
+    good = json.loads(open(path).read())
+    key = "model/blocks.0.down.weight"
+    cases = {
+        "outside": ([[[0, 0], [6, 10]], [[0, 10], [6, 11]], [[6, 0], [6, 10]], [[6, 10], [6, 10]]], "inside the shape"),
+        "overlap": ([[[0, 0], [6, 10]], [[0, 5], [6, 10]], [[6, 0], [6, 10]], [[6, 10], [6, 10]]], "overlap"),
+        "short": ([[[0, 0], [6, 10]], [[6, 0], [6, 10]], [[6, 10], [6, 10]]], "do not add up"),
+        "not-a-box": ([[[0, 0], [6, 10]], [[0, 10]], [[6, 0], [6, 10]], [[6, 10], [6, 10]]], "malformed box"),
+    }
+    for name, (boxes, msg) in cases.items():
+        bad = json.loads(json.dumps(good))
+        bad["boxes"][key]["boxes"] = boxes
+        d = tmp_path / name / "manifests"
+        d.mkdir(parents=True)
+        with open(d / "step-00000004.json", "w") as f:
+            json.dump(bad, f)
+        with pytest.raises(layerckpt.CheckpointCorruptError, match=msg):
+            load_manifest(str(d / "step-00000004.json"))
+    bad = json.loads(json.dumps(good))
+    del bad["tensors"][f"{key}#box=6,10:6,10"]
+    with open(tmp_path / "missing.json", "w") as f:
+        json.dump(bad, f)
+    with pytest.raises(layerckpt.CheckpointCorruptError, match=r"box 'model/blocks.0.down.weight#box=6,10:6,10'"):
+        load_manifest(str(tmp_path / "missing.json"))
+
+
+def test_hsdp_restores_bit_for_bit_and_reshards_onto_fsdp_x_tp(tmp_path):
+    torchrun(4, "save", str(tmp_path), "hsdp")  # (Replicate, Shard(0)): each shard written by one replica
+    m = load_manifest(os.path.join(str(tmp_path / "store"), "manifests", "step-00000004.json"))
+    assert m.blocks["model/emb.weight"].rows == [[0, 19], [19, 37]] and m.boxes is None and m.version == 2
+    writers = {m.tensors[k].file for k in m.tensors if "#rows=" in k}
+    assert len(writers) == 4  # the replicas share the writing
+    torchrun(4, "load", str(tmp_path), "tp")
+
+
+def test_one_process_restores_onto_fsdp_x_tp(tmp_path):
+    h.save(str(tmp_path), "plain")
+    torchrun(4, "load", str(tmp_path), "tp")
