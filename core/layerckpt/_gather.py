@@ -7,6 +7,7 @@ through ``_codec``, which never pickles.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -227,23 +228,36 @@ Box = Tuple[List[int], List[int], Tuple[slice, ...]]
 
 def layout_boxes(k: str, t) -> Layout:
     """The :class:`Layout` of the DTensor ``t`` (its placements applied to index ranges, as DTensor applies them
-    to the tensor: ``_StridedShard`` resolved to the boxes each rank really holds)."""
+    to the tensor: ``_StridedShard`` resolved to the boxes each rank really holds); this rank's local tensor
+    checked to be the shard it computes."""
     mesh, placements = t.device_mesh, t.placements
+    order = _order(t)
+    layout = _layout(tuple(t.shape), mesh, tuple(placements), None if order is None else tuple(
+        (d, tuple(ms)) for d, ms in sorted(order.items())))
+    me = mesh.get_coordinate()
+    if me is not None:
+        held = layout.boxes[layout.shard_coord(tuple(me))]  # a grid of boxes covering the local tensor
+        local = tuple(t.to_local().shape)
+        if (local != tuple(max(sl[d].stop for _, _, sl in held) for d in range(t.dim()))) if held else math.prod(local):
+            raise CheckpointError(
+                f"{k}: this rank's shard has shape {tuple(t.to_local().shape)}, not the one its placements "
+                f"{placements} on a mesh of shape {tuple(mesh.shape)} cut from {tuple(t.shape)} (padded or uneven "
+                f"sharding other than torch.chunk's is not supported)")
+    return layout
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(gshape: Tuple[int, ...], mesh, placements: tuple, order) -> Layout:
+    """Every shard coordinate's boxes (a save's weights and optimizer states share one computation)."""
     shape = tuple(mesh.shape)
     sharding = [d for d, p in enumerate(placements) if shards_dim(p)]
     boxes: Dict[Tuple[int, ...], List[Box]] = {}
-    me = tuple(mesh.get_coordinate() or ())
     for sc in itertools.product(*(range(shape[d]) for d in sharding)):
         coord = [0] * len(shape)
         for d, c in zip(sharding, sc):
             coord[d] = c
-        boxes[sc], local_shape = _boxes_at(list(t.shape), shape, coord, placements, _order(t))
-        if me and sc == tuple(me[d] for d in sharding) and tuple(t.to_local().shape) != local_shape:
-            raise CheckpointError(
-                f"{k}: this rank's shard has shape {tuple(t.to_local().shape)}, not {local_shape} as its placements "
-                f"{placements} on a mesh of shape {shape} split {tuple(t.shape)} (padded or uneven sharding other "
-                f"than torch.chunk's is not supported)")
-    return Layout(shape, placements, boxes, _outside(k, mesh))
+        boxes[sc] = _boxes_at(list(gshape), shape, coord, placements, None if order is None else dict(order))
+    return Layout(shape, placements, boxes, _outside("a DTensor", mesh))
 
 
 def _outside(k: str, mesh) -> Tuple[int, int]:
@@ -277,33 +291,28 @@ def _order(t) -> Optional[Dict[int, List[int]]]:
     return {e.tensor_dim: list(e.mesh_dims) for e in order}
 
 
-def _boxes_at(gshape: List[int], mesh_shape, coord, placements, order) -> Tuple[List[Box], Tuple[int, ...]]:
+def _boxes_at(gshape: List[int], mesh_shape, coord, placements, order) -> List[Box]:
     """The boxes of the whole tensor that the rank at ``coord`` holds, each with where it lies in the rank's local
-    tensor, and the local tensor's shape."""
-    runs, local = [], []
+    tensor."""
+    runs = []
     for dim, n in enumerate(gshape):
         idx = torch.arange(n).reshape([n if i == dim else 1 for i in range(len(gshape))])  # split as the tensor
         mesh_dims = order.get(dim, []) if order is not None else [
             d for d, p in enumerate(placements) if shards_dim(p) and p.dim == dim]
         for d in mesh_dims:
             idx = placements[d]._split_tensor(idx, mesh_shape[d], with_padding=False)[0][coord[d]]
-        runs.append(_runs(idx.reshape(-1).tolist()))
-        local.append(idx.numel())
-    out: List[Box] = []
-    for combo in itertools.product(*runs):
-        out.append(([g for _, g, _ in combo], [n for _, _, n in combo], tuple(slice(i, i + n) for i, _, n in combo)))
-    return (out if all(local) else []), tuple(local)
+        runs.append(_runs(idx.reshape(-1)))
+    return [([g for _, g, _ in combo], [n for _, _, n in combo], tuple(slice(i, i + n) for i, _, n in combo))
+            for combo in itertools.product(*runs)]
 
 
-def _runs(idx: List[int]) -> List[Tuple[int, int, int]]:
-    """(local start, global start, length) of each run of consecutive global indices."""
-    out: List[Tuple[int, int, int]] = []
-    for i, g in enumerate(idx):
-        if out and out[-1][1] + out[-1][2] == g:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((i, g, 1))
-    return out
+def _runs(idx: torch.Tensor) -> List[Tuple[int, int, int]]:
+    """(local start, global start, length) of each run of consecutive global indices (none if ``idx`` is empty)."""
+    if idx.numel() == 0:
+        return []
+    starts = [0] + (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
+    ends = starts[1:] + [idx.numel()]
+    return [(a, g, b - a) for a, b, g in zip(starts, ends, idx[starts].tolist())]
 
 
 def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Optional[dict],
