@@ -96,3 +96,21 @@ def test_hsdp_restores_bit_for_bit_and_reshards_onto_fsdp_x_tp(tmp_path):
 def test_one_process_restores_onto_fsdp_x_tp(tmp_path):
     h.save(str(tmp_path), "plain")
     torchrun(4, "load", str(tmp_path), "tp")
+
+
+def test_selective_saves_decide_alike_across_mesh_dims(tmp_path):
+    torchrun(4, "selective", str(tmp_path), "tp")
+    store = str(tmp_path / "store")
+    ms = [json.loads(open(os.path.join(store, "manifests", f"step-0000000{s}.json")).read()) for s in (2, 4, 6)]
+    assert {e["reason"] for e in ms[0]["layers"].values()} == {"first"}
+    for m in ms[1:]:  # one composite: every layer's boxes from one step, all four ranks' boxes listed once
+        for name, e in m["layers"].items():
+            steps = {m["tensors"][k]["file"].split(".")[0] for k in e["tensors"]}
+            assert steps == {f"step-{e['step']:08d}"}, (name, steps)
+            assert len(e["tensors"]) == len(set(e["tensors"]))
+        assert sorted(m["boxes"]["model/blocks.1.down.weight"]["boxes"]) == sorted(
+            ms[0]["boxes"]["model/blocks.1.down.weight"]["boxes"])
+    assert any(e["step"] < 6 for e in ms[2]["layers"].values()), "the rule skipped nothing: no selection tested"
+    r = subprocess.run([sys.executable, "-m", "layerckpt.cli", "verify", store], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "3 of 3 checkpoint(s) verified" in r.stdout, r.stdout + r.stderr

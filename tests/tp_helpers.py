@@ -10,7 +10,7 @@ Modes: ``save`` trains, saves steps 2 and 4 (every layer), writes the gathered s
 ``ROOT/ref.pt``, trains on, restores step 4 and checks every rank's local tensors (weights, AdamW state) and RNG
 bit for bit against what they were at the save, then that a ``Partial`` DTensor is refused; ``load`` restores
 ``ROOT/store`` into a fresh model of LAYOUT and checks the gathered state element for element against
-``ROOT/ref.pt``, then takes a training step.
+``ROOT/ref.pt``, then takes a training step; ``selective`` saves steps 2, 4 and 6 under the default rule.
 """
 import os
 import sys
@@ -139,6 +139,18 @@ def refuse_partial(root: str, m) -> None:
             raise AssertionError("a Partial DTensor was saved")
 
 
+def selective(root: str, layout: str) -> None:
+    """Saves 2, 4 and 6 under the default rule, each rank measuring its own boxes; then a restore and a step."""
+    m = build(layout)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    store = os.path.join(root, "store")
+    with layerckpt.Checkpointer(store, m, opt, layerckpt.Config(keep_last=0)) as ck:
+        for step in (2, 4, 6):
+            ck.save(step, loss=train(m, opt, 2 if step < 6 else 1, seed=step)).wait()
+    layerckpt.restore(store, m, opt, strict=False)
+    train(m, opt, 1, seed=7)
+
+
 def load(root: str, layout: str) -> None:
     m = build(layout)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
@@ -155,7 +167,7 @@ def load(root: str, layout: str) -> None:
 def main(mode: str, root: str, layout: str) -> None:
     if layout != "plain":
         dist.init_process_group("gloo")
-    (save if mode == "save" else load)(root, layout)
+    {"save": save, "load": load, "selective": selective}[mode](root, layout)
     if layout != "plain":
         dist.barrier()
         dist.destroy_process_group()
