@@ -15,6 +15,7 @@ Tensor keys in a checkpoint have fixed prefixes, named here and nowhere else:
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
 import dataclasses
@@ -546,24 +547,32 @@ def _box_record(key: str, b: Any, path: str) -> Boxes:
     return Boxes(dtype=b["dtype"], shape=list(b["shape"]), boxes=[[list(o), list(s)] for o, s in b["boxes"]])
 
 
+#: cells of the grid a tensor's box edges cut it into that a manifest's boxes may make: far above any real layout
+#: (a grid partition makes as many cells as boxes), far below what checking them takes long for
+MAX_CELLS = 1 << 22
+
+
 def _check_cover(key: str, rec: Boxes, path: str) -> None:
-    """The boxes do not overlap and their volumes add up to the tensor's: together they cover it once."""
+    """The boxes do not overlap and their volumes add up to the tensor's: together they cover it once.  Each box
+    is painted onto the grid of cells its edges cut the tensor into, refused where it meets a painted cell: work
+    bounded by the cells, whatever the boxes."""
     import numpy as np
 
-    if sum(math.prod(s) for _, s in rec.boxes) != math.prod(rec.shape) or (not rec.boxes and rec.shape == []):
+    if sum(math.prod(s) for _, s in rec.boxes) != math.prod(rec.shape):
         raise _corrupt(path, f"the boxes of tensor {key!r} do not add up to its shape {rec.shape}", tensor=key)
     if len(rec.boxes) < 2 or not rec.shape:
         return
-    lo = np.array([o for o, _ in rec.boxes], dtype=np.int64)
-    hi = lo + np.array([s for _, s in rec.boxes], dtype=np.int64)
-    for i in range(0, len(lo), 512):  # pairwise, a slice of rows at a time: bounded memory
-        a, z = lo[i:i + 512, None, :], hi[i:i + 512, None, :]
-        meet = (np.maximum(a, lo[None]) < np.minimum(z, hi[None])).all(axis=2)
-        meet[np.arange(len(a)), np.arange(i, i + len(a))] = False
-        if meet.any():
-            j, k = map(int, np.argwhere(meet)[0])
-            raise _corrupt(path, f"the boxes {rec.boxes[i + j]} and {rec.boxes[k]} of tensor {key!r} overlap",
-                           tensor=key)
+    edges = [sorted({x for o, s in rec.boxes for x in (o[d], o[d] + s[d])}) for d in range(len(rec.shape))]
+    cells = math.prod(len(e) - 1 for e in edges)
+    if cells > MAX_CELLS:
+        raise _corrupt(path, f"the {len(rec.boxes)} boxes of tensor {key!r} cut it into {cells} cells, more than "
+                             f"the {MAX_CELLS} a layout makes", tensor=key)
+    grid = np.zeros([len(e) - 1 for e in edges], dtype=bool)
+    for o, s in rec.boxes:
+        at = tuple(slice(bisect.bisect_left(e, o[d]), bisect.bisect_left(e, o[d] + s[d])) for d, e in enumerate(edges))
+        if grid[at].any():
+            raise _corrupt(path, f"the box {[o, s]} of tensor {key!r} overlaps another", tensor=key)
+        grid[at] = True
 
 
 _parsed: "contextvars.ContextVar[Optional[Dict[Tuple[str, int, int, int], Manifest]]]" = contextvars.ContextVar(

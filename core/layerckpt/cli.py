@@ -255,6 +255,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.add_argument("--size", default="gpt2-small", choices=["gpt2-small", "gpt2-mini", "tiny"],
                    help="with --sharded, --lightning or --steps: the model")
     a.add_argument("--nproc", type=int, default=2, help="with --sharded: processes")
+    a.add_argument("--mesh", help="with --sharded: DxT, FSDP2 over D x tensor parallel over T (D * T processes)")
     a.set_defaults(fn=_bench)
     for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"], sub.choices["bench"]):
         a.add_argument("--remote-options", metavar="JSON",
