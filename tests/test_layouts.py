@@ -1,7 +1,7 @@
 """Any DTensor layout on CPU with gloo (tests/tp_helpers.py): FSDP2 x tensor parallel and HSDP on 2 x 2 meshes
 save each rank's boxes once across replicas, restore onto the same mesh bit for bit (weights, AdamW state, RNG)
-and reshard onto other layouts (2 x 2 -> 1, -> 2 and 4 FSDP2 ranks, HSDP -> FSDP2 x TP, 1 -> 2 x 2) element for
-element; a Partial DTensor is refused; a manifest's boxes are checked before anything is read."""
+and reshard onto other layouts (2 x 2 -> 1, -> 2 FSDP2 ranks, -> 2 x 2 with the mesh dims swapped, HSDP -> FSDP2 x
+TP, 1 -> 2 x 2) element for element; a Partial DTensor is refused; a manifest's boxes are checked before anything is read."""
 import json
 import os
 import subprocess
@@ -54,6 +54,7 @@ def test_fsdp_x_tp_saves_boxes_once_and_reshards(tmp_path):
         st = loaded.optimizer["state"][names.index(n)]
         assert torch.equal(st["exp_avg_sq"], ref[f"optim/{n}/exp_avg_sq"]), n
     torchrun(2, "load", str(tmp_path), "dp")  # 2 x 2 -> 2 FSDP2 ranks (dp only)
+    torchrun(4, "load", str(tmp_path), "tpswap")  # 2 x 2 -> 2 x 2 with the mesh dims swapped
     _refuses_hostile_boxes(tmp_path, store)
 
 

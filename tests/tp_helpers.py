@@ -10,7 +10,7 @@ Modes: ``save`` trains, saves steps 2 and 4 (every layer), writes the gathered s
 ``ROOT/ref.pt``, trains on, restores step 4 and checks every rank's local tensors (weights, AdamW state) and RNG
 bit for bit against what they were at the save, then that a ``Partial`` DTensor is refused; ``load`` restores
 ``ROOT/store`` into a fresh model of LAYOUT and checks the gathered state element for element against
-``ROOT/ref.pt``, then takes a training step; ``selective`` saves steps 2, 4 and 6 under the default rule.
+``ROOT/ref.pt``, then takes a training step (``tpswap``: ``tp`` with the mesh dims swapped); ``selective`` saves steps 2, 4 and 6 under the default rule.
 """
 import os
 import sys
@@ -68,7 +68,10 @@ def build(layout: str) -> torch.nn.Module:
         return fully_shard(m, mesh=mesh)
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    if layout == "tpswap":  # the same 2 x 2 layout with the mesh dims swapped: each rank holds another box
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("tp", "dp"))
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     for b in m.blocks:
         parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         fully_shard(b, mesh=mesh["dp"])
