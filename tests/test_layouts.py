@@ -4,6 +4,7 @@ and reshard onto other layouts (2 x 2 -> 1, -> 2 FSDP2 ranks, -> 2 x 2 with the 
 TP, 1 -> 2 x 2) element for element; a Partial DTensor is refused; a manifest's boxes are checked before anything is read."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -121,9 +122,12 @@ def test_selective_saves_decide_alike_across_mesh_dims(tmp_path):
 def test_lightning_model_parallel_2x2_resumes_bit_for_bit(tmp_path):
     """ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2) on 4 CPU processes: LayerCheckpoint saves
     each rank's boxes; a run stopped at step 10 and resumed from "last" (step 8) ends bit for bit as the
-    uninterrupted run (model, AdamW state, each rank's RNG)."""
+    uninterrupted run (model, AdamW state, each rank's RNG); resumed instead into data_parallel_size=4,
+    tensor_parallel_size=1 (a layout change), it starts from step 8's state element for element."""
     script = os.path.join(os.path.dirname(HELPER), "lit_tp_helpers.py")
-    for mode in ("ref", "crash", "resume"):
+    for mode in ("ref", "crash", "resume", "reshard"):
+        if mode == "resume":
+            shutil.copytree(tmp_path / "run", tmp_path / "reshard")
         r = subprocess.run([sys.executable, script, str(tmp_path), mode], capture_output=True, text=True,
                            timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -135,3 +139,16 @@ def test_lightning_model_parallel_2x2_resumes_bit_for_bit(tmp_path):
         assert int(got.pop("restored_step")) == 8 and int(ref.pop("restored_step")) == -1
         for k, v in ref.items():
             assert torch.equal(got[k], v), (rank, k)
+    saved = layerckpt.read_checkpoint(str(tmp_path / "reshard"), step=8)
+    names = [n for g in load_manifest(os.path.join(str(tmp_path / "run"), "manifests", "step-00000008.json")
+                                      ).optimizer["param_groups"] for n in g["params"]]
+    for rank in range(4):
+        start = torch.load(tmp_path / f"start.rank{rank}.pt", weights_only=True)
+        assert len(start) == len(ref) - 1  # every weight and AdamW state tensor
+        for k, v in start.items():
+            if k.startswith("model/"):
+                want = saved.model[k[len("model/"):]]
+            else:
+                name, key = k[len("optim/"):].rsplit("/", 1)
+                want = saved.optimizer["state"][names.index(name)][key]
+            assert torch.equal(v, want), (rank, k)
