@@ -256,6 +256,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="with --sharded, --lightning or --steps: the model")
     a.add_argument("--nproc", type=int, default=2, help="with --sharded: processes")
     a.add_argument("--mesh", help="with --sharded: DxT, FSDP2 over D x tensor parallel over T (D * T processes)")
+    a.add_argument("--encoding", choices=["delta", "compress", "off"],
+                   help="with --sharded: layerckpt's Config.encoding (default: Config's)")
     a.set_defaults(fn=_bench)
     for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"], sub.choices["bench"]):
         a.add_argument("--remote-options", metavar="JSON",

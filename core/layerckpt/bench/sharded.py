@@ -197,11 +197,14 @@ def dcp_files(d: str, rank: int) -> List[str]:
 
 # ---------------------------------------------------------------- contenders
 
-def bench_layerckpt(d: str, m, opt, reps: int, selective: bool, step_seed: int) -> Dict[str, Any]:
+def bench_layerckpt(d: str, m, opt, reps: int, selective: bool, step_seed: int, encoding: Optional[str] = None
+                    ) -> Dict[str, Any]:
     from ..checkpointer import Checkpointer
     from ..config import Config
 
     cfg = Config(keep_last=2) if selective else Config(threshold=0.0, keep_last=2)
+    if encoding:
+        cfg = cfg.replace(encoding=encoding)
     blocked, durable, written, persisted = [], [], [], []
     with Checkpointer(d, m, opt, config=cfg) as ck:
         loss = train(m, opt, 2, seed=step_seed) if selective else None
@@ -328,7 +331,8 @@ def disk_reference(root: str, nbytes: int) -> Dict[str, Any]:
     return {"write_s": min(disk.writes), "read_s": min(disk.reads), "write_all_s": disk.writes}
 
 
-def worker(size: str, reps: int, dirpath: Optional[str], mesh: Optional[str] = None) -> Optional[Dict[str, Any]]:
+def worker(size: str, reps: int, dirpath: Optional[str], mesh: Optional[str] = None,
+           encoding: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """Every rank runs this under torchrun; rank 0 returns the results."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -345,7 +349,10 @@ def worker(size: str, reps: int, dirpath: Optional[str], mesh: Optional[str] = N
         mine = local_state(m, opt)
         shares = _gather(nbytes(mine))
         total = sum(shares)
-        res: Dict[str, Any] = {"size": size, "world": world, "mesh": mesh, "reps": reps, "dir": root, "machine": machine(),
+        from ..config import Config
+
+        res: Dict[str, Any] = {"size": size, "world": world, "mesh": mesh, "encoding": encoding or Config.encoding,
+                               "reps": reps, "dir": root, "machine": machine(),
                                "parameters": sum(p.numel() for p in m.parameters()), "state_bytes": total,
                                "share_bytes": shares}
         # the machine's limits, measured by rank 0 alone while the others wait
@@ -357,7 +364,7 @@ def worker(size: str, reps: int, dirpath: Optional[str], mesh: Optional[str] = N
         _barrier()
 
         saves: Dict[str, Dict[str, Any]] = {}
-        saves["layerckpt full"] = bench_layerckpt(os.path.join(root, "full"), m, opt, reps, False, 0)
+        saves["layerckpt full"] = bench_layerckpt(os.path.join(root, "full"), m, opt, reps, False, 0, encoding)
         saves["dcp.save"] = bench_dcp(root, m, opt, reps, asynchronous=False)
         saves["dcp.async_save"] = bench_dcp(root, m, opt, reps, asynchronous=True)
         ref_full = full_state(m, opt) if world > 1 else dict(mine)  # the state every full save holds
@@ -375,7 +382,8 @@ def worker(size: str, reps: int, dirpath: Optional[str], mesh: Optional[str] = N
         exact = {k: all(_gather(v)) for k, v in exact.items()}
 
         # the selective save last: it trains the model on
-        saves["layerckpt selective"] = bench_layerckpt(os.path.join(root, "selective"), m, opt, reps, True, 100)
+        saves["layerckpt selective"] = bench_layerckpt(os.path.join(root, "selective"), m, opt, reps, True, 100,
+                                                        encoding)
         for k, v in saves.items():
             v["bytes_per_rank"] = _gather_list(v["bytes"])
             v["blocked"] = [max(x) for x in _gather_list(v["blocked"])]  # the slowest rank, each repeat
@@ -444,7 +452,8 @@ def format_table(res: Dict[str, Any]) -> str:
     lines = [
         f"layerckpt bench --sharded: {res['size']} ({res['parameters'] / 1e6:.1f}M parameters), {gb:.2f} GB of "
         f"state (model + AdamW), {_layout_name(res)} (gloo, CPU); {res['reps']} timed repeats each after one "
-        f"warm-up: median [min-max]",
+        f"warm-up: median [min-max]; layerckpt's Config.encoding {res.get('encoding', 'delta')!r} (full saves repeat "
+        f"an unchanged state: encoded, they write little)",
         f"machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.1f} GiB RAM, kernel {m['kernel']}, "
         f"torch {m['torch']}",
         f"reference (one process, the whole state's bytes): O_DIRECT write {ref['write_s']:.3f}s "
@@ -484,14 +493,16 @@ def _under_launcher() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(size: str, reps: int, dirpath: Optional[str], as_json: bool, nproc: int, mesh: Optional[str] = None) -> int:
+def launch(size: str, reps: int, dirpath: Optional[str], as_json: bool, nproc: int, mesh: Optional[str] = None,
+           encoding: Optional[str] = None) -> int:
     """Start ``torchrun --standalone --nproc_per_node nproc`` (with ``mesh``: D * T) on this module; its rank 0
     prints."""
     if mesh:
         d, t = parse_mesh(mesh)
         nproc = d * t
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "layerckpt.bench.sharded", "--size", size, "--reps", str(reps)] + (["--mesh", mesh] if mesh else [])
+           "-m", "layerckpt.bench.sharded", "--size", size, "--reps", str(reps)] + (["--mesh", mesh] if mesh else []) + (
+        ["--encoding", encoding] if encoding else [])
     if dirpath:
         cmd += ["--dir", dirpath]
     if as_json:
@@ -504,13 +515,14 @@ def launch(size: str, reps: int, dirpath: Optional[str], as_json: bool, nproc: i
 def main(args) -> int:
     """``layerckpt bench --sharded`` (args: size, reps, dir, json, nproc, mesh)."""
     size, reps, d, as_json, mesh = args.size, args.reps, args.dir, args.json, getattr(args, "mesh", None)
+    encoding = getattr(args, "encoding", None)
     if not _under_launcher():
-        return launch(size, reps, d, as_json, getattr(args, "nproc", 2), mesh)
+        return launch(size, reps, d, as_json, getattr(args, "nproc", 2), mesh, encoding)
     if size not in SIZES:
         raise SystemExit(f"--size must be one of {', '.join(SIZES)}")
     if mesh and math.prod(parse_mesh(mesh)) != int(os.environ["WORLD_SIZE"]):
         raise SystemExit(f"--mesh {mesh} needs {math.prod(parse_mesh(mesh))} processes, not {os.environ['WORLD_SIZE']}")
-    res = worker(size, max(1, reps), d, mesh)
+    res = worker(size, max(1, reps), d, mesh, encoding)
     if res is not None:
         print(json.dumps(res) if as_json else format_table(res), flush=True)
     return 0
@@ -525,6 +537,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--nproc", type=int, default=2, help="processes to launch (not under torchrun)")
     p.add_argument("--mesh", default=None, help="DxT: FSDP2 over D x tensor parallel over T (D * T processes)")
+    p.add_argument("--encoding", default=None, choices=["delta", "compress", "off"],
+                   help="layerckpt's Config.encoding (default: Config's)")
     return p
 
 
