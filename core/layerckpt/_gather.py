@@ -12,7 +12,6 @@ import itertools
 import math
 import random
 import sys
-import zlib
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -146,6 +145,7 @@ def shard_entries(entries: Entries) -> Tuple[Entries, Dict[str, Union[RowBlocks,
         return entries, {}
     out: Entries = []
     shards: Dict[str, Union[RowBlocks, Boxes]] = {}
+    held: List[Tuple[str, Any, Layout]] = []
     for k, t in entries:
         if not isinstance(t, dt.DTensor):
             out.append((k, t))
@@ -156,14 +156,42 @@ def shard_entries(entries: Entries) -> Tuple[Entries, Dict[str, Union[RowBlocks,
             continue
         layout = layout_boxes(k, t)
         shards[k] = _record(k, t, layout)
+        held.append((k, t, layout))
+    writers = _writers(held)
+    me = torch.distributed.get_rank() if held else 0
+    for k, t, layout in held:
+        sc = layout.shard_coord(tuple(t.device_mesh.get_coordinate() or ()))
+        if writers[_group(k, t, sc)] != me:
+            continue
         local = t.to_local()
-        mine = tuple(t.device_mesh.get_coordinate() or ())
-        for offsets, sizes, sl in layout.boxes[layout.shard_coord(mine)] if layout.writer(k, mine) else []:
+        for offsets, sizes, sl in layout.boxes[sc]:
             piece = local[sl] if sl else local
             key = (piece_key(k, offsets[0], offsets[0] + sizes[0]) if isinstance(shards[k], RowBlocks)
                    else box_key(k, offsets, sizes))
             out.append((key, piece if piece.is_contiguous() else piece.contiguous()))
     return out, shards
+
+
+def _group(k: str, t, sc: Tuple[int, ...]) -> Tuple[str, Tuple[int, ...], Tuple[int, ...]]:
+    """What one rank writes together: a parameter's shard, its weights and optimizer state alike."""
+    return param_of(k) or k, tuple(t.shape), sc
+
+
+def _writers(held: List[Tuple[str, Any, "Layout"]]) -> Dict[Tuple, int]:
+    """The global rank that writes each shard: among the ranks holding it (replicas), the least loaded so far,
+    biggest shards first, so that every rank writes about its share.  Every rank computes the same answer."""
+    groups: Dict[Tuple, List[Any]] = {}
+    for k, t, layout in held:
+        for sc, boxes in layout.boxes.items():
+            g = groups.setdefault(_group(k, t, sc), [0, layout.holders[sc]])
+            g[0] += sum(math.prod(s) for _, s, _ in boxes) * t.element_size()
+    load: Dict[int, int] = {}
+    out: Dict[Tuple, int] = {}
+    for key, (nbytes, ranks) in sorted(groups.items(), key=lambda kv: (-kv[1][0], repr(kv[0]))):
+        r = min(ranks, key=lambda g: (load.get(g, 0), g))
+        out[key] = r
+        load[r] = load.get(r, 0) + nbytes
+    return out
 
 
 def shards_dim(p) -> bool:
@@ -192,35 +220,17 @@ def _record(k: str, t, layout: "Layout") -> Union[RowBlocks, Boxes]:
 
 class Layout:
     """Where the shards of a DTensor lie: for each coordinate on the mesh's sharding dims, the boxes of the whole
-    tensor its local tensor holds, ``(offsets, sizes, local slices)``; replicas (the mesh's other dims) hold the
-    same boxes, one of them writes them."""
+    tensor its local tensor holds, ``(offsets, sizes, local slices)``, and the global ranks holding them (the
+    replicas: the mesh's other dims, and the copies of the mesh a parameter sharded over a slice of a bigger mesh
+    has, FSDP2's dp dim beside a tensor parallel dim)."""
 
-    def __init__(self, mesh_shape: Tuple[int, ...], placements, boxes: Dict[Tuple[int, ...], List[Box]],
-                 outside: Tuple[int, int] = (1, 0)):
-        self.mesh_shape = mesh_shape
+    def __init__(self, placements, boxes: Dict[Tuple[int, ...], List[Box]], holders: Dict[Tuple[int, ...], List[int]]):
         self.sharding = [d for d, p in enumerate(placements) if shards_dim(p)]
-        self.replicas = [d for d, p in enumerate(placements) if not shards_dim(p)]
         self.boxes = boxes
-        #: (how many copies of the mesh hold the same tensor, which one this rank's is): a parameter sharded
-        #: over a slice of a bigger mesh (FSDP2's dp dim beside a tensor parallel dim) is replicated across it
-        self.outside = outside
+        self.holders = holders
 
     def shard_coord(self, coord: Tuple[int, ...]) -> Tuple[int, ...]:
         return tuple(coord[d] for d in self.sharding)
-
-    def writer(self, key: str, coord: Tuple[int, ...]) -> bool:
-        """Whether the rank at ``coord`` writes its boxes: among the replicas of a shard, one picked by the
-        parameter's name and the shard, so that a parameter's weights and optimizer state go to the same rank
-        and the shards of a model spread over the replicas."""
-        n = self.outside[0] * math.prod(self.mesh_shape[d] for d in self.replicas)
-        if n == 1:
-            return True
-        salt = (param_of(key) or key) + repr(self.shard_coord(coord))
-        pick = zlib.crc32(salt.encode()) % n
-        mine = self.outside[1]
-        for d in self.replicas:
-            mine = mine * self.mesh_shape[d] + coord[d]
-        return mine == pick
 
 
 Box = Tuple[List[int], List[int], Tuple[slice, ...]]
@@ -248,7 +258,7 @@ def layout_boxes(k: str, t) -> Layout:
 
 @functools.lru_cache(maxsize=1024)
 def _layout(gshape: Tuple[int, ...], mesh, placements: tuple, order) -> Layout:
-    """Every shard coordinate's boxes (a save's weights and optimizer states share one computation)."""
+    """Every shard coordinate's boxes and holders (a save's weights and optimizer states share one computation)."""
     shape = tuple(mesh.shape)
     sharding = [d for d, p in enumerate(placements) if shards_dim(p)]
     boxes: Dict[Tuple[int, ...], List[Box]] = {}
@@ -257,28 +267,37 @@ def _layout(gshape: Tuple[int, ...], mesh, placements: tuple, order) -> Layout:
         for d, c in zip(sharding, sc):
             coord[d] = c
         boxes[sc] = _boxes_at(list(gshape), shape, coord, placements, None if order is None else dict(order))
-    return Layout(shape, placements, boxes, _outside("a DTensor", mesh))
+    holders: Dict[Tuple[int, ...], List[int]] = {sc: [] for sc in boxes}
+    for copy in _copies(mesh):
+        for coord in itertools.product(*map(range, shape)):
+            holders[tuple(coord[d] for d in sharding)].append(int(copy[coord]))
+    return Layout(placements, boxes, {sc: sorted(r) for sc, r in holders.items()})
 
 
-def _outside(k: str, mesh) -> Tuple[int, int]:
-    """(copies of ``mesh`` in its root mesh, the index of this rank's copy): the root's dims along which the
-    mesh's ranks all sit at one coordinate are the dims it was sliced out of."""
+def _copies(mesh) -> List[torch.Tensor]:
+    """The global ranks of ``mesh`` and of each copy of it in its root mesh (the root's dims along which the
+    mesh's ranks all sit at one coordinate are the dims it was sliced out of), each shaped as the mesh."""
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
     if root is None or root.size() == mesh.size():
-        return 1, 0
+        return [mesh.mesh]
     full = root.mesh
     coords = [(full == r).nonzero()[0].tolist() for r in mesh.mesh.flatten().tolist()]
     fixed = [d for d in range(full.dim()) if len({c[d] for c in coords}) == 1]
-    n = math.prod(full.shape[d] for d in fixed)
-    if n * mesh.size() != root.size():
+    if math.prod(full.shape[d] for d in fixed) * mesh.size() != root.size():
         raise CheckpointError(
-            f"{k} is a DTensor on a mesh of ranks {mesh.mesh.flatten().tolist()} that is not a slice of its root mesh "
+            f"a DTensor is on a mesh of ranks {mesh.mesh.flatten().tolist()} that is not a slice of its root mesh "
             f"{full.tolist()}; layerckpt cannot tell which copy of it writes its shards: shard it over a slice of "
             f"the root mesh (mesh['dp']) or the root mesh itself")
-    mine = 0
-    for d in fixed:
-        mine = mine * full.shape[d] + coords[0][d]
-    return n, mine
+    out = []
+    for at in itertools.product(*(range(full.shape[d]) for d in fixed)):
+        ranks = []
+        for c in coords:
+            c = list(c)
+            for d, x in zip(fixed, at):
+                c[d] = x
+            ranks.append(int(full[tuple(c)]))
+        out.append(torch.tensor(ranks).reshape(mesh.mesh.shape))
+    return out
 
 
 def _order(t) -> Optional[Dict[int, List[int]]]:
