@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..config import Config
 from .models import GPT, GPTConfig
 
 SIZES: Dict[str, GPTConfig] = {
@@ -200,7 +201,6 @@ def dcp_files(d: str, rank: int) -> List[str]:
 def bench_layerckpt(d: str, m, opt, reps: int, selective: bool, step_seed: int, encoding: Optional[str] = None
                     ) -> Dict[str, Any]:
     from ..checkpointer import Checkpointer
-    from ..config import Config
 
     cfg = Config(keep_last=2) if selective else Config(threshold=0.0, keep_last=2)
     if encoding:
@@ -336,21 +336,13 @@ def worker(size: str, reps: int, dirpath: Optional[str], mesh: Optional[str] = N
     """Every rank runs this under torchrun; rank 0 returns the results."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    box: List[Any] = [None]
-    if rank == 0:
-        if dirpath:
-            os.makedirs(dirpath, exist_ok=True)
-        box[0] = tempfile.mkdtemp(prefix="layerckpt-bench-sharded-", dir=dirpath)
-    dist.broadcast_object_list(box)
-    root = box[0]
+    root = _scratch(dirpath)
     try:
         m, opt = build(size, True, mesh=mesh)
         train(m, opt, 2, seed=0)  # every parameter has its AdamW moments
         mine = local_state(m, opt)
         shares = _gather(nbytes(mine))
         total = sum(shares)
-        from ..config import Config
-
         res: Dict[str, Any] = {"size": size, "world": world, "mesh": mesh, "encoding": encoding or Config.encoding,
                                "reps": reps, "dir": root, "machine": machine(),
                                "parameters": sum(p.numel() for p in m.parameters()), "state_bytes": total,
@@ -412,6 +404,17 @@ def worker(size: str, reps: int, dirpath: Optional[str], mesh: Optional[str] = N
             shutil.rmtree(root, ignore_errors=True)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _scratch(dirpath: Optional[str]) -> str:
+    """A fresh directory for the run, made by rank 0 (under ``dirpath`` if given) and named to every rank."""
+    box: List[Any] = [None]
+    if dist.get_rank() == 0:
+        if dirpath:
+            os.makedirs(dirpath, exist_ok=True)
+        box[0] = tempfile.mkdtemp(prefix="layerckpt-bench-sharded-", dir=dirpath)
+    dist.broadcast_object_list(box)
+    return box[0]
 
 
 def _gather(x: Any) -> List[Any]:
