@@ -152,3 +152,47 @@ def test_lightning_model_parallel_2x2_resumes_bit_for_bit(tmp_path):
                 name, key = k[len("optim/"):].rsplit("/", 1)
                 want = saved.optimizer["state"][names.index(name)][key]
             assert torch.equal(v, want), (rank, k)
+
+
+def test_boxes_of_any_placement_on_meshes_up_to_3_dims_match_dtensor_and_cover_once():
+    """In one process: every coordinate's boxes on 1-3 dim meshes (Shard on any dim, a dim sharded by several mesh
+    dims, Replicate, _StridedShard) are the local shape and offset DTensor computes, and together cover the
+    tensor once."""
+    import itertools
+    import random
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from layerckpt._gather import _boxes_at
+    from layerckpt._manifest import Boxes, _check_cover
+
+    rnd = random.Random(0)
+    for _ in range(60):
+        mesh = tuple(rnd.choice((1, 2, 3)) for _ in range(rnd.choice((1, 2, 3))))
+        shape = [rnd.choice((1, 4, 5, 7)) for _ in range(rnd.choice((1, 2, 3)))]
+        placements = tuple(rnd.choice([Replicate()] + [Shard(d) for d in range(len(shape))]) for _ in mesh)
+        pieces = set()
+        for coord in itertools.product(*map(range, mesh)):
+            boxes = _boxes_at(shape, mesh, list(coord), placements, None)
+            local, offset = _compute_local_shape_and_global_offset(shape, mesh, list(coord), placements)
+            if 0 in local:
+                assert boxes == [], (mesh, shape, placements, coord)
+                continue
+            assert [(o, s) for o, s, _ in boxes] == [(list(offset), list(local))], (mesh, shape, placements, coord)
+            pieces |= {(tuple(o), tuple(s)) for o, s, _ in boxes}
+        _check_cover("t", Boxes("F32", shape, [[list(o), list(s)] for o, s in sorted(pieces)]), "p")
+    # FSDP2 over a TP shard of the same dim: _StridedShard first, on 2-D and 3-D (HSDP x TP) meshes
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for mesh, placements, shape in [((2, 2), (_StridedShard(0, split_factor=2), Shard(0)), [10, 3]),
+                                    ((2, 3), (_StridedShard(1, split_factor=3), Shard(1)), [4, 13]),
+                                    ((2, 2, 2), (Replicate(), _StridedShard(0, split_factor=2), Shard(0)), [9, 2])]:
+        pieces = set()
+        for coord in itertools.product(*map(range, mesh)):
+            boxes = _boxes_at(shape, mesh, list(coord), placements, None)
+            local, offset = _compute_local_shape_and_global_offset(shape, mesh, list(coord), placements)
+            extent = [max(sl[d].stop for _, _, sl in boxes) for d in range(len(shape))] if boxes else None
+            assert extent is None or (extent == list(local) and boxes[0][0] == list(offset)), (mesh, coord, boxes)
+            pieces |= {(tuple(o), tuple(s)) for o, s, _ in boxes}
+        _check_cover("t", Boxes("F32", shape, [[list(o), list(s)] for o, s in sorted(pieces)]), "p")
+
