@@ -96,6 +96,16 @@ def test_hsdp_restores_bit_for_bit_and_reshards_onto_fsdp_x_tp(tmp_path):
     torchrun(4, "load", str(tmp_path), "tp")
 
 
+def test_a_rank_killed_before_the_commit_leaves_the_previous_composite(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", HELPER, "kill",
+           str(tmp_path), "tp"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode != 0 and "SIGKILL" in r.stdout + r.stderr, r.stderr[-2000:]
+    store = str(tmp_path / "store")
+    assert "step-00000006.rank1.safetensors" in os.listdir(os.path.join(store, "data"))  # durable, not committed
+    h.load(str(tmp_path), "plain")  # the composite of step 4, resharded 2 x 2 -> 1, element for element
+
+
 def test_one_process_restores_onto_fsdp_x_tp(tmp_path):
     h.save(str(tmp_path), "plain")
     torchrun(4, "load", str(tmp_path), "tp")

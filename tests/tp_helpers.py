@@ -10,7 +10,8 @@ Modes: ``save`` trains, saves steps 2 and 4 (every layer), writes the gathered s
 ``ROOT/ref.pt``, trains on, restores step 4 and checks every rank's local tensors (weights, AdamW state) and RNG
 bit for bit against what they were at the save, then that a ``Partial`` DTensor is refused; ``load`` restores
 ``ROOT/store`` into a fresh model of LAYOUT and checks the gathered state element for element against
-``ROOT/ref.pt``, then takes a training step (``tpswap``: ``tp`` with the mesh dims swapped); ``selective`` saves steps 2, 4 and 6 under the default rule.
+``ROOT/ref.pt``, then takes a training step (``tpswap``: ``tp`` with the mesh dims swapped); ``selective`` saves steps 2, 4 and 6 under the default rule; ``kill`` has rank 1 killed once its boxes
+of step 6 are durable, before the commit.
 """
 import os
 import sys
@@ -154,6 +155,28 @@ def selective(root: str, layout: str) -> None:
     train(m, opt, 1, seed=7)
 
 
+def kill(root: str, layout: str) -> None:
+    """Commits steps 2 and 4 (the gathered state of step 4 in ``ROOT/ref.pt``), then rank 1 dies by SIGKILL once
+    its boxes of step 6 are durable, before the ranks agree to commit it."""
+    m = build(layout)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ck = layerckpt.Checkpointer(os.path.join(root, "store"), m, opt, layerckpt.Config(threshold=0.0, keep_last=0))
+    for step in (2, 4):
+        ck.save(step, loss=train(m, opt, 2, seed=step)).wait()
+    ref = {k: whole(t) for k, t in tensors(m, opt).items()}
+    if dist.get_rank() == 0:
+        torch.save(ref, os.path.join(root, "ref.pt"))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        import signal
+
+        from layerckpt import _faults
+
+        _faults.install("flush.written", lambda: os.kill(os.getpid(), signal.SIGKILL))
+    ck.save(6, loss=train(m, opt, 2, seed=6)).wait()  # the others wait for rank 1 until torchrun stops them
+    raise SystemExit("rank 1 should have died before step 6 committed")
+
+
 def load(root: str, layout: str) -> None:
     m = build(layout)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
@@ -170,7 +193,7 @@ def load(root: str, layout: str) -> None:
 def main(mode: str, root: str, layout: str) -> None:
     if layout != "plain":
         dist.init_process_group("gloo")
-    {"save": save, "load": load, "selective": selective}[mode](root, layout)
+    {"save": save, "load": load, "selective": selective, "kill": kill}[mode](root, layout)
     if layout != "plain":
         dist.barrier()
         dist.destroy_process_group()
