@@ -157,41 +157,16 @@ def shard_entries(entries: Entries) -> Tuple[Entries, Dict[str, Union[RowBlocks,
         layout = layout_boxes(k, t)
         shards[k] = _record(k, t, layout)
         held.append((k, t, layout))
-    writers = _writers(held)
     me = torch.distributed.get_rank() if held else 0
     for k, t, layout in held:
         sc = layout.shard_coord(tuple(t.device_mesh.get_coordinate() or ()))
-        if writers[_group(k, t, sc)] != me:
-            continue
         local = t.to_local()
-        for offsets, sizes, sl in layout.boxes[sc]:
+        for offsets, sizes, sl in layout.written[sc][layout.holders[sc].index(me)]:
             piece = local[sl] if sl else local
             key = (piece_key(k, offsets[0], offsets[0] + sizes[0]) if isinstance(shards[k], RowBlocks)
                    else box_key(k, offsets, sizes))
             out.append((key, piece if piece.is_contiguous() else piece.contiguous()))
     return out, shards
-
-
-def _group(k: str, t, sc: Tuple[int, ...]) -> Tuple[str, Tuple[int, ...], Tuple[int, ...]]:
-    """What one rank writes together: a parameter's shard, its weights and optimizer state alike."""
-    return param_of(k) or k, tuple(t.shape), sc
-
-
-def _writers(held: List[Tuple[str, Any, "Layout"]]) -> Dict[Tuple, int]:
-    """The global rank that writes each shard: among the ranks holding it (replicas), the least loaded so far,
-    biggest shards first, so that every rank writes about its share.  Every rank computes the same answer."""
-    groups: Dict[Tuple, List[Any]] = {}
-    for k, t, layout in held:
-        for sc, boxes in layout.boxes.items():
-            g = groups.setdefault(_group(k, t, sc), [0, layout.holders[sc]])
-            g[0] += sum(math.prod(s) for _, s, _ in boxes) * t.element_size()
-    load: Dict[int, int] = {}
-    out: Dict[Tuple, int] = {}
-    for key, (nbytes, ranks) in sorted(groups.items(), key=lambda kv: (-kv[1][0], repr(kv[0]))):
-        r = min(ranks, key=lambda g: (load.get(g, 0), g))
-        out[key] = r
-        load[r] = load.get(r, 0) + nbytes
-    return out
 
 
 def shards_dim(p) -> bool:
@@ -211,7 +186,8 @@ def _refuse_partial(k: str, t) -> None:
 
 def _record(k: str, t, layout: "Layout") -> Union[RowBlocks, Boxes]:
     """Every rank's pieces of ``t``: row blocks where each spans the whole of the other dims, else boxes."""
-    pieces = sorted({(tuple(o), tuple(s)) for boxes in layout.boxes.values() for o, s, _ in boxes})
+    pieces = sorted({(tuple(o), tuple(s)) for parts in layout.written.values() for boxes in parts
+                     for o, s, _ in boxes})
     shape = list(t.shape)
     if pieces and t.dim() >= 1 and all(list(o[1:]) == [0] * (t.dim() - 1) and list(s[1:]) == shape[1:] for o, s in pieces):
         return RowBlocks(dtype=DTYPES[t.dtype], shape=shape, rows=[[o[0], o[0] + s[0]] for o, s in pieces])
@@ -228,12 +204,30 @@ class Layout:
         self.sharding = [d for d, p in enumerate(placements) if shards_dim(p)]
         self.boxes = boxes
         self.holders = holders
+        #: what each holder of a shard writes (by its place in ``holders``): the shard's boxes cut on their first
+        #: dim among its holders as torch.chunk splits, so that replicas share the writing and each byte is
+        #: written once
+        self.written = {sc: [_cut(bx, len(holders[sc]), i) for i in range(len(holders[sc]))]
+                        for sc, bx in boxes.items()}
 
     def shard_coord(self, coord: Tuple[int, ...]) -> Tuple[int, ...]:
         return tuple(coord[d] for d in self.sharding)
 
 
 Box = Tuple[List[int], List[int], Tuple[slice, ...]]
+
+
+def _cut(boxes: List[Box], n: int, i: int) -> List[Box]:
+    """The part ``i`` of ``n`` of each box: its rows ``shard_rows`` gives part ``i`` (a 0-dim box: part 0's)."""
+    out: List[Box] = []
+    for o, s, sl in boxes:
+        if not s:
+            out.extend([(o, s, sl)] if i == 0 else [])
+            continue
+        a, b = shard_rows(s[0], n, i)
+        if a < b:
+            out.append(([o[0] + a] + o[1:], [b - a] + s[1:], (slice(sl[0].start + a, sl[0].start + b),) + sl[1:]))
+    return out
 
 
 def layout_boxes(k: str, t) -> Layout:
