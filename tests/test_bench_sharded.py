@@ -71,3 +71,27 @@ def test_bench_sharded_tiny(tmp_path):
     assert any(line.startswith("machine: ") for line in lines) and "O_DIRECT write" in r.stdout
     _check_ratios(r.stdout)
     assert not list(tmp_path.iterdir())  # the bench cleans up after itself
+
+
+def test_bench_sharded_mesh_2x2_tiny(tmp_path):
+    # --mesh 2x2: torchrun on 4 processes, FSDP2 over dp x tensor parallel MLPs over tp; every contender on it
+    cmd = [sys.executable, "-m", "layerckpt.cli", "bench", "--sharded", "--size", "tiny", "--reps", "1", "--mesh",
+           "2x2", "--dir", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert "FSDP2 over dp=2 x tensor parallel (MLPs) over tp=2, 4 ranks" in lines[0], lines[0]
+    for name in ("layerckpt full", "layerckpt selective", "dcp.save", "dcp.async_save",
+                 "layerckpt.restore (4->4)", "dcp.load (4->4)", "layerckpt.restore 4->1", "dcp.load 4->1"):
+        row = [line for line in lines if line.startswith(name + " ")]
+        assert len(row) == 1, (name, r.stdout)
+        if "restore" in name or "load" in name:
+            assert row[0].rstrip().endswith("True"), row[0]  # every restore equal to the saved state
+        else:
+            assert len(re.findall(r"\d+\.\d+ / \d+\.\d+ / \d+\.\d+ / \d+\.\d+", row[0])) == 1, row[0]  # 4 ranks' bytes
+    full = next(line for line in lines if line.startswith("layerckpt full "))
+    written = [float(x) for x in re.search(r"(\d+\.\d+) / (\d+\.\d+) / (\d+\.\d+) / (\d+\.\d+)", full).groups()]
+    shares = [float(x) for x in re.findall(r"(\d+\.\d+)", next(
+        line for line in lines if line.startswith("each rank's share")))]
+    assert sum(written) < 0.8 * sum(shares), (written, shares)  # what the tp ranks both hold is written once
+    assert not list(tmp_path.iterdir())

@@ -7,16 +7,20 @@ through ``_codec``, which never pickles.
 """
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 import random
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from ._codec import Entries, decode, encode
 from ._layout import DTYPES
-from ._manifest import EXTRA, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RowBlocks, piece_key, rng_prefix
+from ._manifest import (EXTRA, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, Boxes, RowBlocks, box_key, param_of, piece_key,
+                        rng_prefix)
 from .errors import CheckpointError
 
 
@@ -131,39 +135,197 @@ def shard_rows(n: int, world: int, i: int) -> Tuple[int, int]:
     return min(i * per, n), min((i + 1) * per, n)
 
 
-def shard_entries(entries: Entries) -> Tuple[Entries, Dict[str, RowBlocks]]:
-    """DTensors (FSDP2's parameters and their optimizer state) become this rank's shard, keyed as the row
-    block it is of the whole tensor; returns the entries and every sharded tensor's blocks on all ranks."""
+def shard_entries(entries: Entries) -> Tuple[Entries, Dict[str, Union[RowBlocks, Boxes]]]:
+    """DTensors (FSDP2's, tensor parallel's, HSDP's parameters and their optimizer state) become the boxes of
+    the whole tensor this rank writes: its local shard's, unless another replica of it writes them.  Returns
+    the entries and every sharded tensor's pieces on all ranks: row blocks where every piece spans the whole
+    of the other dims (FSDP2 on a 1-D mesh), else boxes."""
     dt = sys.modules.get("torch.distributed.tensor")
     if dt is None:  # nothing imported it, so no tensor is a DTensor (and its import is slow)
         return entries, {}
-    DTensor, Replicate, Shard = dt.DTensor, dt.Replicate, dt.Shard
     out: Entries = []
-    shards: Dict[str, RowBlocks] = {}
+    shards: Dict[str, Union[RowBlocks, Boxes]] = {}
+    held: List[Tuple[str, Any, Layout]] = []
     for k, t in entries:
-        if not isinstance(t, DTensor):
+        if not isinstance(t, dt.DTensor):
             out.append((k, t))
             continue
-        mesh, placements = t.device_mesh, t.placements
-        if mesh.ndim == 1 and isinstance(placements[0], Replicate):
+        _refuse_partial(k, t)
+        if not any(shards_dim(p) for p in t.placements):
             out.append((k, t.to_local()))  # the same on every rank: saved once, as any other tensor
             continue
-        if mesh.ndim != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0 or t.dim() == 0:
-            raise CheckpointError(
-                f"{k} is a DTensor with placements {placements} on a {mesh.ndim}-D mesh; layerckpt saves "
-                f"DTensors sharded on dim 0 of a 1-D mesh (FSDP2's fully_shard) or replicated")
-        world, me = mesh.size(), mesh.get_local_rank()
+        layout = layout_boxes(k, t)
+        shards[k] = _record(k, t, layout)
+        held.append((k, t, layout))
+    me = torch.distributed.get_rank() if held else 0
+    for k, t, layout in held:
+        sc = layout.shard_coord(tuple(t.device_mesh.get_coordinate() or ()))
         local = t.to_local()
-        a, b = shard_rows(t.shape[0], world, me)
-        if tuple(local.shape) != (b - a, *t.shape[1:]):
-            raise CheckpointError(
-                f"{k}: this rank's shard has shape {tuple(local.shape)}, not rows {a}:{b} of {tuple(t.shape)} as "
-                f"torch.chunk would split it (padded or uneven sharding is not supported)")
-        rows = [list(r) for r in (shard_rows(t.shape[0], world, i) for i in range(world)) if r[0] < r[1]]
-        shards[k] = RowBlocks(dtype=DTYPES[t.dtype], shape=list(t.shape), rows=rows)
-        if a < b:
-            out.append((piece_key(k, a, b), local))
+        for offsets, sizes, sl in layout.written[sc][layout.holders[sc].index(me)]:
+            piece = local[sl] if sl else local
+            key = (piece_key(k, offsets[0], offsets[0] + sizes[0]) if isinstance(shards[k], RowBlocks)
+                   else box_key(k, offsets, sizes))
+            out.append((key, piece if piece.is_contiguous() else piece.contiguous()))
     return out, shards
+
+
+def shards_dim(p) -> bool:
+    """Whether the placement ``p`` shards a tensor dim: ``Shard(d)``, or ``_StridedShard`` (which is no Shard)."""
+    return p.is_shard() or (not p.is_replicate() and not p.is_partial() and hasattr(p, "dim")
+                            and hasattr(p, "_split_tensor"))
+
+
+def _refuse_partial(k: str, t) -> None:
+    bad = [p for p in t.placements if p.is_partial()]
+    if bad:
+        raise CheckpointError(
+            f"{k} is a DTensor with placements {t.placements}: a Partial placement holds summands of the tensor, "
+            f"not its values, and has no saved meaning; reduce it first (e.g. t.redistribute(placements=[Replicate()"
+            f" or Shard(d) ...]) or full_tensor()) before saving")
+
+
+def _record(k: str, t, layout: "Layout") -> Union[RowBlocks, Boxes]:
+    """Every rank's pieces of ``t``: row blocks where each spans the whole of the other dims, else boxes."""
+    pieces = sorted({(tuple(o), tuple(s)) for parts in layout.written.values() for boxes in parts
+                     for o, s, _ in boxes})
+    shape = list(t.shape)
+    if pieces and t.dim() >= 1 and all(list(o[1:]) == [0] * (t.dim() - 1) and list(s[1:]) == shape[1:] for o, s in pieces):
+        return RowBlocks(dtype=DTYPES[t.dtype], shape=shape, rows=[[o[0], o[0] + s[0]] for o, s in pieces])
+    return Boxes(dtype=DTYPES[t.dtype], shape=shape, boxes=[[list(o), list(s)] for o, s in pieces])
+
+
+class Layout:
+    """Where the shards of a DTensor lie: for each coordinate on the mesh's sharding dims, the boxes of the whole
+    tensor its local tensor holds, ``(offsets, sizes, local slices)``, and the global ranks holding them (the
+    replicas: the mesh's other dims, and the copies of the mesh a parameter sharded over a slice of a bigger mesh
+    has, FSDP2's dp dim beside a tensor parallel dim)."""
+
+    def __init__(self, placements, boxes: Dict[Tuple[int, ...], List[Box]], holders: Dict[Tuple[int, ...], List[int]]):
+        self.sharding = [d for d, p in enumerate(placements) if shards_dim(p)]
+        self.boxes = boxes
+        self.holders = holders
+        #: what each holder of a shard writes (by its place in ``holders``): the shard's boxes cut on their first
+        #: dim among its holders as torch.chunk splits, so that replicas share the writing and each byte is
+        #: written once
+        self.written = {sc: [_cut(bx, len(holders[sc]), i) for i in range(len(holders[sc]))]
+                        for sc, bx in boxes.items()}
+
+    def shard_coord(self, coord: Tuple[int, ...]) -> Tuple[int, ...]:
+        return tuple(coord[d] for d in self.sharding)
+
+
+Box = Tuple[List[int], List[int], Tuple[slice, ...]]
+
+
+def _cut(boxes: List[Box], n: int, i: int) -> List[Box]:
+    """The part ``i`` of ``n`` of each box: its rows ``shard_rows`` gives part ``i`` (a 0-dim box: part 0's)."""
+    out: List[Box] = []
+    for o, s, sl in boxes:
+        if not s:
+            out.extend([(o, s, sl)] if i == 0 else [])
+            continue
+        a, b = shard_rows(s[0], n, i)
+        if a < b:
+            out.append(([o[0] + a] + o[1:], [b - a] + s[1:], (slice(sl[0].start + a, sl[0].start + b),) + sl[1:]))
+    return out
+
+
+def layout_boxes(k: str, t) -> Layout:
+    """The :class:`Layout` of the DTensor ``t`` (its placements applied to index ranges, as DTensor applies them
+    to the tensor: ``_StridedShard`` resolved to the boxes each rank really holds); this rank's local tensor
+    checked to be the shard it computes."""
+    mesh, placements = t.device_mesh, t.placements
+    order = _order(t)
+    layout = _layout(tuple(t.shape), mesh, tuple(placements), None if order is None else tuple(
+        (d, tuple(ms)) for d, ms in sorted(order.items())))
+    me = mesh.get_coordinate()
+    if me is not None:
+        held = layout.boxes[layout.shard_coord(tuple(me))]  # a grid of boxes covering the local tensor
+        local = tuple(t.to_local().shape)
+        if (local != tuple(max(sl[d].stop for _, _, sl in held) for d in range(t.dim()))) if held else math.prod(local):
+            raise CheckpointError(
+                f"{k}: this rank's shard has shape {tuple(t.to_local().shape)}, not the one its placements "
+                f"{placements} on a mesh of shape {tuple(mesh.shape)} cut from {tuple(t.shape)} (padded or uneven "
+                f"sharding other than torch.chunk's is not supported)")
+    return layout
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(gshape: Tuple[int, ...], mesh, placements: tuple, order) -> Layout:
+    """Every shard coordinate's boxes and holders (a save's weights and optimizer states share one computation)."""
+    shape = tuple(mesh.shape)
+    sharding = [d for d, p in enumerate(placements) if shards_dim(p)]
+    boxes: Dict[Tuple[int, ...], List[Box]] = {}
+    for sc in itertools.product(*(range(shape[d]) for d in sharding)):
+        coord = [0] * len(shape)
+        for d, c in zip(sharding, sc):
+            coord[d] = c
+        boxes[sc] = _boxes_at(list(gshape), shape, coord, placements, None if order is None else dict(order))
+    holders: Dict[Tuple[int, ...], List[int]] = {sc: [] for sc in boxes}
+    for copy in _copies(mesh):
+        for coord in itertools.product(*map(range, shape)):
+            holders[tuple(coord[d] for d in sharding)].append(int(copy[coord]))
+    return Layout(placements, boxes, {sc: sorted(r) for sc, r in holders.items()})
+
+
+def _copies(mesh) -> List[torch.Tensor]:
+    """The global ranks of ``mesh`` and of each copy of it in its root mesh (the root's dims along which the
+    mesh's ranks all sit at one coordinate are the dims it was sliced out of), each shaped as the mesh."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
+    if root is None or root.size() == mesh.size():
+        return [mesh.mesh]
+    full = root.mesh
+    coords = [(full == r).nonzero()[0].tolist() for r in mesh.mesh.flatten().tolist()]
+    fixed = [d for d in range(full.dim()) if len({c[d] for c in coords}) == 1]
+    if math.prod(full.shape[d] for d in fixed) * mesh.size() != root.size():
+        raise CheckpointError(
+            f"a DTensor is on a mesh of ranks {mesh.mesh.flatten().tolist()} that is not a slice of its root mesh "
+            f"{full.tolist()}; layerckpt cannot tell which copy of it writes its shards: shard it over a slice of "
+            f"the root mesh (mesh['dp']) or the root mesh itself")
+    out = []
+    for at in itertools.product(*(range(full.shape[d]) for d in fixed)):
+        ranks = []
+        for c in coords:
+            c = list(c)
+            for d, x in zip(fixed, at):
+                c[d] = x
+            ranks.append(int(full[tuple(c)]))
+        out.append(torch.tensor(ranks).reshape(mesh.mesh.shape))
+    return out
+
+
+def _order(t) -> Optional[Dict[int, List[int]]]:
+    """Tensor dim -> the mesh dims sharding it, in the order they apply, where the DTensor records an order
+    (without ``_StridedShard``); None: left to right, as ``_StridedShard`` placements are written."""
+    spec = getattr(t, "_spec", None)
+    order = getattr(spec, "shard_order", None)
+    if not order:
+        return None
+    return {e.tensor_dim: list(e.mesh_dims) for e in order}
+
+
+def _boxes_at(gshape: List[int], mesh_shape, coord, placements, order) -> List[Box]:
+    """The boxes of the whole tensor that the rank at ``coord`` holds, each with where it lies in the rank's local
+    tensor."""
+    runs = []
+    for dim, n in enumerate(gshape):
+        idx = torch.arange(n).reshape([n if i == dim else 1 for i in range(len(gshape))])  # split as the tensor
+        mesh_dims = order.get(dim, []) if order is not None else [
+            d for d, p in enumerate(placements) if shards_dim(p) and p.dim == dim]
+        for d in mesh_dims:
+            idx = placements[d]._split_tensor(idx, mesh_shape[d], with_padding=False)[0][coord[d]]
+        runs.append(_runs(idx.reshape(-1)))
+    return [([g for _, g, _ in combo], [n for _, _, n in combo], tuple(slice(i, i + n) for i, _, n in combo))
+            for combo in itertools.product(*runs)]
+
+
+def _runs(idx: torch.Tensor) -> List[Tuple[int, int, int]]:
+    """(local start, global start, length) of each run of consecutive global indices (none if ``idx`` is empty)."""
+    if idx.numel() == 0:
+        return []
+    starts = [0] + (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
+    ends = starts[1:] + [idx.numel()]
+    return [(a, g, b - a) for a, b, g in zip(starts, ends, idx[starts].tolist())]
 
 
 def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Optional[dict],

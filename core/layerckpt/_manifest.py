@@ -3,16 +3,19 @@
 A manifest is a *composite*: for every layer it names the step and file of the
 layer's newest persisted version, and for every tensor where its bytes are.
 On disk it is JSON (``manifests/step-N.json``).  Format version 2 adds ``enc`` to a tensor entry
-(how its bytes are encoded, ``_encode``); a version 1 manifest reads unchanged.
+(how its bytes are encoded, ``_encode``); version 3 adds ``boxes`` (tensors stored as boxes of the whole
+tensor: DTensor shards of any layout), written only by a save that has such a tensor; version 1 and 2
+manifests read unchanged.
 
 Tensor keys in a checkpoint have fixed prefixes, named here and nowhere else:
 ``model/<state_dict name>``, ``optim/<parameter name>/<state key>``,
 ``optim_groups/<i>/...``, ``rng/...`` (``rng.rankN/...`` for other ranks),
 ``extra/...`` and ``model_other/...``; ``<key>#rows=<a>:<b>`` is a row block of a tensor
-(see ``_blocks``).
+(see ``_blocks``), ``<key>#box=<o0>,<o1>,...:<s0>,<s1>,...`` the box at offsets ``o`` with sizes ``s``.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
 import dataclasses
@@ -21,14 +24,15 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ._layout import CODES, ITEMSIZE
 from ._json import load_strict, loads_strict  # noqa: F401 - loads_strict: the JSON reader of every store file
 from .errors import CheckpointCorruptError
 
 FORMAT_NAME = "layerckpt"
-FORMAT_VERSION = 2  # 2: tensors may be encoded (TensorEntry.enc); version 1 manifests read unchanged
+FORMAT_VERSION = 3  # 2: tensors may be encoded (TensorEntry.enc); 3: tensors stored as boxes (Manifest.boxes)
+_BOXES_VERSION = 3  # the version a manifest with boxes is written as; without, 2
 
 MODEL = "model/"
 OPTIM = "optim/"
@@ -38,6 +42,8 @@ EXTRA = "extra"
 MODEL_OTHER = "model_other"
 ROWS = "#rows="  # <key>#rows=<a>:<b>: rows [a, b) of a tensor stored in row blocks
 _PIECE = re.compile(r"^(.*)#rows=(\d+):(\d+)$")
+BOX = "#box="  # <key>#box=<offsets>:<sizes>: the box of a tensor stored in boxes
+_BOX = re.compile(r"^(.*)#box=(\d*(?:,\d+)*):(\d*(?:,\d+)*)$")
 
 
 def model_key(name: str) -> str:
@@ -71,6 +77,28 @@ def split_piece(key: str) -> Tuple[str, Optional[Tuple[int, int]]]:
     if m is None:
         return key, None
     return m.group(1), (int(m.group(2)), int(m.group(3)))
+
+
+def box_key(key: str, offsets: List[int], sizes: List[int]) -> str:
+    """The key of the box of a tensor at ``offsets`` with ``sizes`` (one of each per dim)."""
+    return f"{key}{BOX}{','.join(map(str, offsets))}:{','.join(map(str, sizes))}"
+
+
+def piece_base(key: str) -> Tuple[str, str]:
+    """(the whole tensor's key, the piece suffix) of a row-block or box key; (key, "") for any other key."""
+    for pattern in (_PIECE, _BOX):
+        m = pattern.match(key)
+        if m is not None:
+            return m.group(1), key[len(m.group(1)):]
+    return key, ""
+
+
+def shard_pieces(rec: "Union[RowBlocks, Boxes]", key: str) -> List[Tuple[str, List[int], List[int]]]:
+    """(piece key, offsets, sizes) of every stored piece of a tensor held as row blocks or as boxes."""
+    if isinstance(rec, Boxes):
+        return [(box_key(key, o, s), list(o), list(s)) for o, s in rec.boxes]
+    rest = list(rec.shape[1:])
+    return [(piece_key(key, a, b), [a] + [0] * len(rest), [b - a] + rest) for a, b in rec.rows]
 
 
 def row_pieces(blocks: Dict[str, "RowBlocks"], key: str) -> List[Tuple[str, int, int]]:
@@ -135,6 +163,15 @@ class RowBlocks:
 
 
 @dataclass
+class Boxes:
+    """A tensor stored as boxes (a DTensor's shards, any layout): each box, ``[offsets, sizes]`` (one of each
+    per dim), is the tensor entry ``<key>#box=<offsets>:<sizes>``; the boxes cover the tensor without overlap."""
+    dtype: str  # safetensors dtype code
+    shape: List[int]  # the whole tensor's
+    boxes: List[List[List[int]]]
+
+
+@dataclass
 class Manifest:
     step: int
     world_size: int
@@ -156,6 +193,7 @@ class Manifest:
     loss: Optional[float] = None  # the training loss passed to save()
     name: Optional[str] = None  # a name given at save(), e.g. LayerCheckpoint's templated filename
     blocks: Optional[Dict[str, RowBlocks]] = None  # tensors stored as row blocks (see ``_blocks``), by key
+    boxes: Optional[Dict[str, Boxes]] = None  # tensors stored as boxes (DTensor shards of any layout), by key
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -182,16 +220,21 @@ class Manifest:
         return self.cost / abs(self.loss)
 
     def logical_keys(self) -> List[str]:
-        """Every tensor key, a tensor stored in row blocks named once by its own key."""
-        blocks = self.blocks or {}
-        parts = {pk for k in blocks for pk, _, _ in row_pieces(blocks, k)}
-        return [k for k in self.tensors if k not in parts] + list(blocks)
+        """Every tensor key, a tensor stored in row blocks or boxes named once by its own key."""
+        stored = {**(self.blocks or {}), **(self.boxes or {})}
+        parts = {pk for k, rec in stored.items() for pk, _, _ in shard_pieces(rec, k)}
+        return [k for k in self.tensors if k not in parts] + list(stored)
+
+    def pieces(self, key: str) -> Optional[List[Tuple[str, List[int], List[int]]]]:
+        """(piece key, offsets, sizes) of every piece of a tensor stored in row blocks or boxes, else None."""
+        rec = (self.blocks or {}).get(key) or (self.boxes or {}).get(key)
+        return None if rec is None else shard_pieces(rec, key)
 
     def describe(self, key: str) -> Optional[Tuple[str, List[int]]]:
-        """(dtype code, shape) of a tensor key, whole or in row blocks; None if there is no such tensor."""
-        if self.blocks and key in self.blocks:
-            b = self.blocks[key]
-            return b.dtype, list(b.shape)
+        """(dtype code, shape) of a tensor key, whole or in pieces; None if there is no such tensor."""
+        rec = (self.blocks or {}).get(key) or (self.boxes or {}).get(key)
+        if rec is not None:
+            return rec.dtype, list(rec.shape)
         e = self.tensors.get(key)
         return None if e is None else (e.dtype, list(e.shape))
 
@@ -209,6 +252,11 @@ class Manifest:
         d = dataclasses.asdict(self)
         if d["rng_ranks"] is None:
             del d["rng_ranks"]
+        if d["boxes"] is None:  # readable by the layerckpt that wrote version 2
+            del d["boxes"]
+            d["version"] = min(d["version"], _BOXES_VERSION - 1)
+        else:  # a reader that does not know boxes refuses it instead of reading its pieces as tensors
+            d["version"] = max(d["version"], _BOXES_VERSION)
         return d
 
     def to_json(self) -> bytes:
@@ -224,7 +272,9 @@ class Manifest:
         rest = {k: m[k] for k in _OTHER_FIELDS if k in m}
         if rest.get("blocks") is not None:
             rest["blocks"] = _read_blocks(rest["blocks"], tensors, path)
-        known = set(tensors) | set(rest.get("blocks") or {})
+        if rest.get("boxes") is not None:
+            rest["boxes"] = _read_boxes(rest["boxes"], tensors, set(rest.get("blocks") or {}), path)
+        known = set(tensors) | set(rest.get("blocks") or {}) | set(rest.get("boxes") or {})
         _check_other(rest, path, known)
         _check_model(m["model"], path, known)
         return cls(step=m["step"], world_size=m["world_size"], files=files, tensors=tensors, layers=layers,
@@ -457,6 +507,72 @@ def _read_blocks(blocks: Any, tensors: Dict[str, TensorEntry], path: str) -> Dic
                     f"manifest {path}: block {pk!r} of tensor {key!r} is missing or has the wrong dtype or shape",
                     path=path, tensor=pk)
     return out
+
+
+def _read_boxes(boxes: Any, tensors: Dict[str, TensorEntry], rows: set, path: str) -> Dict[str, Boxes]:
+    """Each tensor stored as boxes: its boxes lie inside its shape and cover it without overlap, each one
+    listed as a tensor entry of the dtype and the box's sizes."""
+    if not isinstance(boxes, dict):
+        raise _corrupt(path, "'boxes' is not a mapping")
+    out = {}
+    for key, b in boxes.items():
+        rec = _box_record(key, b, path)
+        if key in rows or key in tensors:
+            raise _corrupt(path, f"tensor {key!r} is stored as boxes and also otherwise", tensor=key)
+        _check_cover(key, rec, path)
+        for pk, _, sizes in shard_pieces(rec, key):
+            e = tensors.get(pk)
+            if e is None or e.dtype != rec.dtype or e.shape != sizes:
+                raise _corrupt(path, f"box {pk!r} of tensor {key!r} is missing or has the wrong dtype or shape",
+                               tensor=pk)
+        out[key] = rec
+    return out
+
+
+def _box_record(key: str, b: Any, path: str) -> Boxes:
+    """One ``boxes`` record, its fields of their types: every box [offsets, sizes] inside the shape."""
+    ok = (isinstance(b, dict) and b.get("dtype") in CODES and isinstance(b.get("shape"), list)
+          and len(b["shape"]) <= MAX_DIMS and all(_is_int(s) for s in b["shape"])
+          and isinstance(b.get("boxes"), list) and len(b["boxes"]) <= MAX_WORLD)
+    nd = len(b["shape"]) if ok else 0
+    for box in b["boxes"] if ok else []:
+        ok = (isinstance(box, list) and len(box) == 2 and all(
+            isinstance(v, list) and len(v) == nd and all(_is_int(x) for x in v) for v in box)
+              and all(s >= 1 and o + s <= n for o, s, n in zip(box[0], box[1], b["shape"])))
+        if not ok:
+            raise _corrupt(path, f"tensor {key!r} has a malformed box {_short(box)} (offsets and sizes per dim, "
+                                 f"each box non-empty and inside the shape {_short(b['shape'])})", tensor=key)
+    if not ok:
+        raise _corrupt(path, f"the boxes of tensor {key!r} are malformed", tensor=key)
+    return Boxes(dtype=b["dtype"], shape=list(b["shape"]), boxes=[[list(o), list(s)] for o, s in b["boxes"]])
+
+
+#: cells of the grid a tensor's box edges cut it into that a manifest's boxes may make: far above any real layout
+#: (a grid partition makes as many cells as boxes), far below what checking them takes long for
+MAX_CELLS = 1 << 22
+
+
+def _check_cover(key: str, rec: Boxes, path: str) -> None:
+    """The boxes do not overlap and their volumes add up to the tensor's: together they cover it once.  Each box
+    is painted onto the grid of cells its edges cut the tensor into, refused where it meets a painted cell: work
+    bounded by the cells, whatever the boxes."""
+    import numpy as np
+
+    if sum(math.prod(s) for _, s in rec.boxes) != math.prod(rec.shape):
+        raise _corrupt(path, f"the boxes of tensor {key!r} do not add up to its shape {rec.shape}", tensor=key)
+    if len(rec.boxes) < 2 or not rec.shape:
+        return
+    edges = [sorted({x for o, s in rec.boxes for x in (o[d], o[d] + s[d])}) for d in range(len(rec.shape))]
+    cells = math.prod(len(e) - 1 for e in edges)
+    if cells > MAX_CELLS:
+        raise _corrupt(path, f"the {len(rec.boxes)} boxes of tensor {key!r} cut it into {cells} cells, more than "
+                             f"the {MAX_CELLS} a layout makes", tensor=key)
+    grid = np.zeros([len(e) - 1 for e in edges], dtype=bool)
+    for o, s in rec.boxes:
+        at = tuple(slice(bisect.bisect_left(e, o[d]), bisect.bisect_left(e, o[d] + s[d])) for d, e in enumerate(edges))
+        if grid[at].any():
+            raise _corrupt(path, f"the box {[o, s]} of tensor {key!r} overlaps another", tensor=key)
+        grid[at] = True
 
 
 _parsed: "contextvars.ContextVar[Optional[Dict[Tuple[str, int, int, int], Manifest]]]" = contextvars.ContextVar(

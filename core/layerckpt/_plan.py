@@ -18,7 +18,7 @@ import dataclasses
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -27,8 +27,8 @@ from ._codec import Entries
 from ._exact import Fingerprint, Fingerprints, fingerprint
 from ._layers import LayerSpec, group_layers
 from ._layout import CODES, ITEMSIZE
-from ._manifest import (ROWS, FileEntry, LayerEntry, Manifest, RowBlocks, TensorEntry, is_rng, model_name,
-                        param_of, piece_key, row_pieces, split_piece)
+from ._manifest import (ROWS, Boxes, FileEntry, LayerEntry, Manifest, RowBlocks, TensorEntry, is_rng, model_name,
+                        param_of, piece_base, shard_pieces)
 from ._dist import Group
 from ._track import DriftTracker, Measure, Views, combine
 from .config import Config
@@ -132,8 +132,8 @@ class Selector:
                  group: Optional[Group] = None):
         self.model = model
         self.group = group if group is not None else Group(enabled=False)
-        self._shards: Dict[str, RowBlocks] = {}
-        self._shard_pieces: List[Tuple[str, str, int, int]] = []
+        self._shards: Dict[str, Union[RowBlocks, Boxes]] = {}
+        self._shard_pieces: List[Tuple[str, str, List[int]]] = []
         self.config = config
         self.spec = layers if layers is not None else config.layers
         self.tracker = DriftTracker(config.drift_sample)
@@ -149,15 +149,16 @@ class Selector:
         self._prev_shapes: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = {}
 
     @property
-    def shards(self) -> Dict[str, RowBlocks]:
-        """Tensors sharded over the ranks (DTensors), as row blocks: every rank's shard, by key (set per save)."""
+    def shards(self) -> Dict[str, Union[RowBlocks, Boxes]]:
+        """Tensors sharded over the ranks (DTensors), as row blocks or boxes: every rank's pieces, by key (set
+        per save)."""
         return self._shards
 
     @shards.setter
-    def shards(self, shards: Dict[str, RowBlocks]) -> None:
+    def shards(self, shards: Dict[str, Union[RowBlocks, Boxes]]) -> None:
         self._shards = shards
-        #: (tensor key, shard key, first row, end row) of every rank's shard of every sharded tensor
-        self._shard_pieces = [(key, pk, a, z) for key in shards for pk, a, z in row_pieces(shards, key)]
+        #: (tensor key, piece key, piece sizes) of every rank's pieces of every sharded tensor
+        self._shard_pieces = [(key, pk, s) for key, rec in shards.items() for pk, _, s in shard_pieces(rec, key)]
 
     @property
     def full(self) -> bool:
@@ -189,17 +190,17 @@ class Selector:
         """Each entry key's layer, and each layer's keys (cached while the keys and layers stay the same).
         A row block of an embedding table is a layer of its own, ``<layer>#rows=<a>:<b>``; the shards of a
         sharded tensor belong to its layer."""
-        split = [split_piece(k) for k in keys]
+        split = [piece_base(k) for k in keys]
         owner = self.owners(tuple(dict.fromkeys(n for n in (model_name(b) for b, _ in split) if n is not None)))
         if self._keys is None or self._keys[0] != (keys, id(owner)):
             key_layer: Dict[str, str] = {}
             layer_keys: Dict[str, List[str]] = {}
-            for k, (base, rows) in zip(keys, split):
+            for k, (base, piece) in zip(keys, split):
                 p = param_of(base)
                 layer = owner.get(p) if p is not None else None
                 if layer is not None:
                     # a row block of a table is a layer of its own; a rank's shard is part of its layer
-                    layer = layer if rows is None or base in self._shards else piece_key(layer, *rows)
+                    layer = layer if not piece or base in self._shards else layer + piece
                     key_layer[k] = layer
                     layer_keys.setdefault(layer, []).append(k)
             self._keys = ((keys, id(owner)), key_layer, layer_keys)
@@ -212,39 +213,37 @@ class Selector:
         local = tuple(k for k, _ in entries)
         have = set(local)
         # every rank sees the same layers, with the same keys: the other ranks' shards too
-        key_layer, layer_keys = self._key_layers(local + tuple(pk for _, pk, _, _ in self._shard_pieces
+        key_layer, layer_keys = self._key_layers(local + tuple(pk for _, pk, _ in self._shard_pieces
                                                                if pk not in have))
         weights: Dict[str, Dict[str, torch.Tensor]] = {}
         grads: Dict[str, Dict[str, torch.Tensor]] = {}
         nbytes: Dict[str, int] = {}
         held: Dict[str, Dict[str, Tuple[torch.Tensor, Optional[str]]]] = {}
-        for key, pk, a, z in self._shard_pieces:  # a sharded layer's bytes are every rank's shards
-            b = self._shards[key]
+        for key, pk, sizes in self._shard_pieces:  # a sharded layer's bytes are every rank's shards
             if pk in key_layer:
-                row = math.prod(b.shape[1:]) * ITEMSIZE[b.dtype]
-                nbytes[key_layer[pk]] = nbytes.get(key_layer[pk], 0) + (z - a) * row
+                nbytes[key_layer[pk]] = nbytes.get(key_layer[pk], 0) + math.prod(sizes) * ITEMSIZE[
+                    self._shards[key].dtype]
         for k, t in entries:
             layer = key_layer.get(k)
             if layer is None:
                 continue
-            base, rows = split_piece(k)
+            base, piece = piece_base(k)
             if base not in self._shards:
                 nbytes[layer] = nbytes.get(layer, 0) + t.numel() * t.element_size()
             name = model_name(base)
             if name is not None:
-                name = name if rows is None else piece_key(name, *rows)
+                name = name + piece
                 weights.setdefault(layer, {})[name] = t
             elif base.rsplit("/", 1)[-1] in GRAD_AVERAGE:
                 p = param_of(base)
-                grads.setdefault(layer, {})[p if rows is None else piece_key(p, *rows)] = t
+                grads.setdefault(layer, {})[p + piece] = t
             held.setdefault(layer, {})[k] = (t, name)
         return key_layer, layer_keys, weights, grads, nbytes, held
 
     def _shapes(self, entries: Entries) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]:
         shapes = {k: (t.dtype, tuple(t.shape)) for k, t in entries}
-        for key, pk, a, z in self._shard_pieces:
-            b = self._shards[key]
-            shapes.setdefault(pk, (CODES[b.dtype], (z - a, *b.shape[1:])))
+        for key, pk, sizes in self._shard_pieces:
+            shapes.setdefault(pk, (CODES[self._shards[key].dtype], tuple(sizes)))
         return shapes
 
     def _measure_across_ranks(self, layers, measures: Dict[str, Measure], proof: Dict[str, Tuple[bool, bool]]
@@ -314,7 +313,7 @@ class Selector:
         persist = {layer for layer, why in reasons.items() if why in policy.WRITE or why in (NEW, "full")}
         # a sharded layer is written by every rank, each its own shards (its unsharded tensors, such as
         # an optimizer's step count, by rank 0); any other layer by one rank, balanced by bytes
-        shard_keys = {pk for _, pk, _, _ in self._shard_pieces}
+        shard_keys = {pk for _, pk, _ in self._shard_pieces}
         sharded = {key_layer[pk] for pk in shard_keys if pk in key_layer}
         owner_rank = assign(persist - sharded, nbytes, world)
         layers, carried, deferred = _compose(prev, layer_keys, states, reasons, persist, owner_rank, nbytes,

@@ -2,8 +2,9 @@
 
 ``restore`` and ``read_checkpoint`` open a :class:`Reader` on a local view
 (``_fetch.view``: the directory itself, its memory tier's folder, or a remote
-composite downloaded) and read from it once.  A tensor stored in row blocks
-comes back whole, or only the rows a rank's shard takes; model tensors are read
+composite downloaded) and read from it once.  A tensor stored in pieces (row
+blocks, or boxes of any DTensor layout) comes back whole, or only the boxes a
+rank's shard takes, each copied from the pieces overlapping it; model tensors are read
 straight into their memory through a few reused bounce buffers, everything else
 into one fresh buffer per file (``_read``).  A damaged tensor or file is
 reported with the layer, and the step, it belongs to.
@@ -23,9 +24,9 @@ from . import _store
 from ._backend import checksum_function, make_backend
 from ._fetch import View
 from ._flush import wait_for_saves
-from ._gather import shard_rows
+from ._gather import layout_boxes, shard_rows, shards_dim
 from ._layout import CODES
-from ._manifest import Manifest, load_manifest, row_pieces
+from ._manifest import Manifest, load_manifest
 from ._encread import read_encoded
 from ._read import MissingDataError, Want, read_into, read_views
 from ._stage import BufferPool
@@ -99,7 +100,7 @@ class Reader:
         self._backend = None
         self._pool: Optional[BufferPool] = None
 
-    def tensors(self, keys: List[str], windows: Optional[Dict[str, Tuple[int, int]]] = None) -> Dict[str, torch.Tensor]:
+    def tensors(self, keys: List[str], windows: Optional[Dict[str, "Window"]] = None) -> Dict[str, torch.Tensor]:
         """The named tensors in fresh memory (see :func:`read_tensors`)."""
         with self._naming_layers():
             out, n = read_tensors(self.root, self.m, self.mpath, keys, self.backend, self.check, self.cfg, windows)
@@ -107,16 +108,17 @@ class Reader:
         return out
 
     def into(self, pairs: Sequence[Tuple[str, torch.Tensor]]) -> None:
-        """Each (key, tensor) pair's stored tensor read straight into the tensor's memory (a DTensor's: its
-        shard's rows); a tensor that cannot be written in place is read into a flat copy, then copied."""
+        """Each (key, tensor) pair's stored tensor read straight into the tensor's memory (a DTensor's: the boxes
+        of the whole tensor its shard holds); a tensor that cannot be written in place is read into a
+        contiguous copy, then copied."""
         targets = []
         copy_back = []
         for key, dest in pairs:
-            t, a, b = local_rows(dest)
-            flat = _flat_target(t)
-            if not t.is_contiguous():
-                copy_back.append((t, flat))
-            targets.append((key, flat.view(t.dtype).reshape(t.shape), a, b))
+            t = dest.to_local().detach() if hasattr(dest, "to_local") else dest.detach()
+            work = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+            if work is not t:
+                copy_back.append((t, work))
+            targets.extend((key, work[sl] if sl else work, o, z) for o, z, sl in local_boxes(dest))
         if self._pool is None:
             self._pool = BufferPool(self.cfg.chunk_bytes, self.cfg.chunk_bytes * min(4, self.cfg.queue_depth))
         with self._naming_layers():
@@ -124,8 +126,8 @@ class Reader:
                                  self.cfg)
         self.bytes_read += n
         with torch.no_grad():
-            for t, flat in copy_back:
-                t.copy_(flat.view(t.dtype).reshape(t.shape))
+            for t, work in copy_back:
+                t.copy_(work)
 
     @property
     def backend(self):
@@ -153,25 +155,32 @@ class Reader:
             self._pool.close()
 
 
+#: a shard to read a tensor into: (its local shape, its boxes ``(offsets, sizes, local slices)`` of the whole)
+Window = Tuple[Tuple[int, ...], List[Tuple[List[int], List[int], Tuple[slice, ...]]]]
+
+
 def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, check, cfg: Config,
-                 windows: Optional[Dict[str, Tuple[int, int]]] = None) -> Tuple[Dict[str, torch.Tensor], int]:
+                 windows: Optional[Dict[str, Window]] = None) -> Tuple[Dict[str, torch.Tensor], int]:
     """Read the named tensors of manifest ``m`` (file by file, checksums verified); a tensor stored in
-    row blocks comes back whole, or, for a key in ``windows``, only its rows [a, b) (e.g. this rank's
-    shard), read from the blocks that hold them."""
+    pieces (row blocks, boxes) comes back whole, or, for a key in ``windows``, only the shard the window
+    names (e.g. this rank's), read from the pieces that overlap it."""
     windows = windows or {}
     check_claims(root, m, mpath, keys)
     out: Dict[str, torch.Tensor] = {}
-    targets: List[Tuple[str, torch.Tensor, int, int]] = []
+    targets: List[Tuple[str, torch.Tensor, List[int], List[int]]] = []
     plain: List[str] = []
     for k in keys:
         desc = m.describe(k)
         if desc is None:
             raise CheckpointCorruptError(f"manifest {mpath} refers to tensor {k!r} but has no entry for it",
                                          path=mpath, tensor=k)
-        if k in (m.blocks or {}) or k in windows:
-            a, b = windows.get(k, (0, desc[1][0] if desc[1] else 1))
-            out[k] = t = torch.empty([b - a, *desc[1][1:]], dtype=CODES[desc[0]])
-            targets.append((k, t, a, b))
+        if k in windows:
+            shape, boxes = windows[k]
+            out[k] = t = torch.empty(shape, dtype=CODES[desc[0]])
+            targets.extend((k, t[sl] if sl else t, o, z) for o, z, sl in boxes)
+        elif m.pieces(k) is not None:
+            out[k] = t = torch.empty(desc[1], dtype=CODES[desc[0]])
+            targets.append((k, t, [0] * len(desc[1]), list(desc[1])))
         else:
             plain.append(k)
     pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * min(4, cfg.queue_depth))  # bounce buffers
@@ -187,10 +196,10 @@ def check_claims(root: str, m: Manifest, mpath: str, keys: List[str]) -> None:
     """Before any memory is allocated for them: every file holding the named tensors is a regular file as big
     as the manifest says (whose entries were checked to lie inside those sizes), so a damaged manifest's 4 TB
     tensor is refused by name instead of asked of the allocator."""
-    blocks = m.blocks or {}
     by_file: Dict[str, List[str]] = {}
     for k in keys:
-        for pk in [p for p, _, _ in row_pieces(blocks, k)] if k in blocks else [k] if k in m.tensors else []:
+        pieces = m.pieces(k)
+        for pk in [p for p, _, _ in pieces] if pieces is not None else [k] if k in m.tensors else []:
             by_file.setdefault(m.tensors[pk].file, []).append(pk)
     for fname, held in sorted(by_file.items()):
         path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
@@ -218,12 +227,12 @@ def _end(e) -> int:
 
 def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str], backend, pool, check,
                   cfg: Config) -> Tuple[Dict[str, torch.Tensor], int]:
-    """Read the ``plain`` keys into fresh memory, and each target's rows (see :func:`_route`) into the
+    """Read the ``plain`` keys into fresh memory, and each target's box (see :func:`_route`) into the
     target, file by file; returns the fresh tensors and the bytes read."""
     direct, partial = _route(m, targets)
     by_file: Dict[str, List[Want]] = {}
     encoded: List[str] = []
-    for k in list(dict.fromkeys(plain + sorted({src for src, _, _, _ in partial}))) + list(direct):
+    for k in list(dict.fromkeys(plain + sorted({src for src, _, _ in partial}))) + list(direct):
         if m.tensors[k].enc is not None:
             encoded.append(k)
         else:
@@ -249,43 +258,55 @@ def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str],
     return read, total
 
 
-def _route(m: Manifest, targets) -> Tuple[Dict[str, torch.Tensor], List[Tuple[str, torch.Tensor, int, int]]]:
-    """Where each stored block of the targets goes: straight into the target's rows where the block lies
-    inside them (``direct``: block key -> byte view), else read whole and its overlap copied
-    (``partial``: (stored key, target rows view, first stored row, end stored row))."""
+def _route(m: Manifest, targets) -> Tuple[Dict[str, torch.Tensor], List[Tuple[str, torch.Tensor, Tuple[slice, ...]]]]:
+    """Where each stored piece of the targets (key, tensor, offsets, sizes: the box of the whole tensor the
+    tensor takes) goes: straight into the target's memory where the piece lies inside it as one run of its
+    bytes (``direct``: piece key -> byte view), else read whole and only its overlap copied (``partial``:
+    (piece key, the overlap's view in the target, the overlap's slices of the piece))."""
     direct: Dict[str, torch.Tensor] = {}
-    partial: List[Tuple[str, torch.Tensor, int, int]] = []
-    blocks = m.blocks or {}
-    for key, t, a, b in targets:
+    partial: List[Tuple[str, torch.Tensor, Tuple[slice, ...]]] = []
+    for key, t, o, z in targets:
         flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else None
-        if key in blocks:
-            parts = row_pieces(blocks, key)
-        else:
-            n = m.tensors[key].shape[0] if m.tensors[key].shape else 1
-            parts = [(key, 0, n)]
-        row = (t.numel() // max(b - a, 1)) * t.element_size()
-        for pk, pa, pb in parts:
-            lo, hi = max(a, pa), min(b, pb)
-            if lo >= hi:
+        parts = m.pieces(key)
+        if parts is None:
+            shape = list(m.tensors[key].shape)
+            parts = [(key, [0] * len(shape), shape)]
+        for pk, po, pz in parts:
+            lo = [max(a, b) for a, b in zip(o, po)]
+            hi = [min(a + n, b + k) for a, n, b, k in zip(o, z, po, pz)]
+            if any(a >= b for a, b in zip(lo, hi)):
                 continue
-            if flat is not None and pa >= a and pb <= b:
-                direct[pk] = flat[(pa - a) * row:(pb - a) * row]
+            inside = lo == list(po) and hi == [b + k for b, k in zip(po, pz)]
+            if flat is not None and inside and (not o or (list(po[1:]) == list(o[1:]) and list(pz[1:]) == list(z[1:]))):
+                row = t[0].numel() * t.element_size() if t.dim() else t.element_size()
+                first = (po[0] - o[0]) if o else 0
+                direct[pk] = flat[first * row:(first + (pz[0] if o else 1)) * row]
             else:
-                partial.append((pk, t[lo - a:hi - a], lo - pa, hi - pa))
+                dst = t[tuple(slice(a - b, c - b) for a, b, c in zip(lo, o, hi))]
+                partial.append((pk, dst, tuple(slice(a - b, c - b) for a, b, c in zip(lo, po, hi))))
     return direct, partial
 
 
 def _copy_partial(partial, read: Dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
-        for src, dst, a, b in partial:
+        for src, dst, sl in partial:
             v = read[src]
-            dst.copy_(v.reshape(dst.shape) if v.dim() == 0 else v[a:b])
+            dst.copy_(v.reshape(dst.shape) if v.dim() == 0 else v[sl])
 
+
+def local_boxes(t: torch.Tensor) -> List[Tuple[List[int], List[int], Tuple[slice, ...]]]:
+    """The boxes of the saved (whole) tensor that a restore writes into ``t``: ``(offsets, sizes, slices of its
+    local tensor)``; a DTensor sharded in any layout takes its shard's boxes, anything else the whole."""
+    if is_sharded(t):
+        layout = layout_boxes("tensor", t)
+        return layout.boxes[layout.shard_coord(tuple(t.device_mesh.get_coordinate()))]
+    shape = list(t.shape)
+    return [([0] * len(shape), shape, ())]
 
 
 def local_rows(t: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
     """The tensor a restore writes into, and the rows of the saved tensor it takes: a DTensor sharded on
-    dim 0 takes its shard's rows, into its local tensor; anything else every row."""
+    dim 0 of a 1-D mesh takes its shard's rows, into its local tensor; anything else every row."""
     if hasattr(t, "to_local"):
         mesh = t.device_mesh
         a, b = shard_rows(t.shape[0], mesh.size(), mesh.get_local_rank()) if is_row_sharded(t) else (0, t.shape[0])
@@ -299,12 +320,9 @@ def is_row_sharded(t) -> bool:
     return t.device_mesh.ndim == 1 and isinstance(t.placements[0], Shard) and t.placements[0].dim == 0
 
 
-def _flat_target(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.is_contiguous():
-        return t.reshape(-1).view(torch.uint8)
-    return torch.empty(t.shape, dtype=t.dtype).reshape(-1).view(torch.uint8)
-
+def is_sharded(t) -> bool:
+    """A DTensor sharded (on any dim of any mesh dim), not only replicated."""
+    return hasattr(t, "to_local") and any(shards_dim(p) for p in t.placements)
 
 
 def with_layer(e: CheckpointCorruptError, m: Manifest) -> CheckpointCorruptError:

@@ -33,7 +33,7 @@ from ._codec import Entries
 from ._gather import gather, shard_entries
 from ._layers import LayerSpec
 from ._layout import LayoutCache
-from ._manifest import MODEL, OPTIM, Manifest, load_manifest
+from ._manifest import MODEL, OPTIM, Manifest, RowBlocks, load_manifest
 from ._plan import Selector
 from ._stage import ABORT, BufferPool, LazyStager, caller_events, stage
 from .config import Config
@@ -331,7 +331,8 @@ class Checkpointer:
         entries, self.selector.shards = shard_entries(entries)  # FSDP2: this rank's shards only
         tables = {} if self.selector.full else table_names(self.model, self.config.row_block_bytes)
         entries, blocks = split(entries, tables)
-        meta["blocks"] = {**blocks, **self.selector.shards}
+        meta["blocks"] = {**blocks, **{k: b for k, b in self.selector.shards.items() if isinstance(b, RowBlocks)}}
+        meta["boxes"] = {k: b for k, b in self.selector.shards.items() if not isinstance(b, RowBlocks)}
         return entries, meta
 
     def _save(self, step: int, extra: Optional[Dict[str, Any]], loss: Optional[float],
@@ -368,7 +369,7 @@ class Checkpointer:
             config=self.config.recorded(), files=dict(plan.files), tensors=dict(plan.carried), layers=plan.layers,
             model=meta["model"], optimizer=meta["optimizer"], rng=meta["rng"], extra=meta["extra"],
             cost=None if full else plan.cost, progress=None if full else plan.progress,
-            loss=loss, name=name, blocks=meta["blocks"] or None)
+            loss=loss, name=name, blocks=meta["blocks"] or None, boxes=meta["boxes"] or None)
 
     def _submit(self, pending: PendingSave, plan, layout, fname: str, manifest: Manifest, t0: float) -> FlushJob:
         """Queue the flush; it writes what the stager hands it, chunk by chunk."""

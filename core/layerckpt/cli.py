@@ -13,7 +13,7 @@ import torch
 
 from . import _progress, _store
 from ._backend import checksum_function, make_backend
-from ._manifest import MODEL, OPTIM, ROWS, Manifest, load_manifest, model_name
+from ._manifest import MODEL, OPTIM, Manifest, load_manifest, model_name, piece_base
 from .config import Config
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .restore import read_tensors
@@ -95,6 +95,8 @@ def cmd_inspect(args) -> int:
     for key, b in (m.blocks or {}).items():
         print(f"row blocks: {key} {tuple(b.shape)} {b.dtype} in {len(b.rows)} blocks of up to "
               f"{max(z - a for a, z in b.rows)} rows")
+    for key, b in (m.boxes or {}).items():
+        print(f"boxes: {key} {tuple(b.shape)} {b.dtype} in {len(b.boxes)} boxes")
     committed = [s for s, _ in _store.list_manifests(root)]
     print(f"committed steps: {committed}")
     return 0
@@ -109,7 +111,7 @@ def _by_kind(m: Manifest, stored: Dict[str, int]) -> Dict[str, tuple]:
     """Tensor kind (weights, each optimizer state key, other) -> (raw bytes, stored bytes)."""
     out: Dict[str, list] = {}
     for k, e in m.tensors.items():
-        base = k.split(ROWS)[0]
+        base = piece_base(k)[0]
         if base.startswith(MODEL):
             kind = "weights"
         elif base.startswith(OPTIM) and base.count("/") >= 2:
@@ -378,6 +380,9 @@ def _bench_parser(sub) -> None:
     a.add_argument("--size", default="gpt2-small", choices=["gpt2-small", "gpt2-mini", "tiny"],
                    help="with --sharded, --lightning or --steps: the model")
     a.add_argument("--nproc", type=int, default=2, help="with --sharded: processes")
+    a.add_argument("--mesh", help="with --sharded: DxT, FSDP2 over D x tensor parallel over T (D * T processes)")
+    a.add_argument("--encoding", choices=["delta", "compress", "off"],
+                   help="with --sharded: layerckpt's Config.encoding (default: Config's)")
     a.set_defaults(fn=_bench)
 
 

@@ -23,8 +23,9 @@ from . import _dist, _fetch
 from ._codec import decode, tensor_refs
 from ._gather import model_state, optimizer_params, param_names, set_rng_state
 from ._layout import CODES, DTYPES
-from ._manifest import Manifest, is_rng, model_key, model_name, parse_once, split_piece
-from ._reader import Reader, is_row_sharded, local_rows, open_reader, read_tensors, retry_gone  # noqa: F401 (cli)
+from ._manifest import Manifest, is_rng, model_key, model_name, parse_once, piece_base
+from ._reader import (Reader, Window, is_row_sharded, is_sharded, local_boxes, local_rows, open_reader,  # noqa: F401
+                      read_tensors, retry_gone)
 from .config import Config
 from .errors import CheckpointMismatchError, StalenessError
 
@@ -204,7 +205,7 @@ def _load_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
 
 def _layer_bytes(m: Manifest, read: Set[str]) -> Dict[str, int]:
     """Layer -> bytes of its tensors that were read."""
-    return {name: sum(m.tensors[k].nbytes for k in e.tensors if split_piece(k)[0] in read)
+    return {name: sum(m.tensors[k].nbytes for k in e.tensors if piece_base(k)[0] in read)
             for name, e in m.layers.items()}
 
 
@@ -335,23 +336,23 @@ def _shown(v: Any, d: Optional[Tuple[str, List[int]]]) -> str:
     return f"a tensor {tuple(d[1])} {d[0]}" if d is not None else f"a {type(v).__name__}"
 
 
-def _shard_windows(model: torch.nn.Module, m: Manifest) -> Dict[str, Tuple[int, int]]:
-    """The optimizer-state keys of the model's sharded parameters -> the rows of this rank's shard."""
-    out: Dict[str, Tuple[int, int]] = {}
+def _shard_windows(model: torch.nn.Module, m: Manifest) -> Dict[str, Window]:
+    """The optimizer-state keys of the model's sharded parameters -> this rank's shard of them (its boxes)."""
+    out: Dict[str, Window] = {}
     saved = (m.optimizer or {}).get("state", {})
     for name, p in model.named_parameters():
-        if hasattr(p, "to_local") and is_row_sharded(p):
-            _, a, b = local_rows(p)
+        if is_sharded(p):
+            window = (tuple(p.to_local().shape), local_boxes(p))
             for k in tensor_refs(saved.get(name, {})):
                 d = m.describe(k)
                 if d is not None and d[1] == list(p.shape):
-                    out[k] = (a, b)
+                    out[k] = window
     return out
 
 
 def _as_shards(state: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
-    """A sharded parameter's optimizer state, read as its shard's rows, made DTensors like the parameter."""
-    if not (hasattr(p, "to_local") and is_row_sharded(p)):
+    """A sharded parameter's optimizer state, read as its shard, made DTensors like the parameter."""
+    if not is_sharded(p):
         return state
     from torch.distributed.tensor import DTensor
 
@@ -359,7 +360,6 @@ def _as_shards(state: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
     return {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
             if isinstance(v, torch.Tensor) and tuple(v.shape) == local and v.dim() > 0 else v
             for k, v in state.items()}
-
 
 
 def _optimizer_state_dict(optimizer, model, m: Manifest, tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:

@@ -21,11 +21,18 @@ as layerckpt's gathering of the state is inside its own.  Files are dropped from
 
 Run it as ``layerckpt bench --sharded`` (it launches ``torchrun --standalone --nproc_per_node N``
 itself) or under an existing launcher: ``torchrun --nproc_per_node 2 -m layerckpt.bench.sharded``.
+
+``--mesh DxT`` (e.g. ``2x2``, D * T processes) runs a 2-D layout instead: each block's MLP tensor parallel over
+the ``tp`` dim (``c_fc`` ColwiseParallel, ``mlp_proj`` RowwiseParallel), then ``fully_shard`` over ``dp``
+(``_StridedShard`` and ``Shard(1)`` weights; attention and embeddings sharded over ``dp`` and held alike by the
+``tp`` ranks); every contender saves and restores that same layout, and the resharded restores read it into one
+plain process.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -40,6 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..config import Config
 from .models import GPT, GPTConfig
 
 SIZES: Dict[str, GPTConfig] = {
@@ -53,17 +61,50 @@ RESTORES = ("layerckpt.restore", "dcp.load", "layerckpt.restore 2->1", "dcp.load
 
 # ---------------------------------------------------------------- model and training
 
-def build(size: str, sharded: bool, seed: int = 0) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model (FSDP2-sharded: every block, then the root) and an AdamW without state."""
+def build(size: str, sharded: bool, seed: int = 0, mesh: Optional[str] = None
+          ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model (FSDP2-sharded: every block, then the root; with ``mesh`` ``DxT``, each block's MLP tensor
+    parallel over ``tp`` first) and an AdamW without state."""
     torch.manual_seed(seed)
     m = GPT(SIZES[size])
     if sharded:
         from torch.distributed.fsdp import fully_shard
 
+        dp = None
+        if mesh:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            dev = device_mesh(mesh)
+            dp = dev["dp"]
+            for b in m.h:
+                parallelize_module(b, dev["tp"], {"c_fc": ColwiseParallel(), "mlp_proj": RowwiseParallel()})
         for b in m.h:
-            fully_shard(b)
-        fully_shard(m)
+            fully_shard(b, mesh=dp)
+        fully_shard(m, mesh=dp)
     return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+
+_MESHES: Dict[str, Any] = {}
+
+
+def parse_mesh(mesh: str) -> Tuple[int, int]:
+    """``DxT`` -> (D, T)."""
+    try:
+        d, t = (int(x) for x in mesh.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--mesh takes DxT (data parallel x tensor parallel, e.g. 2x2), not {mesh!r}") from None
+    if d < 1 or t < 1:
+        raise SystemExit(f"--mesh {mesh}: both sizes must be at least 1")
+    return d, t
+
+
+def device_mesh(mesh: str):
+    """The ("dp", "tp") DeviceMesh ``mesh`` names, made once per process."""
+    if mesh not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES[mesh] = init_device_mesh("cpu", parse_mesh(mesh), mesh_dim_names=("dp", "tp"))
+    return _MESHES[mesh]
 
 
 def train(m: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> torch.Tensor:
@@ -157,11 +198,13 @@ def dcp_files(d: str, rank: int) -> List[str]:
 
 # ---------------------------------------------------------------- contenders
 
-def bench_layerckpt(d: str, m, opt, reps: int, selective: bool, step_seed: int) -> Dict[str, Any]:
+def bench_layerckpt(d: str, m, opt, reps: int, selective: bool, step_seed: int, encoding: Optional[str] = None
+                    ) -> Dict[str, Any]:
     from ..checkpointer import Checkpointer
-    from ..config import Config
 
     cfg = Config(keep_last=2) if selective else Config(threshold=0.0, keep_last=2)
+    if encoding:
+        cfg = cfg.replace(encoding=encoding)
     blocked, durable, written, persisted = [], [], [], []
     with Checkpointer(d, m, opt, config=cfg) as ck:
         loss = train(m, opt, 2, seed=step_seed) if selective else None
@@ -228,10 +271,11 @@ def drop_cache(d: str) -> None:
     _barrier()
 
 
-def restore_layerckpt(d: str, size: str, sharded: bool) -> Tuple[float, Dict[str, torch.Tensor]]:
+def restore_layerckpt(d: str, size: str, sharded: bool, mesh: Optional[str] = None
+                      ) -> Tuple[float, Dict[str, torch.Tensor]]:
     from ..restore import restore
 
-    m2, o2 = build(size, sharded, seed=1)
+    m2, o2 = build(size, sharded, seed=1, mesh=mesh)
     drop_cache(d)
     t0 = time.perf_counter()
     restore(d, m2, o2)
@@ -239,11 +283,11 @@ def restore_layerckpt(d: str, size: str, sharded: bool) -> Tuple[float, Dict[str
     return time.perf_counter() - t0, local_state(m2, o2)
 
 
-def restore_dcp(d: str, size: str, sharded: bool) -> Tuple[float, Dict[str, torch.Tensor]]:
+def restore_dcp(d: str, size: str, sharded: bool, mesh: Optional[str] = None) -> Tuple[float, Dict[str, torch.Tensor]]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    m2, o2 = build(size, sharded, seed=1)
+    m2, o2 = build(size, sharded, seed=1, mesh=mesh)
     drop_cache(d)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
@@ -287,24 +331,20 @@ def disk_reference(root: str, nbytes: int) -> Dict[str, Any]:
     return {"write_s": min(disk.writes), "read_s": min(disk.reads), "write_all_s": disk.writes}
 
 
-def worker(size: str, reps: int, dirpath: Optional[str]) -> Optional[Dict[str, Any]]:
+def worker(size: str, reps: int, dirpath: Optional[str], mesh: Optional[str] = None,
+           encoding: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """Every rank runs this under torchrun; rank 0 returns the results."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    box: List[Any] = [None]
-    if rank == 0:
-        if dirpath:
-            os.makedirs(dirpath, exist_ok=True)
-        box[0] = tempfile.mkdtemp(prefix="layerckpt-bench-sharded-", dir=dirpath)
-    dist.broadcast_object_list(box)
-    root = box[0]
+    root = _scratch(dirpath)
     try:
-        m, opt = build(size, True)
+        m, opt = build(size, True, mesh=mesh)
         train(m, opt, 2, seed=0)  # every parameter has its AdamW moments
         mine = local_state(m, opt)
         shares = _gather(nbytes(mine))
         total = sum(shares)
-        res: Dict[str, Any] = {"size": size, "world": world, "reps": reps, "dir": root, "machine": machine(),
+        res: Dict[str, Any] = {"size": size, "world": world, "mesh": mesh, "encoding": encoding or Config.encoding,
+                               "reps": reps, "dir": root, "machine": machine(),
                                "parameters": sum(p.numel() for p in m.parameters()), "state_bytes": total,
                                "share_bytes": shares}
         # the machine's limits, measured by rank 0 alone while the others wait
@@ -316,7 +356,7 @@ def worker(size: str, reps: int, dirpath: Optional[str]) -> Optional[Dict[str, A
         _barrier()
 
         saves: Dict[str, Dict[str, Any]] = {}
-        saves["layerckpt full"] = bench_layerckpt(os.path.join(root, "full"), m, opt, reps, False, 0)
+        saves["layerckpt full"] = bench_layerckpt(os.path.join(root, "full"), m, opt, reps, False, 0, encoding)
         saves["dcp.save"] = bench_dcp(root, m, opt, reps, asynchronous=False)
         saves["dcp.async_save"] = bench_dcp(root, m, opt, reps, asynchronous=True)
         ref_full = full_state(m, opt) if world > 1 else dict(mine)  # the state every full save holds
@@ -328,13 +368,14 @@ def worker(size: str, reps: int, dirpath: Optional[str]) -> Optional[Dict[str, A
         for _ in range(reps):
             for name, fn, d in (("layerckpt.restore", restore_layerckpt, os.path.join(root, "full")),
                                 ("dcp.load", restore_dcp, saves["dcp.save"]["dir"])):
-                t, got = fn(d, size, True)
+                t, got = fn(d, size, True, mesh)
                 restores[name].append(t)
                 exact[name] = exact[name] and same(got, mine)
         exact = {k: all(_gather(v)) for k, v in exact.items()}
 
         # the selective save last: it trains the model on
-        saves["layerckpt selective"] = bench_layerckpt(os.path.join(root, "selective"), m, opt, reps, True, 100)
+        saves["layerckpt selective"] = bench_layerckpt(os.path.join(root, "selective"), m, opt, reps, True, 100,
+                                                        encoding)
         for k, v in saves.items():
             v["bytes_per_rank"] = _gather_list(v["bytes"])
             v["blocked"] = [max(x) for x in _gather_list(v["blocked"])]  # the slowest rank, each repeat
@@ -363,6 +404,17 @@ def worker(size: str, reps: int, dirpath: Optional[str]) -> Optional[Dict[str, A
             shutil.rmtree(root, ignore_errors=True)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _scratch(dirpath: Optional[str]) -> str:
+    """A fresh directory for the run, made by rank 0 (under ``dirpath`` if given) and named to every rank."""
+    box: List[Any] = [None]
+    if dist.get_rank() == 0:
+        if dirpath:
+            os.makedirs(dirpath, exist_ok=True)
+        box[0] = tempfile.mkdtemp(prefix="layerckpt-bench-sharded-", dir=dirpath)
+    dist.broadcast_object_list(box)
+    return box[0]
 
 
 def _gather(x: Any) -> List[Any]:
@@ -402,8 +454,9 @@ def format_table(res: Dict[str, Any]) -> str:
     gb = res["state_bytes"] / 1e9
     lines = [
         f"layerckpt bench --sharded: {res['size']} ({res['parameters'] / 1e6:.1f}M parameters), {gb:.2f} GB of "
-        f"state (model + AdamW), FSDP2 over {w} ranks (gloo, CPU); {res['reps']} timed repeats each after one "
-        f"warm-up: median [min-max]",
+        f"state (model + AdamW), {_layout_name(res)} (gloo, CPU); {res['reps']} timed repeats each after one "
+        f"warm-up: median [min-max]; layerckpt's Config.encoding {res.get('encoding', 'delta')!r} (full saves repeat "
+        f"an unchanged state: encoded, they write little)",
         f"machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.1f} GiB RAM, kernel {m['kernel']}, "
         f"torch {m['torch']}",
         f"reference (one process, the whole state's bytes): O_DIRECT write {ref['write_s']:.3f}s "
@@ -432,14 +485,27 @@ def format_table(res: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _layout_name(res: Dict[str, Any]) -> str:
+    if not res.get("mesh"):
+        return f"FSDP2 over {res['world']} ranks"
+    d, t = parse_mesh(res["mesh"])
+    return f"FSDP2 over dp={d} x tensor parallel (MLPs) over tp={t}, {res['world']} ranks"
+
+
 def _under_launcher() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(size: str, reps: int, dirpath: Optional[str], as_json: bool, nproc: int) -> int:
-    """Start ``torchrun --standalone --nproc_per_node nproc`` on this module; its rank 0 prints."""
+def launch(size: str, reps: int, dirpath: Optional[str], as_json: bool, nproc: int, mesh: Optional[str] = None,
+           encoding: Optional[str] = None) -> int:
+    """Start ``torchrun --standalone --nproc_per_node nproc`` (with ``mesh``: D * T) on this module; its rank 0
+    prints."""
+    if mesh:
+        d, t = parse_mesh(mesh)
+        nproc = d * t
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "layerckpt.bench.sharded", "--size", size, "--reps", str(reps)]
+           "-m", "layerckpt.bench.sharded", "--size", size, "--reps", str(reps)] + (["--mesh", mesh] if mesh else []) + (
+        ["--encoding", encoding] if encoding else [])
     if dirpath:
         cmd += ["--dir", dirpath]
     if as_json:
@@ -450,13 +516,16 @@ def launch(size: str, reps: int, dirpath: Optional[str], as_json: bool, nproc: i
 
 
 def main(args) -> int:
-    """``layerckpt bench --sharded`` (args: size, reps, dir, json, nproc)."""
-    size, reps, d, as_json = args.size, args.reps, args.dir, args.json
+    """``layerckpt bench --sharded`` (args: size, reps, dir, json, nproc, mesh)."""
+    size, reps, d, as_json, mesh = args.size, args.reps, args.dir, args.json, getattr(args, "mesh", None)
+    encoding = getattr(args, "encoding", None)
     if not _under_launcher():
-        return launch(size, reps, d, as_json, getattr(args, "nproc", 2))
+        return launch(size, reps, d, as_json, getattr(args, "nproc", 2), mesh, encoding)
     if size not in SIZES:
         raise SystemExit(f"--size must be one of {', '.join(SIZES)}")
-    res = worker(size, max(1, reps), d)
+    if mesh and math.prod(parse_mesh(mesh)) != int(os.environ["WORLD_SIZE"]):
+        raise SystemExit(f"--mesh {mesh} needs {math.prod(parse_mesh(mesh))} processes, not {os.environ['WORLD_SIZE']}")
+    res = worker(size, max(1, reps), d, mesh, encoding)
     if res is not None:
         print(json.dumps(res) if as_json else format_table(res), flush=True)
     return 0
@@ -470,6 +539,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--nproc", type=int, default=2, help="processes to launch (not under torchrun)")
+    p.add_argument("--mesh", default=None, help="DxT: FSDP2 over D x tensor parallel over T (D * T processes)")
+    p.add_argument("--encoding", default=None, choices=["delta", "compress", "off"],
+                   help="layerckpt's Config.encoding (default: Config's)")
     return p
 
 
