@@ -13,7 +13,6 @@ the newest one always); :func:`prune` drops the others.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from layerckpt import store
+from layerckpt.adapters import read_pointer_json, write_pointer as write_pointer_file
 from layerckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 log = logging.getLogger("layerckpt.accelerate")
@@ -102,24 +102,16 @@ def write_pointer(folder: str, store_root: str, step: int, token: str, optimizer
     body = {"format": POINTER_FORMAT, "version": POINTER_VERSION,
             "store": os.path.relpath(store_root, folder), "step": step, "token": token,
             "models": [{"dir": model_dir(i), "optimizer": has} for i, has in enumerate(optimizers)]}
-    path = os.path.join(folder, POINTER)
-    with store.create_file(path + ".tmp", "w") as f:
-        f.write(json.dumps(body, indent=1) + "\n")
-    os.replace(path + ".tmp", path)
-    return path
+    return write_pointer_file(os.path.join(folder, POINTER), body)
 
 
 def read_pointer(folder: str) -> Optional[Pointer]:
     """The folder's pointer; None when it has none (a folder plain accelerate wrote)."""
     path = os.path.join(os.path.abspath(folder), POINTER)
     try:
-        d = store.read_json(path, "pointer")
+        d = read_pointer_json(path)
     except FileNotFoundError:
         return None
-    except CheckpointCorruptError:
-        if not os.path.isfile(path) or os.path.islink(path):
-            raise  # not a plain file (a FIFO, a device, a link): the reader's error says which
-        d = None  # malformed: said below, as a pointer
     return _pointer(d, path)
 
 

@@ -12,7 +12,6 @@ the others.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from layerckpt import store
+from layerckpt.adapters import read_pointer_json, write_pointer as write_pointer_file
 from layerckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 log = logging.getLogger("layerckpt.transformers")
@@ -59,24 +59,16 @@ def write_pointer(folder: str, store_root: str, step: int, token: str, optimizer
     refused by name when given as a path."""
     body = {"format": POINTER_FORMAT, "version": POINTER_VERSION, "store": os.path.relpath(store_root, folder),
             "step": step, "token": token, "optimizer": optimizer}
-    path = os.path.join(folder, POINTER)
-    with store.create_file(path + ".tmp", "w") as f:
-        f.write(json.dumps(body, indent=1) + "\n")
-    os.replace(path + ".tmp", path)
-    return path
+    return write_pointer_file(os.path.join(folder, POINTER), body)
 
 
 def read_pointer(folder: str) -> Optional[Pointer]:
     """The folder's pointer; None when it has none (a folder plain Trainer wrote)."""
     path = os.path.join(os.path.abspath(folder), POINTER)
     try:
-        d = store.read_json(path, "pointer")
+        d = read_pointer_json(path)
     except FileNotFoundError:
         return None
-    except CheckpointCorruptError:
-        if not os.path.isfile(path) or os.path.islink(path):
-            raise
-        d = None
     ok = (isinstance(d, dict) and d.get("format") == POINTER_FORMAT and isinstance(d.get("version"), int)
           and isinstance(d.get("store"), str) and isinstance(d.get("step"), int) and d["step"] >= 0
           and isinstance(d.get("token"), str) and isinstance(d.get("optimizer"), bool))

@@ -271,3 +271,28 @@ def _fsync_file(path: str) -> None:
 
 __all__ = ["as_config", "default_of", "with_config_fields", "config_overrides", "StepCounter", "close_all",
            "owners", "pair_optimizers", "replace_durably"]
+
+
+def write_pointer(path: str, body: Dict[str, Any]) -> str:
+    """Write a framework folder's small JSON pointer file atomically (tmp + rename), not fsynced: like the
+    framework's own files beside it, and a folder whose composite never committed is refused anyway."""
+    import json
+
+    with store.create_file(path + ".tmp", "w") as f:
+        f.write(json.dumps(body, indent=1) + "\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def read_pointer_json(path: str) -> Any:
+    """A pointer file's parsed JSON: ``FileNotFoundError`` when there is none; None when it is malformed (the
+    caller says so, as a pointer); a FIFO, device or link is refused by the reader's error."""
+    from .errors import CheckpointCorruptError
+
+    try:
+        return store.read_json(path, "pointer")
+    except CheckpointCorruptError:
+        if not os.path.isfile(path) or os.path.islink(path):
+            raise  # not a plain file: the reader's error says which
+        return None
+
