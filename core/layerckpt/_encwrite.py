@@ -316,8 +316,10 @@ class EncodingLoop(WriteLoop):
         out = {}
         for i, it in enumerate(self.layout.items):
             blocks = self._blocks[i]
-            needs = any(b[3] in (_encode.DELTA, _encode.SAME) for b in blocks)  # else it reads no reference
-            enc = {"codec": _encode.CODEC, "blocks": blocks, "ref": self.plan.where.get(i) if needs else None}
+            # the reference is recorded even where no block reads it (every block self-contained): it is this
+            # tensor's reference still, which the saves after this one may encode against, so every composite
+            # lists its file and retention keeps it (a restore reads only the reference blocks a delta needs)
+            enc = {"codec": _encode.CODEC, "blocks": blocks, "ref": self.plan.where.get(i)}
             out[it.key] = TensorEntry(file=fname, dtype=_dtype(it), shape=list(it.tensor.shape),
                                       offset=blocks[0][0] if blocks else self.reserve, nbytes=it.nbytes,
                                       crc=crcs[i], enc=enc)

@@ -90,15 +90,35 @@ def is_base(m: Manifest) -> bool:
     Config's saves where its tensors' references were renewed, or every one with ``encoding`` other than
     'delta')."""
     return all(e.step == m.step for e in m.layers.values()) and not any(
-        t.enc is not None and t.enc.get("ref") for t in m.tensors.values())
+        needs_ref(t) for t in m.tensors.values())
+
+
+def needs_ref(t) -> bool:
+    """Whether a tensor entry reads its reference: it has delta or unchanged blocks (an entry records its
+    reference whenever it was encoded against one, so that the reference stays kept while it is one)."""
+    from ._encode import DELTA, SAME
+
+    return bool(t.enc and t.enc.get("ref") and any(b[3] in (DELTA, SAME) for b in t.enc["blocks"]))
 
 
 def _entries(m: Manifest) -> Dict[str, Dict[str, tuple]]:
-    """file -> {tensor key: where its bytes are and their checksum}, for the files ``m`` references."""
+    """file -> {tensor key: where its bytes are, how they are encoded and their checksum}, for the files ``m``
+    references; a file holding a tensor's reference (see ``_encode``) lists it under ``<key>#ref``."""
     out: Dict[str, Dict[str, tuple]] = {f: {} for f in m.files}
     for k, t in m.tensors.items():
-        out.setdefault(t.file, {})[k] = (t.offset, t.nbytes, t.crc, t.dtype, tuple(t.shape))
+        blocks = _blocks(t.enc["blocks"]) if t.enc else None
+        here = out.setdefault(t.file, {})
+        here[k] = (t.offset, t.nbytes, t.crc, t.dtype, tuple(t.shape), blocks)
+        if blocks is not None:  # what a later composite's delta would record of it as its reference
+            here[k + "#ref"] = (t.nbytes, t.crc, blocks)
+        ref = t.enc.get("ref") if t.enc else None
+        if ref:
+            out.setdefault(ref["file"], {})[k + "#ref"] = (t.nbytes, ref["crc"], _blocks(ref["blocks"]))
     return out
+
+
+def _blocks(blocks: List[List[int]]) -> tuple:
+    return tuple(tuple(b) for b in blocks)
 
 
 def place(m: Manifest, good: Dict[str, Manifest], listed: List[str]) -> Tuple[Dict[str, str], List[str]]:
@@ -142,6 +162,8 @@ def renamed(m: Manifest, where: Dict[str, str]) -> dict:
     d["files"] = {where[f]: e for f, e in d["files"].items()}
     for e in d["tensors"].values():
         e["file"] = where[e["file"]]
+        if e.get("enc") and e["enc"].get("ref"):
+            e["enc"]["ref"]["file"] = where[e["enc"]["ref"]["file"]]
     for e in d["layers"].values():
         if e.get("file") is not None:
             e["file"] = where.get(e["file"], e["file"])

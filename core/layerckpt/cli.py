@@ -160,9 +160,15 @@ def _verify_one(root: str, name: str, m: Manifest, bar: _progress.Bar, failures:
 def _dependents(good: Dict[str, Manifest], damaged: set) -> List[str]:
     """For each damaged data file: every composite that needs it (as its own data or as the reference its
     deltas are encoded against)."""
+    from ._tiers import needs_ref
+
+    def needed(m: Manifest) -> set:
+        return {t.file for t in m.tensors.values()} | {t.enc["ref"]["file"] for t in m.tensors.values()
+                                                       if needs_ref(t)}
+
     out = []
     for f in sorted(damaged):
-        needs = [n for n, m in sorted(good.items()) if f in m.files]
+        needs = [n for n, m in sorted(good.items()) if f in needed(m)]
         out.append(f"DAMAGED {f}: needed by {len(needs)} checkpoint(s): {', '.join(needs)}")
     return out
 
