@@ -363,3 +363,29 @@ def test_a_save_that_waits_for_the_previous_one_stops_its_encoding(tmp_path):
         layerckpt.restore(tmp_path, out, step=step)
         for k, v in out.state_dict().items():
             assert torch.equal(v, want[k]), (step, k)
+
+
+def test_a_reference_no_block_read_stays_kept_for_the_saves_after(tmp_path):
+    """A save whose blocks all went self-contained (its change too big for a delta to pay) still lists its
+    reference, so keep_last=1 keeps that file for the next save, whose deltas read it again."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(2)])
+    config = layerckpt.Config(full=True, keep_last=1, delta_chain=8)
+    with layerckpt.Checkpointer(tmp_path, model, config=config) as ck:
+        ck.save(1).wait()
+        first = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p))  # everything changes: no delta pays
+        ck.save(2).wait()
+        assert "step-00000001.rank0.safetensors" in os.listdir(tmp_path / "data")  # still the reference
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), first):
+                p.copy_(q * (1 + 1e-7))  # close to step 1 again: deltas against the step-1 reference pay
+        ck.save(3).wait()
+        want = copy.deepcopy(model.state_dict())
+    m = _manifest(tmp_path, 3)
+    assert any(t["enc"]["ref"] and any(b[3] == _encode.DELTA for b in t["enc"]["blocks"]) for t in m["tensors"].values())
+    out = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(2)])
+    layerckpt.restore(tmp_path, out)
+    for k, v in out.state_dict().items():
+        assert torch.equal(v, want[k])
