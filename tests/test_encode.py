@@ -131,7 +131,8 @@ def test_full_saves_are_deltas_restored_bit_for_bit_and_smaller(tmp_path):
             if t["enc"]["ref"]:
                 assert t["enc"]["ref"]["file"] in m["files"]  # retention and the tiers keep what a delta needs
                 assert all(b[3] in (0, 1) for b in t["enc"]["ref"]["blocks"])  # a reference is self-contained
-    assert not any(t["enc"]["ref"] for t in _manifest(tmp_path, 5)["tensors"].values() if t["nbytes"] >= 65536)
+    # at most delta_chain deltas per reference: after 3, step 5 renews every reference still in use since step 1
+    assert all(t["enc"]["ref"] is None or t["enc"]["ref"]["step"] > 1 for t in _manifest(tmp_path, 5)["tensors"].values())
 
 
 def test_encoded_data_file_is_valid_safetensors(tmp_path):
@@ -163,8 +164,11 @@ def test_other_encodings_are_self_contained(tmp_path, encoding):
 def test_retention_keeps_the_references_kept_composites_need(tmp_path):
     states = _saves(tmp_path, layerckpt.Config(full=True, keep_last=1, delta_chain=8), n=5)
     assert sorted(os.listdir(tmp_path / "manifests")) == ["step-00000005.json"]
-    assert sorted(os.listdir(tmp_path / "data")) == ["step-00000001.rank0.safetensors",
-                                                     "step-00000005.rank0.safetensors"]
+    m = _manifest(tmp_path, 5)
+    refs = {t["enc"]["ref"]["file"] for t in m["tensors"].values() if t["enc"]["ref"]}
+    assert refs and "step-00000005.rank0.safetensors" not in refs  # older files its deltas read
+    assert sorted(os.listdir(tmp_path / "data")) == sorted(refs | {"step-00000005.rank0.safetensors"}) == sorted(
+        m["files"])
     _check_restore(tmp_path, states, 5)
 
 
@@ -367,7 +371,7 @@ def test_a_save_that_waits_for_the_previous_one_stops_its_encoding(tmp_path):
 
 def test_a_reference_no_block_read_stays_kept_for_the_saves_after(tmp_path):
     """A save whose blocks all went self-contained (its change too big for a delta to pay) still lists its
-    reference, so keep_last=1 keeps that file for the next save, whose deltas read it again."""
+    reference, so keep_last=1 keeps that file while it is the reference the next save may encode against."""
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(2)])
     config = layerckpt.Config(full=True, keep_last=1, delta_chain=8)
     with layerckpt.Checkpointer(tmp_path, model, config=config) as ck:
@@ -383,9 +387,21 @@ def test_a_reference_no_block_read_stays_kept_for_the_saves_after(tmp_path):
                 p.copy_(q * (1 + 1e-7))  # close to step 1 again: deltas against the step-1 reference pay
         ck.save(3).wait()
         want = copy.deepcopy(model.state_dict())
-    m = _manifest(tmp_path, 3)
-    assert any(t["enc"]["ref"] and any(b[3] == _encode.DELTA for b in t["enc"]["blocks"]) for t in m["tensors"].values())
     out = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(2)])
     layerckpt.restore(tmp_path, out)
     for k, v in out.state_dict().items():
         assert torch.equal(v, want[k])
+
+
+def test_a_tensor_whose_deltas_do_not_pay_is_not_encoded_twice_every_save(tmp_path):
+    """Random changes every save: after a delta that paid for no block the tensor is written self-contained
+    (a fresh reference) for 2, then 4 writes before the next try, not delta-encoded and then re-encoded."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False))
+    config = layerckpt.Config(full=True, keep_last=0, delta_chain=8)
+    with layerckpt.Checkpointer(tmp_path, model, config=config) as ck:
+        for step in range(1, 10):
+            with torch.no_grad():
+                model[0].weight.copy_(torch.randn(256, 256))
+            ck.save(step).wait()
+    tried = [s for s in range(1, 10) if _manifest(tmp_path, s)["tensors"]["model/0.weight"]["enc"]["ref"]]
+    assert tried == [2, 5], tried  # 1: the first; 2: a try, no block paid; 3-4 skipped; 5: a try; 6-9 skipped

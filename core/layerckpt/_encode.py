@@ -138,8 +138,7 @@ def _pack_planes(x: np.ndarray, esize: int, limit: int) -> Optional[bytes]:
         total += len(packed)
         if total >= limit:
             return None
-    return np.asarray(sizes, dtype="<u4").tobytes() + b"".join(bytes(q) if isinstance(q, memoryview) else q
-                                                               for q in parts)
+    return b"".join([np.asarray(sizes, dtype="<u4").tobytes(), *parts])
 
 
 def encode_block(raw: np.ndarray, ref: Optional[np.ndarray], esize: int, rival: Optional[int] = None

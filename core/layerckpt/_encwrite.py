@@ -44,13 +44,18 @@ def threads(n: int) -> int:
 
 
 class _Ref:
-    __slots__ = ("data", "esize", "where", "versions")
+    __slots__ = ("data", "esize", "where", "versions", "fails", "skip")
 
-    def __init__(self, data: np.ndarray, esize: int):
+    def __init__(self, data: np.ndarray, esize: int, fails: int = 0, skip: int = 0):
         self.data = data
         self.esize = esize
         self.where: Optional[Dict[str, Any]] = None  # the manifest's "ref" record, once committed
         self.versions = 0  # versions encoded against it
+        #: consecutive saves whose delta did not pay for any block, and the writes left before the next try:
+        #: a tensor that changes too much for a delta is written self-contained (renewing its reference)
+        #: without the delta's encoding first, trying again after 2, 4, ... up to ``chain`` writes
+        self.fails = fails
+        self.skip = skip
 
 
 class Refs:
@@ -77,6 +82,9 @@ class Refs:
             r = self._refs.get(it.key)
             usable = (self.delta and not self_contained and r is not None and r.where is not None
                       and r.data.size == it.nbytes and r.esize == es and r.versions < self.chain)
+            if usable and r.skip > 0:  # its deltas have not paid lately: self-contained, a fresh reference
+                r.skip -= 1
+                usable = False
             if usable:
                 out.refs.append(r.data)
                 out.news.append(None)
@@ -87,8 +95,9 @@ class Refs:
             out.refs.append(None)
             if self.delta and it.nbytes >= MIN_REF and es in _encode.ESIZES and it.key not in frozen:
                 self._refs.pop(it.key, None)  # rewritten: no reference until this save commits
-                data = r.data if r is not None and r.data.size == it.nbytes else np.empty(it.nbytes, np.uint8)
-                self._pending[it.key] = _Ref(data, es)
+                same = r is not None and r.data.size == it.nbytes
+                data = r.data if same else np.empty(it.nbytes, np.uint8)
+                self._pending[it.key] = _Ref(data, es, r.fails if same else 0, r.skip if same else 0)
                 out.news.append(data)
             else:
                 out.news.append(None)
@@ -99,6 +108,11 @@ class Refs:
             r = self._refs.get(key)
             if r is not None:
                 r.versions += 1
+                e = tensors.get(key)
+                paid = e is not None and e.enc is not None and any(
+                    b[3] in (_encode.DELTA, _encode.SAME) for b in e.enc["blocks"])
+                r.fails = 0 if paid else r.fails + 1
+                r.skip = 0 if paid else min(1 << r.fails, self.chain)
         for key, r in self._pending.items():
             e = tensors.get(key)
             if e is None or e.enc is None:
