@@ -18,7 +18,7 @@ import torch
 from accelerate.utils import MODEL_NAME, OPTIMIZER_NAME
 
 import layerckpt
-from layerckpt.adapters import replace_durably
+from layerckpt.adapters import export_paths, replace_durably
 from layerckpt.errors import CheckpointError
 
 from . import folders
@@ -26,13 +26,11 @@ from . import folders
 
 def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLike]) -> str:
     """Write ``output`` (a new directory) as plain accelerate would have written ``folder``."""
-    folder, output = os.path.abspath(os.fspath(folder)), os.path.abspath(os.fspath(output))
+    folder, output = export_paths(folder, output)
     ptr = folders.read_pointer(folder)
     if ptr is None:
         raise CheckpointError(f"{folder} has no {folders.POINTER}: it was not written through the layerckpt "
                               f"plugin (plain accelerate loads it as it is)")
-    if os.path.exists(output) and os.listdir(output):
-        raise CheckpointError(f"{output} exists and is not empty; export into a new directory")
     manifests = folders.check_committed(ptr)  # a clear error when the composite never committed
     tmp = output + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

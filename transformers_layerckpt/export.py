@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 import layerckpt
-from layerckpt.adapters import replace_durably
+from layerckpt.adapters import export_paths, replace_durably
 from layerckpt.errors import CheckpointError
 
 from . import folders
@@ -28,13 +28,11 @@ OPTIMIZER = "optimizer.pt"  # transformers.trainer.OPTIMIZER_NAME
 
 def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLike]) -> str:
     """Write ``output`` (a new directory) as plain Trainer would have written the checkpoint folder ``folder``."""
-    folder, output = os.path.abspath(os.fspath(folder)), os.path.abspath(os.fspath(output))
+    folder, output = export_paths(folder, output)
     ptr = folders.read_pointer(folder)
     if ptr is None:
         raise CheckpointError(f"{folder} has no {folders.POINTER}: it was not written through "
                               f"transformers_layerckpt (plain Trainer resumes from it as it is)")
-    if os.path.exists(output) and os.listdir(output):
-        raise CheckpointError(f"{output} exists and is not empty; export into a new directory")
     loaded = layerckpt.read_checkpoint(folders.check_committed(ptr))
     tmp = output + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -22,7 +22,7 @@ import os
 import threading
 import typing
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Set, TypeVar, Union
+from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import torch
 
@@ -295,4 +295,13 @@ def read_pointer_json(path: str) -> Any:
         if not os.path.isfile(path) or os.path.islink(path):
             raise  # not a plain file: the reader's error says which
         return None
+
+
+def export_paths(folder: Union[str, "os.PathLike[str]"], output: Union[str, "os.PathLike[str]"]) -> Tuple[str, str]:
+    """(folder, output) as absolute paths for an export of a framework's checkpoint folder into a new directory;
+    an output directory that exists and is not empty is refused."""
+    folder, output = os.path.abspath(os.fspath(folder)), os.path.abspath(os.fspath(output))
+    if os.path.exists(output) and os.listdir(output):
+        raise CheckpointError(f"{output} exists and is not empty; export into a new directory")
+    return folder, output
 
