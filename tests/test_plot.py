@@ -26,6 +26,7 @@ def selective_store(root, saves=6, n_layer=4, config=None):
             for s in range(2):
                 loss = train_step(model, opt, "affine", 2 * k + s)
             ck.save(2 * k + 2, loss=loss).wait()
+            ck.wait()  # every tier too: a remote tier busy with one composite would skip to the newest
     return model
 
 

@@ -528,7 +528,11 @@ def main(args) -> int:
     res = worker(size, max(1, reps), d, mesh, encoding)
     if res is not None:
         print(json.dumps(res) if as_json else format_table(res), flush=True)
-    return 0
+    # a rank under torchrun ends here, everything closed and printed: leave without the interpreter's
+    # finalization, during which torch's gloo threads now and then abort the process (see README, failure
+    # semantics: "terminate called without an active exception")
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def parser() -> argparse.ArgumentParser:
