@@ -72,6 +72,8 @@ def child(root: str, every: int, crash_at: int, config: str) -> None:
     def ckpt(step: int, loss: float) -> None:
         if step == crash_at:
             # under lazy staging the step after a save waits for its copies: training pays that too
+            # what reached the disk (encoded) by the saves committed before the kill
+            stats["bytes"] = sum(p.bytes_written for p in saves if p.done() and not p.error)
             stats["save_return_s"] = stats["blocked_s"]
             stats["blocked_s"] += sum(p.step_wait_s for p in saves)
             with open(os.path.join(root, "stats.json"), "w") as f:
@@ -81,7 +83,6 @@ def child(root: str, every: int, crash_at: int, config: str) -> None:
             t = time.perf_counter()
             p = ck.save(step + 1, extra={"finetune_step": step + 1}, loss=loss)
             stats["blocked_s"] += time.perf_counter() - t
-            stats["bytes"] += p.nbytes
             saves.append(p)
 
     run(model, opt, "affine", 0, FINETUNE, ckpt)

@@ -96,7 +96,9 @@ class KillAt(L.Callback):
         if trainer.global_step == self.step:
             saves = self.ck.saves
             stats = {"save_return_s": sum(p.stall_s for p in saves), "step_wait_s": sum(p.step_wait_s for p in saves),
-                     "bytes": sum(p.nbytes for p in saves), "saves": len(saves), "step_s": self.steps.seconds}
+                     # what reached the disk (encoded) by the saves committed before the kill
+                     "bytes": sum(p.bytes_all_ranks or p.bytes_written for p in saves if p.done() and not p.error),
+                     "saves": len(saves), "step_s": self.steps.seconds}
             with open(self.stats_path, "w") as f:
                 json.dump(stats, f)
             os.kill(os.getpid(), signal.SIGKILL)
