@@ -32,6 +32,7 @@ BLOCK = 1 << 20  # raw bytes per block at most
 RAW, PLANES, DELTA, SAME = 0, 1, 2, 3
 MODES = (RAW, PLANES, DELTA, SAME)
 ESIZES = (1, 2, 4, 8)  # element sizes a delta is taken in
+READS_REF = (DELTA, SAME)  # the modes whose blocks decode on top of the reference's bytes
 LEVEL = 1  # zstd level: the measured knee (higher levels bought < 2% more on the family, at 2-4x the time)
 _SAMPLE = 1 << 15  # bytes of a plane compressed first to tell whether the plane is worth compressing
 _PAYS = 0.96  # a plane (or a block) is stored compressed only below this fraction of its raw size
@@ -218,6 +219,20 @@ def _inflate(part: memoryview, n: int, where: str) -> np.ndarray:
 def _bad(where: str, msg: str) -> CheckpointCorruptError:
     return CheckpointCorruptError(f"damaged encoded block in {where}: {msg}; the file is damaged: run "
                                   f"`layerckpt verify`, or restore an older step")
+
+
+def reads_ref(blocks: List[List[int]]) -> bool:
+    """Whether any of a tensor's blocks ([file offset, length, raw length, mode]) reads its reference."""
+    return any(b[3] in READS_REF for b in blocks)
+
+
+def placed(blocks: List[List[int]]) -> List[Tuple[List[int], int]]:
+    """Each block with the raw position (in the tensor's bytes) it decodes to."""
+    out, pos = [], 0
+    for b in blocks:
+        out.append((b, pos))
+        pos += b[2]
+    return out
 
 
 def cuts(start: int, end: int, chunk: int) -> List[Tuple[int, int]]:

@@ -25,7 +25,8 @@ Task = Tuple[int, memoryview, np.ndarray, int, str, str, str]  # mode, encoded b
 #                                                               where (for messages), tensor key, file path
 
 
-def _span(blocks: List[List[int]]) -> Tuple[int, int]:
+def span(blocks: List[List[int]]) -> Tuple[int, int]:
+    """The file range [first byte, end) a list of blocks ([file offset, length, raw length, mode]) spans."""
     if not blocks:
         return 0, 0
     return min(b[0] for b in blocks), max(b[0] + b[1] for b in blocks)
@@ -50,7 +51,7 @@ def read_encoded(root: str, m: Manifest, mpath: str, keys: List[str], sinks: Dic
     by_file: Dict[str, List[Want]] = {}
     for own, refs in runs.values():
         for key, fname, placed in [own] + refs:
-            a, b = _span([blk for blk, _ in placed])
+            a, b = span([blk for blk, _ in placed])
             by_file.setdefault(fname, []).append(Want(key, a, b - a, 0, torch.uint8, (b - a,)))
     total = 0
     with _Decoder(root, m, runs, dests) as decoder:
@@ -155,25 +156,17 @@ def _decode_after(after: List[Future], tasks: List[Task]) -> None:
     _decode_many(tasks)
 
 
-def _placed(blocks: List[List[int]]) -> Placed:
-    out, pos = [], 0
-    for b in blocks:
-        out.append((b, pos))
-        pos += b[2]
-    return out
-
-
 def _runs(key: str, e: TensorEntry) -> Tuple[Run, List[Run]]:
     """A tensor's own blocks, and the runs of its reference's blocks that its deltas (and unchanged blocks)
     overlap: only those are read."""
-    own = _placed(e.enc["blocks"])
+    own = _encode.placed(e.enc["blocks"])
     ref = e.enc.get("ref")
     if ref is None:
         return (key + "\0own", e.file, own), []
-    need = [(pos, pos + b[2]) for b, pos in own if b[3] in (_encode.DELTA, _encode.SAME)]
+    need = [(pos, pos + b[2]) for b, pos in own if b[3] in _encode.READS_REF]
     runs: List[Placed] = []
     last, i = -2, 0
-    for j, (b, pos) in enumerate(_placed(ref["blocks"])):
+    for j, (b, pos) in enumerate(_encode.placed(ref["blocks"])):
         while i < len(need) and need[i][1] <= pos:  # both in raw order: skip the needs behind this block
             i += 1
         if i < len(need) and need[i][0] < pos + b[2]:
@@ -199,7 +192,7 @@ def _path(root: str, fname: str) -> str:
 
 def _tasks(placed: Placed, view: torch.Tensor, dest: np.ndarray, esize: int, key: str, path: str,
            what: str = "") -> List[Task]:
-    base = _span([b for b, _ in placed])[0]
+    base = span([b for b, _ in placed])[0]
     buf = memoryview(view.numpy())
     out: List[Task] = []
     for (off, elen, rlen, mode), pos in placed:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import json
-import mmap
 import os
 import threading
 import time
@@ -28,9 +27,9 @@ import numpy as np
 
 from . import _encode, _faults
 from ._backend import checksum
-from ._layout import Layout, align_up
+from ._layout import DTYPES, Layout, align_up
 from ._manifest import FileEntry, TensorEntry
-from ._stage import StagedChunk
+from ._stage import StagedChunk, anon_buffer
 from ._units import KiB
 from ._writeloop import WriteLoop
 
@@ -109,8 +108,7 @@ class Refs:
             if r is not None:
                 r.versions += 1
                 e = tensors.get(key)
-                paid = e is not None and e.enc is not None and any(
-                    b[3] in (_encode.DELTA, _encode.SAME) for b in e.enc["blocks"])
+                paid = e is not None and e.enc is not None and _encode.reads_ref(e.enc["blocks"])
                 r.fails = 0 if paid else r.fails + 1
                 r.skip = 0 if paid else min(1 << r.fails, self.chain)
         for key, r in self._pending.items():
@@ -147,11 +145,7 @@ class ItemPlan:
 
 
 def _starts(blocks: List[List[int]]) -> Dict[int, Tuple[int, int]]:
-    out, pos = {}, 0
-    for _, elen, rlen, _ in blocks:
-        out[pos] = (elen, rlen)
-        pos += rlen
-    return out
+    return {pos: (b[1], b[2]) for b, pos in _encode.placed(blocks)}
 
 
 def header_reserve(layout: Layout, chunk_bytes: int) -> int:
@@ -334,7 +328,7 @@ class EncodingLoop(WriteLoop):
             # tensor's reference still, which the saves after this one may encode against, so every composite
             # lists its file and retention keeps it (a restore reads only the reference blocks a delta needs)
             enc = {"codec": _encode.CODEC, "blocks": blocks, "ref": self.plan.where.get(i)}
-            out[it.key] = TensorEntry(file=fname, dtype=_dtype(it), shape=list(it.tensor.shape),
+            out[it.key] = TensorEntry(file=fname, dtype=DTYPES[it.tensor.dtype], shape=list(it.tensor.shape),
                                       offset=blocks[0][0] if blocks else self.reserve, nbytes=it.nbytes,
                                       crc=crcs[i], enc=enc)
         return out
@@ -353,15 +347,9 @@ class EncodingLoop(WriteLoop):
 
 
 
-def _dtype(it) -> str:
-    from ._layout import DTYPES
-
-    return DTYPES[it.tensor.dtype]
-
-
 def _write_header(fd: int, header: bytes) -> None:
     """The header at offset 0, from page-aligned memory (the file may be open with O_DIRECT)."""
-    buf = mmap.mmap(-1, len(header), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = anon_buffer(len(header))
     try:
         buf[:] = header
         view = memoryview(buf)

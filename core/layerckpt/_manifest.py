@@ -367,7 +367,7 @@ def _check_enc(key: str, enc: Any, nbytes: int, size: int, fname: str, files: Di
                path: str) -> None:
     """An encoded tensor's record: a codec this reader knows, blocks inside the file covering the tensor's
     bytes, and a reference (itself self-contained) inside a file the manifest lists."""
-    from ._encode import CODEC, MODES
+    from ._encode import CODEC, MODES, reads_ref
 
     if not (isinstance(enc, dict) and enc.get("codec") == CODEC and isinstance(enc.get("blocks"), list)):
         raise _corrupt(path, f"tensor {key!r} has an encoding this layerckpt does not read "
@@ -375,7 +375,7 @@ def _check_enc(key: str, enc: Any, nbytes: int, size: int, fname: str, files: Di
     ref = enc.get("ref")
     _check_blocks(key, enc["blocks"], nbytes, size, fname, MODES, path)
     if ref is None:
-        if any(b[3] in (2, 3) for b in enc["blocks"]):
+        if reads_ref(enc["blocks"]):
             raise _corrupt(path, f"tensor {key!r} has delta blocks but no reference", tensor=key)
         return
     if not (isinstance(ref, dict) and isinstance(ref.get("file"), str) and ref["file"] in files

@@ -27,7 +27,7 @@ from ._flush import wait_for_saves
 from ._gather import layout_boxes, shard_rows, shards_dim
 from ._layout import CODES
 from ._manifest import Manifest, load_manifest
-from ._encread import read_encoded
+from ._encread import read_encoded, span
 from ._read import MissingDataError, Want, read_into, read_views
 from ._stage import BufferPool
 from .config import Config
@@ -221,7 +221,7 @@ def check_claims(root: str, m: Manifest, mpath: str, keys: List[str]) -> None:
 def _end(e) -> int:
     """Where a tensor's stored bytes end in its file."""
     if e.enc is not None:
-        return max((b[0] + b[1] for b in e.enc["blocks"]), default=0)
+        return span(e.enc["blocks"])[1]
     return e.offset + e.nbytes
 
 

@@ -96,9 +96,9 @@ def is_base(m: Manifest) -> bool:
 def needs_ref(t) -> bool:
     """Whether a tensor entry reads its reference: it has delta or unchanged blocks (an entry records its
     reference whenever it was encoded against one, so that the reference stays kept while it is one)."""
-    from ._encode import DELTA, SAME
+    from ._encode import reads_ref
 
-    return bool(t.enc and t.enc.get("ref") and any(b[3] in (DELTA, SAME) for b in t.enc["blocks"]))
+    return bool(t.enc and t.enc.get("ref") and reads_ref(t.enc["blocks"]))
 
 
 def _entries(m: Manifest) -> Dict[str, Dict[str, tuple]]:
