@@ -81,7 +81,8 @@ class PendingSave(Pending):
         self.cancelled = False  # its directory was removed while it flushed: dropped, not failed
         #: seconds by phase: plan (gather, drift, selection, layout: what save() blocks for under lazy
         #: staging), stage (the copies), checksum, encode (the encoder threads' seconds, summed over them;
-        #: encoded saves only), write (waiting for the disk beyond the copies, checksums and encoding), fdatasync, commit (ranks agree, the manifest durable), retention (after the commit)
+        #: encoded saves only), write (waiting for the disk beyond the copies, checksums and encoding), fdatasync,
+        #: commit (ranks agree, the manifest durable), retention (after the commit)
         self.phases: Dict[str, float] = {}
 
     def _what(self) -> str:
