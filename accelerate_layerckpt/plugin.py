@@ -5,6 +5,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 import uuid
 import weakref
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
@@ -24,6 +25,7 @@ ENV_ENABLED = "LAYERCKPT_ENABLED"
 ENV_CONFIG = "LAYERCKPT_CONFIG"
 _UNSUPPORTED = {"FSDP": "FSDP shards", "DEEPSPEED": "DeepSpeed engines", "MEGATRON_LM": "Megatron-LM models",
                 "XLA": "XLA devices"}
+WAIT_BELOW = 8 << 20  # save_states of at most this many bytes (this process's) return durable
 _registered: "weakref.WeakKeyDictionary[Any, LayerCheckpointPlugin]" = weakref.WeakKeyDictionary()
 _disabled_logged = False
 
@@ -129,8 +131,16 @@ class LayerCheckpointPlugin:
     metrics are known only once the save commits, and training never waits for that: they are logged at
     the next ``backward``, ``save_state``, :meth:`wait` or :meth:`close`, at the step the save was made
     (the optimizer steps this process has run: ``backward`` calls that synced gradients).
-    ``log_stats=False`` logs nothing.  To save at the interval the failure rate calls for, see
-    :class:`layerckpt.Interval`::
+    ``log_stats=False`` logs nothing.
+
+    ``save_state`` returns once the state is staged, and the save becomes durable in the background while
+    training goes on; :meth:`wait`, ``load_state``, ``end_training`` and interpreter exit wait for it.  A
+    ``save_state`` whose state (this process's models and optimizers) is at most ``wait_below`` bytes
+    (default 8 MiB) returns done instead, as accelerate's own: committed and pruned, so nothing of it runs
+    on once it returns (a test may delete ``project_dir`` right away).  Its flush is a few milliseconds of
+    fsync there, and that wait counts in ``stall_ms``.  ``wait_below=0``: every save in the background.
+
+    To save at the interval the failure rate calls for, see :class:`layerckpt.Interval`::
 
         interval = layerckpt.Interval(mtbf="8h", min_steps=20, max_steps=2000)
         for step, batch in enumerate(loader):
@@ -148,9 +158,14 @@ class LayerCheckpointPlugin:
     remote: save the folders of one run into one parent directory.
     """
 
-    def __init__(self, config: Optional[Config] = None, *, layers: LayerSpec = None, log_stats: bool = True):
+    def __init__(self, config: Optional[Config] = None, *, layers: LayerSpec = None, log_stats: bool = True,
+                 wait_below: int = WAIT_BELOW):
         self.config = as_config(config, env=ENV_CONFIG, only_config=True)
         refuse_keep_last(self.config)
+        if isinstance(wait_below, bool) or not isinstance(wait_below, int) or wait_below < 0:
+            raise ConfigError(f"LayerCheckpointPlugin(wait_below={wait_below!r}): a byte count >= 0 "
+                              f"(0: every save_state flushes in the background)")
+        self.wait_below = wait_below
         self.layers = layers
         self.log_stats = log_stats
         self._metrics = SaveMetrics()  # saves not logged yet, each with the step it was made at
@@ -349,6 +364,21 @@ class LayerCheckpointPlugin:
             st.pruner.submit(st.model_roots, set(st.live.values()), below=step)
             if st.uploads is not None:
                 st.uploads.submit(folder)
+        if sum(p.nbytes for p in self.last_saves) <= self.wait_below:
+            self._finish(st)
+
+    def _finish(self, st: "_Store") -> None:
+        """A small save_state returns done, as accelerate's own: committed, pruned, nothing left running that
+        could touch project_dir (a test may delete it right away).  What that wait took counts as save_state's."""
+        t0 = time.perf_counter()
+        try:
+            st.wait_flushes()
+            st.pruner.drain()
+        finally:
+            waited = time.perf_counter() - t0
+            for p in self.last_saves:
+                p.stall_s += waited
+        self._log_finished()
 
     def _open(self, root: str, folders_dir: str, pairs) -> _Store:
         """The store's Checkpointers; collective under torch.distributed, as save_state is called on every rank."""

@@ -48,7 +48,8 @@ class Run:
     """An Accelerator with one tiny GPT, AdamW, a StepLR scheduler and a Progress object."""
 
     def __init__(self, project_dir, *, automatic: bool = True, total_limit: Optional[int] = None,
-                 config: Optional[layerckpt.Config] = None, plugin: bool = True, seed: int = 0, pretrain: int = 0):
+                 config: Optional[layerckpt.Config] = None, plugin: bool = True, seed: int = 0, pretrain: int = 0,
+                 wait_below: int = 0):
         self.acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
             project_dir=str(project_dir), automatic_checkpoint_naming=automatic, total_limit=total_limit))
         model = tiny(seed)
@@ -60,7 +61,8 @@ class Run:
         self.model, self.opt, self.sched = self.acc.prepare(model, opt, sched)
         self.progress = Progress()
         self.acc.register_for_checkpointing(self.progress)
-        self.plugin = LayerCheckpointPlugin(config).register(self.acc) if plugin else None
+        # wait_below=0: every save_state flushes in the background, as a large model's would
+        self.plugin = LayerCheckpointPlugin(config, wait_below=wait_below).register(self.acc) if plugin else None
 
     @property
     def plain_model(self) -> torch.nn.Module:

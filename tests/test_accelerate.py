@@ -400,6 +400,35 @@ def test_end_training_finishes_every_save_so_the_project_dir_can_go(tmp_path):
     assert not project.exists()
 
 
+def test_a_small_save_state_returns_done_so_the_project_dir_can_go_at_once(tmp_path, runs):
+    """accelerate's own tests delete project_dir right after save_state (TemporaryDirectory): a state under
+    wait_below is committed and pruned when save_state returns, and no file of it appears afterwards."""
+    from accelerate_layerckpt.plugin import WAIT_BELOW
+
+    for i in range(3):
+        project = tmp_path / f"p{i}"
+        run = runs(project, total_limit=2, wait_below=WAIT_BELOW)
+        run.train(1)
+        for _ in range(4):
+            run.acc.save_state()
+            assert all(p.done() and p.error is None for p in run.plugin.last_saves)
+            assert 0 < sum(p.nbytes for p in run.plugin.last_saves) <= WAIT_BELOW
+        manifests = project / "layerckpt" / "model_0" / "manifests"
+        assert sorted(os.listdir(manifests)) == ["step-00000002.json", "step-00000003.json"]  # pruned already
+        assert sorted(os.listdir(project / "checkpoints")) == ["checkpoint_2", "checkpoint_3"]
+        shutil.rmtree(project)  # raises if a file appeared in a directory while it was being removed
+        time.sleep(0.05)
+        assert not project.exists()
+        run.plugin.close()  # after its store went: nothing left to wait for, no error
+        AcceleratorState._reset_state(True)
+
+
+def test_wait_below_must_be_a_byte_count():
+    for bad in (-1, 1.5, True, "8MiB"):
+        with pytest.raises(layerckpt.ConfigError, match="wait_below"):
+            LayerCheckpointPlugin(wait_below=bad)
+
+
 def test_export_gives_a_folder_plain_accelerate_loads(tmp_path, runs):
     run = runs(tmp_path / "a", config=FULL)
     run.train(3)
