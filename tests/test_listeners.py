@@ -106,3 +106,38 @@ def test_pins_from_another_directory_are_names_only(tmp_path):
             _move(model, step)
             ck.save(step).wait()
     assert _manifests(tmp_path / "ck") == [1, 3]
+
+
+def test_retention_parses_each_manifest_once_and_sees_one_replaced(tmp_path, monkeypatch):
+    """Retention runs at every commit; a manifest it parsed is not parsed again unless its file changed."""
+    from layerckpt import _manifest
+
+    parsed = []
+    orig = _manifest.Manifest.from_dict.__func__
+
+    def counting(cls, m, path):
+        parsed.append(os.path.basename(path))
+        return orig(cls, m, path)
+
+    monkeypatch.setattr(_manifest.Manifest, "from_dict", classmethod(counting))
+    model = small_model()
+    with layerckpt.Checkpointer(tmp_path, model, config=layerckpt.Config(full=True, keep_last=3)) as ck:
+        for step in range(1, 7):
+            _move(model, step)
+            ck.save(step).wait()
+        assert parsed == [f"step-{s:08d}.json" for s in range(1, 7)]  # each once, by the retention after it
+        # a manifest replaced (a new inode under the same name) is parsed again, once
+        path = tmp_path / "manifests" / "step-00000005.json"
+        doc = json.loads(path.read_text())
+        doc["name"] = "edited"
+        tmp = tmp_path / "manifests" / "x.tmp"
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
+        parsed.clear()
+        _move(model, 7)
+        ck.save(7).wait()
+        _move(model, 8)
+        ck.save(8).wait()
+    assert parsed == ["step-00000005.json", "step-00000007.json", "step-00000008.json"]
+    assert _manifests(tmp_path) == [6, 7, 8]
+    _data_is_referenced_only(tmp_path)

@@ -155,6 +155,11 @@ def test_manifest_validates_in_one_place_and_round_trips():
     assert m.layers["w"].age == 1 and m.steps_behind() == {"w": 2} and m.lag is None
     again = Manifest.from_dict(json.loads(m.to_json()), "m.json")
     assert again == m
+    d = m.to_dict()  # the same document as to_json, as a copy: changing it leaves the manifest alone
+    assert d == json.loads(m.to_json())
+    d["tensors"]["model/w"]["shape"].append(7)
+    d["files"].clear()
+    assert m.tensors["model/w"].shape == [2, 3] and m.files and Manifest.from_dict(m.to_dict(), "m.json") == m
     bad = _manifest_dict()
     bad["tensors"]["model/w"]["nbytes"] = 25
     with pytest.raises(CheckpointCorruptError, match=r"'model/w' has shape \[2, 3\] and dtype F32 but 25 bytes"):

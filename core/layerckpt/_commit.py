@@ -9,13 +9,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from . import _faults
 from ._dist import Group
 from ._layout import DTYPES, Layout
-from ._manifest import FileEntry, Manifest, TensorEntry
+from ._manifest import FileEntry, Manifest, TensorEntry, plain
 from ._store import LATEST, MANIFEST_DIR, manifest_name, write_atomic
 from .errors import CheckpointWriteError
 
@@ -45,7 +45,7 @@ class RankResult:
     def to_dict(self) -> Dict[str, Any]:
         return {"rank": self.rank, "fname": self.fname, "size": self.size, "rng": self.rng,
                 "error": None if self.error is None else list(self.error),
-                "tensors": {k: asdict(e) for k, e in self.tensors.items()}}
+                "tensors": {k: plain(e) for k, e in self.tensors.items()}}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "RankResult":

@@ -248,8 +248,9 @@ class Manifest:
             return self.rng_ranks[str(rank)]
         return self.rng
 
-    def to_dict(self) -> Dict[str, Any]:
-        d = dataclasses.asdict(self)
+    def _fields(self) -> Dict[str, Any]:
+        """The fields as written, shallow (the entries stay dataclasses, nothing is copied)."""
+        d = fields_of(self)
         if d["rng_ranks"] is None:
             del d["rng_ranks"]
         if d["boxes"] is None:  # readable by the layerckpt that wrote version 2
@@ -259,8 +260,13 @@ class Manifest:
             d["version"] = max(d["version"], _BOXES_VERSION)
         return d
 
+    def to_dict(self) -> Dict[str, Any]:
+        """A plain copy (dicts, lists and scalars): the JSON document, to change without touching this one."""
+        return plain(self._fields())
+
     def to_json(self) -> bytes:
-        return json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=True).encode()
+        # the entries are turned into dicts by the encoder as it meets them: no copy of the whole manifest
+        return json.dumps(self._fields(), separators=(",", ":"), allow_nan=True, default=fields_of).encode()
 
     @classmethod
     def from_dict(cls, m: Any, path: str) -> "Manifest":
@@ -279,6 +285,33 @@ class Manifest:
         _check_model(m["model"], path, known)
         return cls(step=m["step"], world_size=m["world_size"], files=files, tensors=tensors, layers=layers,
                    model=m["model"], **rest)
+
+
+_NAMES: Dict[type, Tuple[str, ...]] = {}
+
+
+def fields_of(obj: Any) -> Dict[str, Any]:
+    """A dataclass instance's fields by name, shallow (also the ``default`` of ``json.dumps``)."""
+    names = _NAMES.get(type(obj))
+    if names is None:
+        if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+            raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+        names = _NAMES[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+    return {n: getattr(obj, n) for n in names}
+
+
+def plain(obj: Any) -> Any:
+    """A deep copy of ``obj`` with every dataclass instance turned into a dict of its fields, as
+    ``dataclasses.asdict`` makes, without its per-leaf ``deepcopy``: the leaves here are immutable scalars."""
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [plain(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(plain(v) for v in obj)
+    if type(obj) in _NAMES or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        return {k: plain(v) for k, v in fields_of(obj).items()}
+    return obj
 
 
 _REQUIRED = {"format": str, "version": int, "step": int, "world_size": int, "files": dict,
@@ -580,18 +613,32 @@ _parsed: "contextvars.ContextVar[Optional[Dict[Tuple[str, int, int, int], Manife
 
 
 @contextlib.contextmanager
-def parse_once():
+def parse_once(memo: Optional[Dict[Tuple[str, int, int, int], Manifest]] = None):
     """Inside it (a decorator too) each manifest file is parsed once: a restore reads the same manifests
     to pick the tier, to find the newest and to load it.  A committed manifest is never rewritten in
-    place (a new one is renamed over it: a new inode), and what is returned must not be changed."""
+    place (a new one is renamed over it: a new inode), and what is returned must not be changed.
+    ``memo``: a dict kept by the caller, to parse each file once over several calls (see :func:`still_valid`)."""
     if _parsed.get() is not None:
         yield
         return
-    token = _parsed.set({})
+    token = _parsed.set({} if memo is None else memo)
     try:
         yield
     finally:
         _parsed.reset(token)
+
+
+def still_valid(memo: Dict[Tuple[str, int, int, int], Manifest]) -> Dict[Tuple[str, int, int, int], Manifest]:
+    """The entries of a :func:`parse_once` memo whose file is still there, as it was parsed."""
+    out = {}
+    for key, m in memo.items():
+        try:
+            st = os.stat(key[0])
+        except OSError:
+            continue
+        if key == (key[0], st.st_ino, st.st_size, st.st_mtime_ns):
+            out[key] = m
+    return out
 
 
 def load_manifest(path: str) -> Manifest:

@@ -12,7 +12,7 @@ import threading
 from typing import AbstractSet, Callable, Dict, Iterable, List, Set
 
 from . import _faults
-from ._manifest import Manifest
+from ._manifest import Manifest, parse_once, still_valid
 from ._store import DATA_DIR, MANIFEST_DIR, fsync_dir, is_data_name, read_all, recency
 
 log = logging.getLogger("layerckpt")
@@ -66,6 +66,7 @@ class Retention:
         self._lock = threading.Lock()
         self._pinned: AbstractSet[str] = frozenset()
         self._held: AbstractSet[str] = frozenset()
+        self._parsed: dict = {}  # the manifests parsed so far (see _manifest.parse_once), on the flusher thread
 
     def pin(self, names: Iterable[str]) -> None:
         """Manifest file names kept whatever their age; replaces the previous set."""
@@ -88,21 +89,24 @@ class Retention:
 
     def committed(self, m: Manifest) -> None:
         """Commit listener, on the flusher thread, after the tiers were told of ``m``."""
-        try:
-            retain(self.root, self.keep_last, self.keep())
-        except OSError as e:  # retention failing must not fail a committed save
-            log.warning("layerckpt: retention after step %d failed: %s", m.step, e)
+        self._run(f"after step {m.step}")
 
     def soon(self) -> None:
         """A tier's copy ended: what it held may go, on the flusher thread."""
         if self.keep_last > 0:
             self._later(self._run)
 
-    def _run(self) -> None:
+    def _run(self, when: str = "") -> None:
+        if self.keep_last <= 0:
+            return
         try:
-            retain(self.root, self.keep_last, self.keep())
-        except OSError as e:
-            log.warning("layerckpt: retention in %s failed: %s", self.root, e)
+            # each manifest is parsed once over the writer's life, not at every commit
+            with parse_once(self._parsed):
+                retain(self.root, self.keep_last, self.keep())
+        except OSError as e:  # retention failing must not fail a committed save
+            log.warning("layerckpt: retention in %s %s failed: %s", self.root, when, e)
+        finally:
+            self._parsed = still_valid(self._parsed)
 
 
 def drop(root: str, good: Dict[str, Manifest], bad: List[str], names: List[str]) -> List[str]:
