@@ -59,6 +59,17 @@ def _wait_for_flushes() -> None:
                 pass
 
 
+def _state_bytes(checkpointers: List[Checkpointer]) -> int:
+    """What the models and optimizers of a store hold in all (not what a selective save writes of it)."""
+    total = 0
+    for ck in checkpointers:
+        tensors = list(ck.model.parameters()) + list(ck.model.buffers())
+        if ck.optimizer is not None:
+            tensors += [v for state in ck.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
 def refuse_keep_last(config: Config) -> None:
     """Accelerate's ``total_limit`` decides which checkpoint folders stay, and a composite stays while a folder
     points at it: a ``keep_last`` of the Config would contradict that, so one set explicitly is refused.
@@ -364,7 +375,7 @@ class LayerCheckpointPlugin:
             st.pruner.submit(st.model_roots, set(st.live.values()), below=step)
             if st.uploads is not None:
                 st.uploads.submit(folder)
-        if sum(p.nbytes for p in self.last_saves) <= self.wait_below:
+        if _state_bytes(st.checkpointers) <= self.wait_below:
             self._finish(st)
 
     def _finish(self, st: "_Store") -> None:

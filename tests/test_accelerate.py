@@ -412,7 +412,6 @@ def test_a_small_save_state_returns_done_so_the_project_dir_can_go_at_once(tmp_p
         for _ in range(4):
             run.acc.save_state()
             assert all(p.done() and p.error is None for p in run.plugin.last_saves)
-            assert 0 < sum(p.nbytes for p in run.plugin.last_saves) <= WAIT_BELOW
         manifests = project / "layerckpt" / "model_0" / "manifests"
         assert sorted(os.listdir(manifests)) == ["step-00000002.json", "step-00000003.json"]  # pruned already
         assert sorted(os.listdir(project / "checkpoints")) == ["checkpoint_2", "checkpoint_3"]
@@ -421,6 +420,30 @@ def test_a_small_save_state_returns_done_so_the_project_dir_can_go_at_once(tmp_p
         assert not project.exists()
         run.plugin.close()  # after its store went: nothing left to wait for, no error
         AcceleratorState._reset_state(True)
+
+
+def test_a_state_over_wait_below_flushes_in_the_background(tmp_path, runs):
+    """The limit is on the state (models and optimizers), not on what a selective save writes of it."""
+    from accelerate_layerckpt.plugin import _state_bytes
+    from layerckpt import _faults
+
+    run = runs(tmp_path)
+    run.train(1)
+    m = run.plain_model  # tied weights once, as the store holds them
+    state = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers(),
+                *(v for st in run.opt.optimizer.state.values() for v in st.values() if torch.is_tensor(v))])
+    held = threading.Event()
+    _faults.install("commit.before", lambda: held.wait(30))  # the flush holds before its commit
+    try:
+        run.plugin.wait_below = state - 1
+        run.acc.save_state()
+        assert _state_bytes(run.plugin._stores[run.plugin.stores[0]].checkpointers) == state
+        assert not run.plugin.last_saves[0].done()  # returned while the flush was held
+    finally:
+        held.set()
+        _faults.remove("commit.before")
+    run.plugin.wait()
+    assert run.plugin.last_saves[0].error is None
 
 
 def test_wait_below_must_be_a_byte_count():

@@ -10,7 +10,7 @@ import torch
 
 import layerckpt
 from layerckpt import _faults
-from layerckpt._exact import fingerprint
+from layerckpt._exact import CHUNK, PARALLEL_BYTES, fingerprint, fingerprints
 from layerckpt._manifest import load_manifest
 from layerckpt.errors import StalenessError
 
@@ -88,6 +88,23 @@ def test_fingerprints_see_every_byte():
     assert fingerprint(neg) != fingerprint(zero)
     assert fingerprint(x.view(torch.int32)) != fp  # another dtype never matches
     assert fingerprint(x.reshape(10, 100)) != fp  # nor another shape
+
+
+def test_fingerprints_on_threads_equal_one_thread_and_see_one_bit_in_any_chunk():
+    """Over PARALLEL_BYTES the chunks go to threads: the fingerprints are those of the one-thread path, and a
+    bit flipped in the last chunk of a tensor of several chunks changes its fingerprint and no other."""
+    big = torch.randn((CHUNK * 2 + 12345) // 4)  # three chunks, the last one short
+    rest = {f"t{i}": torch.randn(1000 + i) for i in range(5)}
+    tensors = {"big": big, "col": torch.randn(64, 300)[:, 7], **rest}  # a strided view too
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) >= PARALLEL_BYTES
+    many = fingerprints(tensors)
+    assert many == {k: fingerprint(t) for k, t in tensors.items()}
+    assert len(many["big"][2]) == 3 and len(many["t0"][2]) == 1
+    flipped = big.clone()
+    flipped.view(torch.int32)[-1] ^= 1 << 30
+    again = fingerprints({**tensors, "big": flipped})
+    assert again["big"] != many["big"] and again["big"][2][:2] == many["big"][2][:2]
+    assert {k: v for k, v in again.items() if k != "big"} == {k: v for k, v in many.items() if k != "big"}
 
 
 # ------------------------------------------------------------------ 2. state the tracker cannot price

@@ -19,40 +19,74 @@ length:
   It is no cryptographic hash: a change crafted to collide would pass.
 
 A tensor of another dtype or shape never matches (the fingerprint records both).
-Fingerprints are taken on the training thread, only of the tensors whose
+The two CRCs are taken of each ``CHUNK`` bytes of the tensor apart, and the
+fingerprint holds them all: the guarantees above hold chunk by chunk, and
+the chunks of many tensors are fingerprinted on several threads at once
+(:func:`fingerprints`; both CRCs release the GIL).
+Fingerprints are taken while ``save()`` runs, only of the tensors whose
 sample says nothing moved and of those expected to stay put (see ``_plan``); a
-tensor off the CPU is copied to the host in chunks of ``CHUNK`` bytes first.
+tensor off the CPU is copied to the host a chunk at a time first.
 """
 from __future__ import annotations
 
+import os
 import zlib
-from typing import Dict, Iterable, Optional, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
 from ._backend import checksum_function
 
-CHUNK = 64 << 20
+CHUNK = 16 << 20
+PARALLEL_BYTES = 32 << 20  # below this many bytes in all, the caller's thread fingerprints alone
+THREADS = max(1, min(8, os.cpu_count() or 1))
 _crc32c = checksum_function("crc32c")
 
-Fingerprint = Tuple[str, Tuple[int, ...], int]  # (dtype, shape, crc32c << 32 | crc32)
+Fingerprint = Tuple[str, Tuple[int, ...], Tuple[int, ...]]  # (dtype, shape, crc32c << 32 | crc32 of each chunk)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _chunk_crc(part: torch.Tensor) -> int:
+    if part.device.type != "cpu":
+        part = part.cpu()
+    view = memoryview(part.numpy())
+    return (_crc32c(view) << 32) | zlib.crc32(view)
+
+
+def _pieces(raw: torch.Tensor) -> List[torch.Tensor]:
+    return [raw[at:at + CHUNK] for at in range(0, max(raw.numel(), 1), CHUNK)]
 
 
 def fingerprint(t: torch.Tensor) -> Fingerprint:
     """The fingerprint of every byte of ``t`` (see the module docstring for what a match proves)."""
-    flat = t.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    c, z = 0, 0
-    for at in range(0, max(raw.numel(), 1), CHUNK):
-        part = raw[at:at + CHUNK]
-        if part.device.type != "cpu":
-            part = part.cpu()
-        view = memoryview(part.numpy())
-        c = _crc32c(view, c)
-        z = zlib.crc32(view, z)
-    return str(t.dtype), tuple(t.shape), (c << 32) | z
+    return str(t.dtype), tuple(t.shape), tuple(_chunk_crc(p) for p in _pieces(_raw(t)))
+
+
+def fingerprints(tensors: Mapping[str, torch.Tensor]) -> Dict[str, Fingerprint]:
+    """:func:`fingerprint` of each tensor, by key; host tensors of ``PARALLEL_BYTES`` or more in all are
+    fingerprinted a chunk per task on up to ``THREADS`` threads (started and ended within the call)."""
+    raws = {k: _raw(t) for k, t in tensors.items()}
+    host = [k for k, r in raws.items() if r.device.type == "cpu"]
+    if THREADS == 1 or sum(raws[k].numel() for k in host) < PARALLEL_BYTES:
+        return {k: fingerprint(t) for k, t in tensors.items()}
+    out = {k: fingerprint(t) for k, t in tensors.items() if raws[k].device.type != "cpu"}
+    tasks = [(k, p) for k in host for p in _pieces(raws[k])]
+    with ThreadPoolExecutor(THREADS, thread_name_prefix="layerckpt-fingerprint") as pool:
+        crcs = list(pool.map(_chunk_crc, [p for _, p in tasks]))
+    per_key: Dict[str, List[int]] = {k: [] for k in host}
+    for (k, _), c in zip(tasks, crcs):
+        per_key[k].append(c)
+    for k in host:
+        t = tensors[k]
+        out[k] = (str(t.dtype), tuple(t.shape), tuple(per_key[k]))
+    return out
 
 
 class Fingerprints:

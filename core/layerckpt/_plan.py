@@ -24,7 +24,7 @@ import torch
 
 from . import _policy as policy
 from ._codec import Entries
-from ._exact import Fingerprint, Fingerprints, fingerprint
+from ._exact import Fingerprint, Fingerprints, fingerprints
 from ._layers import LayerSpec, group_layers
 from ._layout import CODES, ITEMSIZE
 from ._manifest import (ROWS, Boxes, FileEntry, LayerEntry, Manifest, RowBlocks, TensorEntry, is_rng, model_name,
@@ -287,9 +287,10 @@ class Selector:
                 k for k, (_, n) in tensors.items() if n is not None]
             unpriced_moved = any(moved.get(tensors[k][1], True) for k in unpriced)
             for k in list(tensors) if still else ([] if unpriced_moved else unpriced):
-                taken[k] = fingerprint(tensors[k][0])
+                taken[k] = tensors[k][0]
             plans[layer] = (still, list(tensors), unpriced, unpriced_moved)
             unpriced_keys[layer] = unpriced
+        taken = fingerprints(taken)
         with self._lock:
             same = self.fingerprints.matches
             for layer, (still, keys, unpriced, unpriced_moved) in plans.items():
@@ -385,6 +386,7 @@ class Selector:
             return {}
         frozen = self._owner[2] if self._owner is not None else frozenset()
         refs: Dict[str, Fingerprint] = {}
+        todo: Dict[str, torch.Tensor] = {}
         for layer in out.persisted:
             tensors = held.get(layer, {})
             settle = layer in frozen or (ROWS in layer and out.layers[layer].reason in (policy.FIRST, NEW))
@@ -393,7 +395,8 @@ class Selector:
                 if k in taken:
                     refs[k] = taken[k]
                 elif k in wanted:
-                    refs[k] = fingerprint(t)
+                    todo[k] = t
+        refs.update(fingerprints(todo))
         return refs
 
     def _planned_now(self, out: SavePlan, snaps, world: int, refs: Dict[str, Fingerprint]) -> None:
@@ -446,8 +449,8 @@ class Selector:
             frozen = self._owner[2]
             # what a save that wrote them would fingerprint (_references): frozen layers, table rows, and
             # the unpriced tensors of every layer
-            refs = {k: fingerprint(t) for layer, tensors in held.items() for k, (t, n) in tensors.items()
-                    if layer in frozen or ROWS in layer or (n is not None and n not in grads.get(layer, {}))}
+            refs = fingerprints({k: t for layer, tensors in held.items() for k, (t, n) in tensors.items()
+                                 if layer in frozen or ROWS in layer or (n is not None and n not in grads.get(layer, {}))})
             with self._lock:
                 self.fingerprints.persisted([k for tensors in held.values() for k in tensors], refs)
         self.committed(manifest, samples)
