@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from layerckpt import store
-from layerckpt.adapters import read_pointer_json, write_pointer as write_pointer_file
+from layerckpt.adapters import pointer_store, read_folder_pointer, write_pointer as write_pointer_file
 from layerckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 log = logging.getLogger("layerckpt.accelerate")
@@ -107,12 +107,7 @@ def write_pointer(folder: str, store_root: str, step: int, token: str, optimizer
 
 def read_pointer(folder: str) -> Optional[Pointer]:
     """The folder's pointer; None when it has none (a folder plain accelerate wrote)."""
-    path = os.path.join(os.path.abspath(folder), POINTER)
-    try:
-        d = read_pointer_json(path)
-    except FileNotFoundError:
-        return None
-    return _pointer(d, path)
+    return read_folder_pointer(folder, POINTER, _pointer)
 
 
 def parse_pointer(raw: bytes, path: str) -> Pointer:
@@ -127,20 +122,10 @@ def parse_pointer(raw: bytes, path: str) -> Pointer:
 
 def _pointer(d: Any, path: str) -> Pointer:
     """The pointer the parsed JSON ``d`` of ``path`` holds (None: it did not parse)."""
-    ok = (isinstance(d, dict) and d.get("format") == POINTER_FORMAT and isinstance(d.get("version"), int)
-          and isinstance(d.get("store"), str)
-          and isinstance(d.get("step"), int) and d["step"] >= 0 and isinstance(d.get("token"), str)
-          and isinstance(d.get("models"), list) and d["models"]
-          and all(isinstance(m, dict) and isinstance(m.get("optimizer"), bool) for m in d["models"]))
-    if not ok:
-        raise CheckpointCorruptError(
-            f"{path} is not a valid layerckpt pointer (truncated or edited?); it names the layerckpt composite "
-            f"holding this checkpoint's models and optimizers, so the folder cannot be loaded", path=path)
-    if d["version"] > POINTER_VERSION:
-        raise CheckpointCorruptError(
-            f"{path} has pointer version {d['version']}, newer than this accelerate_layerckpt reads "
-            f"({POINTER_VERSION}); upgrade layerckpt", path=path)
-    root = os.path.normpath(os.path.join(os.path.dirname(path), d["store"]))
+    root = pointer_store(d, path, POINTER_FORMAT, POINTER_VERSION, "accelerate_layerckpt",
+                         "this checkpoint's models and optimizers",
+                         lambda d: isinstance(d.get("models"), list) and bool(d["models"]) and all(
+                             isinstance(m, dict) and isinstance(m.get("optimizer"), bool) for m in d["models"]))
     return Pointer(path=path, store=root, step=d["step"], token=d["token"],
                    optimizers=[m["optimizer"] for m in d["models"]])
 

@@ -17,11 +17,11 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from layerckpt import store
-from layerckpt.adapters import read_pointer_json, write_pointer as write_pointer_file
-from layerckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from layerckpt.adapters import pointer_store, read_folder_pointer, write_pointer as write_pointer_file
+from layerckpt.errors import CheckpointError, CheckpointNotFoundError
 
 log = logging.getLogger("layerckpt.transformers")
 
@@ -64,22 +64,12 @@ def write_pointer(folder: str, store_root: str, step: int, token: str, optimizer
 
 def read_pointer(folder: str) -> Optional[Pointer]:
     """The folder's pointer; None when it has none (a folder plain Trainer wrote)."""
-    path = os.path.join(os.path.abspath(folder), POINTER)
-    try:
-        d = read_pointer_json(path)
-    except FileNotFoundError:
-        return None
-    ok = (isinstance(d, dict) and d.get("format") == POINTER_FORMAT and isinstance(d.get("version"), int)
-          and isinstance(d.get("store"), str) and isinstance(d.get("step"), int) and d["step"] >= 0
-          and isinstance(d.get("token"), str) and isinstance(d.get("optimizer"), bool))
-    if not ok:
-        raise CheckpointCorruptError(
-            f"{path} is not a valid layerckpt pointer (truncated or edited?); it names the layerckpt composite "
-            f"holding this checkpoint's model and optimizer, so the folder cannot be loaded", path=path)
-    if d["version"] > POINTER_VERSION:
-        raise CheckpointCorruptError(f"{path} has pointer version {d['version']}, newer than this "
-                                     f"transformers_layerckpt reads ({POINTER_VERSION}); upgrade layerckpt", path=path)
-    root = os.path.normpath(os.path.join(os.path.dirname(path), d["store"]))
+    return read_folder_pointer(folder, POINTER, _pointer)
+
+
+def _pointer(d: Any, path: str) -> Pointer:
+    root = pointer_store(d, path, POINTER_FORMAT, POINTER_VERSION, "transformers_layerckpt",
+                         "this checkpoint's model and optimizer", lambda d: isinstance(d.get("optimizer"), bool))
     return Pointer(path=path, store=root, step=d["step"], token=d["token"], optimizer=d["optimizer"])
 
 

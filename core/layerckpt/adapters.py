@@ -33,6 +33,7 @@ from .errors import CheckpointError, ConfigError
 log = logging.getLogger("layerckpt")
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 ConfigLike = Union[Config, str, "os.PathLike[str]", Mapping[str, Any], None]
 
 
@@ -295,6 +296,38 @@ def read_pointer_json(path: str) -> Any:
         if not os.path.isfile(path) or os.path.islink(path):
             raise  # not a plain file: the reader's error says which
         return None
+
+
+def read_folder_pointer(folder: str, name: str, parse: Callable[[Any, str], T]) -> Optional[T]:
+    """``parse(d, path)`` of the parsed pointer file ``name`` in ``folder`` (``d`` None when it is malformed);
+    None when the folder has none (a folder the framework wrote on its own)."""
+    path = os.path.join(os.path.abspath(folder), name)
+    try:
+        d = read_pointer_json(path)
+    except FileNotFoundError:
+        return None
+    return parse(d, path)
+
+
+def pointer_store(d: Any, path: str, fmt: str, version: int, reader: str, holds: str,
+                  valid: Callable[[Dict[str, Any]], bool]) -> str:
+    """Check what every adapter's pointer file holds (``format``, ``version``, ``store`` relative to its folder,
+    ``step``, ``token``) and ``valid(d)`` for the adapter's own fields; the store's root.  A malformed one is a
+    CheckpointCorruptError saying the folder cannot be loaded (``holds``: what the composite holds); a newer
+    version one naming ``reader`` to upgrade."""
+    from .errors import CheckpointCorruptError
+
+    ok = (isinstance(d, dict) and d.get("format") == fmt and isinstance(d.get("version"), int)
+          and isinstance(d.get("store"), str) and isinstance(d.get("step"), int) and d["step"] >= 0
+          and isinstance(d.get("token"), str) and valid(d))
+    if not ok:
+        raise CheckpointCorruptError(
+            f"{path} is not a valid layerckpt pointer (truncated or edited?); it names the layerckpt composite "
+            f"holding {holds}, so the folder cannot be loaded", path=path)
+    if d["version"] > version:
+        raise CheckpointCorruptError(f"{path} has pointer version {d['version']}, newer than this {reader} reads "
+                                     f"({version}); upgrade layerckpt", path=path)
+    return os.path.normpath(os.path.join(os.path.dirname(path), d["store"]))
 
 
 def export_paths(folder: Union[str, "os.PathLike[str]"], output: Union[str, "os.PathLike[str]"]) -> Tuple[str, str]:
