@@ -271,10 +271,10 @@ class Selector:
         Only what the sample cannot settle is fingerprinted: every tensor of a layer none of whose sampled
         elements moved, and the unpriced tensors none of whose sampled elements moved."""
         proof: Dict[str, Tuple[bool, bool]] = {}
-        taken: Dict[str, Fingerprint] = {}
+        todo: Dict[str, torch.Tensor] = {}
         unpriced_keys: Dict[str, List[str]] = {}
         if self.full:
-            return proof, taken, unpriced_keys
+            return proof, {}, unpriced_keys
         plans = {}
         for layer, tensors in held.items():
             m = measures.get(layer)
@@ -287,10 +287,10 @@ class Selector:
                 k for k, (_, n) in tensors.items() if n is not None]
             unpriced_moved = any(moved.get(tensors[k][1], True) for k in unpriced)
             for k in list(tensors) if still else ([] if unpriced_moved else unpriced):
-                taken[k] = tensors[k][0]
+                todo[k] = tensors[k][0]
             plans[layer] = (still, list(tensors), unpriced, unpriced_moved)
             unpriced_keys[layer] = unpriced
-        taken = fingerprints(taken)
+        taken = fingerprints(todo)
         with self._lock:
             same = self.fingerprints.matches
             for layer, (still, keys, unpriced, unpriced_moved) in plans.items():
