@@ -11,14 +11,13 @@ fsynced, then renamed into place) as the Lightning export is.  ``layerckpt expor
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Union
 
 import torch
 from accelerate.utils import MODEL_NAME, OPTIMIZER_NAME
 
 import layerckpt
-from layerckpt.adapters import export_paths, replace_durably
+from layerckpt.adapters import export_done, export_paths, export_staging
 from layerckpt.errors import CheckpointError
 
 from . import folders
@@ -32,9 +31,7 @@ def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLik
         raise CheckpointError(f"{folder} has no {folders.POINTER}: it was not written through the layerckpt "
                               f"plugin (plain accelerate loads it as it is)")
     manifests = folders.check_committed(ptr)  # a clear error when the composite never committed
-    tmp = output + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(folders.POINTER))
+    tmp = export_staging(folder, output, folders.POINTER)
     for i, manifest in enumerate(manifests):
         loaded = layerckpt.read_checkpoint(manifest)
         ending = f"_{i}" if i > 0 else ""
@@ -44,6 +41,4 @@ def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLik
                 raise CheckpointError(f"{manifest} lacks the optimizer state its pointer {ptr.path} promises")
             name = f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin"
             torch.save(loaded.optimizer, os.path.join(tmp, name))
-    if os.path.exists(output):
-        os.rmdir(output)
-    return replace_durably(tmp, output)  # every file, then the rename: durable as the Lightning export
+    return export_done(tmp, output)

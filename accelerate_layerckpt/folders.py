@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from layerckpt import store
-from layerckpt.adapters import pointer_store, read_folder_pointer, write_pointer as write_pointer_file
+from layerckpt.adapters import pointed_manifest, pointer_store, read_folder_pointer, write_pointer as write_pointer_file
 from layerckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 log = logging.getLogger("layerckpt.accelerate")
@@ -144,20 +144,8 @@ def check_committed(ptr: Pointer) -> List[str]:
             raise CheckpointNotFoundError(
                 f"{ptr.path} points to {root}, which does not exist: the layerckpt store {ptr.store} lacks the "
                 f"data of model {i}; keep the store whole beside the checkpoint folders")
-        try:
-            mpath = store.resolve(root, ptr.step)
-        except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(
-                f"the layerckpt composite of {os.path.dirname(ptr.path)} (step {ptr.step} in {root}) was never "
-                f"committed: the run stopped before that checkpoint was durable; load an older checkpoint folder"
-            ) from None
-        token = _token_at(mpath)
-        if token != ptr.token:
-            raise CheckpointNotFoundError(
-                f"{mpath} belongs to another checkpoint than {os.path.dirname(ptr.path)} (token {token!r}, the "
-                f"pointer names {ptr.token!r}): that folder's own composite was never committed; load an older "
-                f"checkpoint folder")
-        paths.append(mpath)
+        paths.append(pointed_manifest(root, ptr.step, ptr.token, os.path.dirname(ptr.path), _token_at,
+                                      "load an older checkpoint folder"))
     return paths
 
 

@@ -483,7 +483,7 @@ def test_export_fsyncs_every_file_before_the_rename(tmp_path, runs, monkeypatch)
     synced, helper = [], []
     real_fsync, real_helper = os.fsync, adapters.replace_durably
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
-    monkeypatch.setattr("accelerate_layerckpt.export.replace_durably",
+    monkeypatch.setattr(adapters, "replace_durably",
                         lambda tmp, out: (helper.append((tmp, out)), real_helper(tmp, out))[1])
     out = str(tmp_path / "plain")
     assert export_folder(folder, out) == out

@@ -10,14 +10,13 @@ file fsynced, then renamed into place).  ``layerckpt export FOLDER --transformer
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Dict, Union
 
 import torch
 from safetensors.torch import save_file
 
 import layerckpt
-from layerckpt.adapters import export_paths, replace_durably
+from layerckpt.adapters import export_done, export_paths, export_staging
 from layerckpt.errors import CheckpointError
 
 from . import folders
@@ -34,17 +33,13 @@ def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLik
         raise CheckpointError(f"{folder} has no {folders.POINTER}: it was not written through "
                               f"transformers_layerckpt (plain Trainer resumes from it as it is)")
     loaded = layerckpt.read_checkpoint(folders.check_committed(ptr))
-    tmp = output + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(folders.POINTER))
+    tmp = export_staging(folder, output, folders.POINTER)
     save_file(untied(loaded.model), os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
     if ptr.optimizer:
         if loaded.optimizer is None:
             raise CheckpointError(f"the composite of {folder} lacks the optimizer state its pointer promises")
         torch.save(loaded.optimizer, os.path.join(tmp, OPTIMIZER))
-    if os.path.exists(output):
-        os.rmdir(output)
-    return replace_durably(tmp, output)
+    return export_done(tmp, output)
 
 
 def untied(model: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from layerckpt import store
-from layerckpt.adapters import pointer_store, read_folder_pointer, write_pointer as write_pointer_file
+from layerckpt.adapters import pointed_manifest, pointer_store, read_folder_pointer, write_pointer as write_pointer_file
 from layerckpt.errors import CheckpointError, CheckpointNotFoundError
 
 log = logging.getLogger("layerckpt.transformers")
@@ -80,18 +80,8 @@ def check_committed(ptr: Pointer) -> str:
         raise CheckpointNotFoundError(
             f"{ptr.path} points to the layerckpt store {ptr.store}, which does not exist; the model and optimizer "
             f"of this checkpoint live there: keep that directory beside the checkpoint folders")
-    try:
-        mpath = store.resolve(ptr.store, ptr.step)
-    except CheckpointNotFoundError:
-        raise CheckpointNotFoundError(
-            f"the layerckpt composite of {folder} (step {ptr.step} in {ptr.store}) was never committed: the run "
-            f"stopped before that checkpoint was durable; resume from an older checkpoint folder") from None
-    token = token_of(store.read_manifest(mpath).extra)
-    if token != ptr.token:
-        raise CheckpointNotFoundError(
-            f"{mpath} belongs to another checkpoint than {folder} (token {token!r}, the pointer names "
-            f"{ptr.token!r}): that folder's own composite was never committed; resume from an older folder")
-    return mpath
+    return pointed_manifest(ptr.store, ptr.step, ptr.token, folder, lambda m: token_of(store.read_manifest(m).extra),
+                            "resume from an older checkpoint folder")
 
 
 def token_of(extra: object) -> object:

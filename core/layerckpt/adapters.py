@@ -330,6 +330,28 @@ def pointer_store(d: Any, path: str, fmt: str, version: int, reader: str, holds:
     return os.path.normpath(os.path.join(os.path.dirname(path), d["store"]))
 
 
+def pointed_manifest(root: str, step: int, token: Any, folder: str, token_at: Callable[[str], Any],
+                     older: str) -> str:
+    """The manifest of step ``step`` in the store ``root`` that the pointer file of ``folder`` names (its
+    ``token``, read from a manifest by ``token_at``); a CheckpointNotFoundError when that composite was never
+    committed or another one holds the step (``older``: what to do instead, e.g. "load an older checkpoint
+    folder")."""
+    from .errors import CheckpointNotFoundError
+
+    try:
+        mpath = store.resolve(root, step)
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(
+            f"the layerckpt composite of {folder} (step {step} in {root}) was never committed: the run stopped "
+            f"before that checkpoint was durable; {older}") from None
+    found = token_at(mpath)
+    if found != token:
+        raise CheckpointNotFoundError(
+            f"{mpath} belongs to another checkpoint than {folder} (token {found!r}, the pointer names {token!r}): "
+            f"that folder's own composite was never committed; {older}")
+    return mpath
+
+
 def export_paths(folder: Union[str, "os.PathLike[str]"], output: Union[str, "os.PathLike[str]"]) -> Tuple[str, str]:
     """(folder, output) as absolute paths for an export of a framework's checkpoint folder into a new directory;
     an output directory that exists and is not empty is refused."""
@@ -337,4 +359,22 @@ def export_paths(folder: Union[str, "os.PathLike[str]"], output: Union[str, "os.
     if os.path.exists(output) and os.listdir(output):
         raise CheckpointError(f"{output} exists and is not empty; export into a new directory")
     return folder, output
+
+
+def export_staging(folder: str, output: str, pointer: str) -> str:
+    """The staging folder of an export into ``output`` (see :func:`export_paths`): ``output.tmp``, afresh, holding
+    a copy of the framework's checkpoint ``folder`` without its pointer file ``pointer``."""
+    import shutil
+
+    tmp = output + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(pointer))
+    return tmp
+
+
+def export_done(tmp: str, output: str) -> str:
+    """The staged export ``tmp`` becomes ``output`` (an empty folder there is replaced), durably."""
+    if os.path.exists(output):
+        os.rmdir(output)
+    return replace_durably(tmp, output)
 
