@@ -172,9 +172,12 @@ def test_training_with_lazy_saves_every_step_matches_eager(tmp_path):
 
 @pytest.fixture
 def slow_copy():
-    """The stager's copies take ``SLOW`` seconds more (a sleep after them, on the stager thread)."""
-    _faults.install("stage.copied", lambda: time.sleep(SLOW))
-    yield
+    """The stager's copies take ``SLOW`` seconds more (a sleep after them, on the stager thread), counted from
+    when the test sets the event it gets: whatever else the machine runs, the copies are not over before the
+    test reaches the optimizer's step."""
+    go = threading.Event()
+    _faults.install("stage.copied", lambda: (go.wait(30), time.sleep(SLOW)))
+    yield go
     _faults.remove("stage.copied")
 
 
@@ -198,6 +201,7 @@ def test_the_step_wait_is_recorded_on_the_save(tmp_path, slow_copy, with_closure
         _loss(model, x).backward()
         time.sleep(0.1)
         ran.append(time.perf_counter() - t)
+        slow_copy.set()  # the copies' SLOW seconds start now, once the step's own work is done
 
     t0 = time.perf_counter()
     if with_closure:
@@ -219,6 +223,7 @@ def test_the_step_wait_is_recorded_on_the_save(tmp_path, slow_copy, with_closure
 
 def test_eager_staging_records_no_step_wait(tmp_path, slow_copy):
     model, opt = trained()
+    slow_copy.set()
     with layerckpt.Checkpointer(str(tmp_path), model, opt, layerckpt.Config(threshold=0.0, lazy_staging=False)) as ck:
         t0 = time.perf_counter()
         p = ck.save(1)
