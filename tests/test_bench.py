@@ -43,9 +43,11 @@ def _check_ratios(res: dict) -> None:
             "dcp_async_durable_over_ours": runs["dcp"]["async_durable_s"] / lc["durable_s"],
             "dcp_async_stall_over_ours": runs["dcp"]["async_stall_s"] / lc["stall_s"],
             "dcp_async_stall_over_our_blocked": runs["dcp"]["async_stall_s"] / lc["blocked_s"]}
-    raw = runs["layerckpt raw"]
-    want.update(raw_bytes_over_encoded=raw["bytes"] / lc["bytes"], encoded_durable_over_raw=lc["durable_s"] /
-                raw["durable_s"], encoded_restore_over_raw=lc["restore_s"] / raw["restore_s"])
+    for enc in ("delta", "off"):
+        other = runs[f"layerckpt {enc}"]
+        want.update({f"{enc}_bytes_over_ours": other["bytes"] / lc["bytes"],
+                     f"{enc}_durable_over_ours": other["durable_s"] / lc["durable_s"],
+                     f"{enc}_restore_over_ours": other["restore_s"] / lc["restore_s"]})
     for name in ("torch.save", "safetensors", "dcp"):
         want[f"{name}_durable_over_ours"] = runs[name]["durable_s"] / lc["durable_s"]
         want[f"{name}_restore_over_ours"] = runs[name]["restore_s"] / lc["restore_s"]
@@ -58,15 +60,16 @@ def test_bench_tiny_json(tmp_path):
                         "--dir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
-    assert set(res["runs"]) == {"layerckpt", "layerckpt raw", "torch.save", "safetensors", "dcp"}
-    lc, raw = res["runs"]["layerckpt"], res["runs"]["layerckpt raw"]
+    assert set(res["runs"]) == {"layerckpt", "layerckpt delta", "layerckpt off", "torch.save", "safetensors", "dcp"}
+    lc, delta, raw = res["runs"]["layerckpt"], res["runs"]["layerckpt delta"], res["runs"]["layerckpt off"]
     model, opt = build_state("tiny")
     assert res["state_bytes"] == state_bytes(model, opt)
     # a raw full save is the state once (the tied head not again), plus RNG states, header and alignment: 27 KiB
     assert raw["restore_bit_exact"] and res["state_bytes"] < raw["bytes"] <= res["state_bytes"] + 40 * 1024
-    # encoded (the default): the same saves, fewer bytes, restored bit for bit
-    assert lc["encoding"] == "delta" and raw["encoding"] == "off"
-    assert lc["restore_bit_exact"] and lc["bytes"] < raw["bytes"]
+    # delta-encoded: the same saves, fewer bytes, restored bit for bit; the default ('auto') encodes only what pays
+    assert lc["encoding"] == "auto" and delta["encoding"] == "delta" and raw["encoding"] == "off"
+    assert delta["restore_bit_exact"] and delta["bytes"] < raw["bytes"]
+    assert lc["restore_bit_exact"] and lc["bytes"] <= raw["bytes"]
     rows = res["selective"]
     assert [r["blocks_moved"] for r in rows] == [0, 1, 2, 4]
     # each moved block adds its weights and AdamW state (and at most 8 KiB of header and alignment), nothing else

@@ -113,7 +113,7 @@ def _check_restore(root, states, step):
 
 
 def test_full_saves_are_deltas_restored_bit_for_bit_and_smaller(tmp_path):
-    states = _saves(tmp_path, layerckpt.Config(full=True, keep_last=0, delta_chain=3))
+    states = _saves(tmp_path, layerckpt.Config(encoding="delta", full=True, keep_last=0, delta_chain=3))
     for step in states:
         _check_restore(tmp_path, states, step)
     sizes = {s: sum(f["size"] for f in _manifest(tmp_path, s)["files"].values() if f["step"] == s) for s in states}
@@ -137,7 +137,7 @@ def test_full_saves_are_deltas_restored_bit_for_bit_and_smaller(tmp_path):
 
 def test_encoded_data_file_is_valid_safetensors(tmp_path):
     model, opt = trained()
-    with layerckpt.Checkpointer(tmp_path, model, opt) as ck:
+    with layerckpt.Checkpointer(tmp_path, model, opt, config=layerckpt.Config(encoding="delta")) as ck:
         p = ck.save(3).wait()
     path = tmp_path / "data" / "step-00000003.rank0.safetensors"
     assert os.path.getsize(path) == p.bytes_written
@@ -162,7 +162,7 @@ def test_other_encodings_are_self_contained(tmp_path, encoding):
 
 
 def test_retention_keeps_the_references_kept_composites_need(tmp_path):
-    states = _saves(tmp_path, layerckpt.Config(full=True, keep_last=1, delta_chain=8), n=5)
+    states = _saves(tmp_path, layerckpt.Config(encoding="delta", full=True, keep_last=1, delta_chain=8), n=5)
     assert sorted(os.listdir(tmp_path / "manifests")) == ["step-00000005.json"]
     m = _manifest(tmp_path, 5)
     refs = {t["enc"]["ref"]["file"] for t in m["tensors"].values() if t["enc"]["ref"]}
@@ -175,7 +175,7 @@ def test_retention_keeps_the_references_kept_composites_need(tmp_path):
 def test_a_damaged_reference_names_every_checkpoint_that_needs_it(tmp_path, capsys):
     from layerckpt.cli import main
 
-    _saves(tmp_path, layerckpt.Config(full=True, keep_last=0, delta_chain=8), n=3)
+    _saves(tmp_path, layerckpt.Config(encoding="delta", full=True, keep_last=0, delta_chain=8), n=3)
     path = tmp_path / "data" / "step-00000001.rank0.safetensors"
     m = _manifest(tmp_path, 3)
     big = next(t for t in m["tensors"].values() if t["enc"]["ref"])
@@ -196,7 +196,7 @@ def test_a_damaged_reference_names_every_checkpoint_that_needs_it(tmp_path, caps
 
 def test_a_failed_save_leaves_no_reference_behind(tmp_path):
     model, opt = trained()
-    config = layerckpt.Config(full=True, keep_last=0, delta_chain=8)
+    config = layerckpt.Config(encoding="delta", full=True, keep_last=0, delta_chain=8)
     with layerckpt.Checkpointer(tmp_path, model, opt, config=config) as ck:
         ck.save(1).wait()
         _train(model, opt, seed=2)
@@ -230,7 +230,7 @@ def test_version_1_manifests_still_read(tmp_path):
 
 
 def test_an_edited_encoding_is_refused_by_name(tmp_path):
-    _saves(tmp_path, layerckpt.Config(full=True, keep_last=0), n=2)
+    _saves(tmp_path, layerckpt.Config(encoding="delta", full=True, keep_last=0), n=2)
     path = tmp_path / "manifests" / "step-00000002.json"
     m = json.loads(path.read_text())
     key, t = next((k, t) for k, t in m["tensors"].items() if t["enc"]["ref"])
@@ -274,7 +274,7 @@ def test_a_buffer_of_unchanged_blocks_only_is_recorded(tmp_path):
     """Every block of a staging buffer unchanged: nothing of it is written, yet each block is recorded."""
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(4)])
     want = copy.deepcopy(model.state_dict())
-    config = layerckpt.Config(full=True, keep_last=0, chunk_bytes=64 * 1024)
+    config = layerckpt.Config(encoding="delta", full=True, keep_last=0, chunk_bytes=64 * 1024)
     with layerckpt.Checkpointer(tmp_path, model, config=config) as ck:
         ck.save(1).wait()
         p = ck.save(2).wait()
@@ -289,7 +289,7 @@ def test_base_every_writes_self_contained_composites_in_full_mode(tmp_path):
     from layerckpt._manifest import load_manifest
     from layerckpt._tiers import is_base
 
-    _saves(tmp_path, layerckpt.Config(full=True, keep_last=0, base_every=2, delta_chain=100), n=5)
+    _saves(tmp_path, layerckpt.Config(encoding="delta", full=True, keep_last=0, base_every=2, delta_chain=100), n=5)
     bases = [s for s in range(1, 6) if is_base(load_manifest(str(tmp_path / "manifests" / f"step-{s:08d}.json")))]
     assert bases == [1, 3, 5]
     for s in bases:
@@ -302,7 +302,7 @@ def test_no_reference_copy_is_kept_for_a_frozen_layer(tmp_path):
         if freeze:
             for p in model.h[0].parameters():
                 p.requires_grad_(False)
-        with layerckpt.Checkpointer(root, model, opt, config=layerckpt.Config(keep_last=0)) as ck:
+        with layerckpt.Checkpointer(root, model, opt, config=layerckpt.Config(encoding="delta", keep_last=0)) as ck:
             ck.save(1).wait()
             return ck._flusher.refs.memory_bytes
 
@@ -317,7 +317,7 @@ def test_a_restore_reads_only_the_reference_blocks_its_deltas_need(tmp_path):
     from layerckpt._encread import _runs
     from layerckpt._manifest import load_manifest
 
-    _saves(tmp_path, layerckpt.Config(full=True, keep_last=0), n=2)
+    _saves(tmp_path, layerckpt.Config(encoding="delta", full=True, keep_last=0), n=2)
     m = load_manifest(str(tmp_path / "manifests" / "step-00000002.json"))
     for k, e in m.tensors.items():
         own, refs = _runs(k, e)
@@ -345,7 +345,7 @@ def test_a_save_that_waits_for_the_previous_one_stops_its_encoding(tmp_path):
         return real(*args, **kwargs)
 
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-    config = layerckpt.Config(full=True, keep_last=0, chunk_bytes=64 * 1024, lazy_staging=False)
+    config = layerckpt.Config(encoding="delta", full=True, keep_last=0, chunk_bytes=64 * 1024, lazy_staging=False)
     with layerckpt.Checkpointer(tmp_path, model, config=config) as ck:
         _encwrite.encode_chunk = slow
         try:
@@ -373,7 +373,7 @@ def test_a_reference_no_block_read_stays_kept_for_the_saves_after(tmp_path):
     """A save whose blocks all went self-contained (its change too big for a delta to pay) still lists its
     reference, so keep_last=1 keeps that file while it is the reference the next save may encode against."""
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(2)])
-    config = layerckpt.Config(full=True, keep_last=1, delta_chain=8)
+    config = layerckpt.Config(encoding="delta", full=True, keep_last=1, delta_chain=8)
     with layerckpt.Checkpointer(tmp_path, model, config=config) as ck:
         ck.save(1).wait()
         first = [p.detach().clone() for p in model.parameters()]
@@ -397,7 +397,7 @@ def test_a_tensor_whose_deltas_do_not_pay_is_not_encoded_twice_every_save(tmp_pa
     """Random changes every save: after a delta that paid for no block the tensor is written self-contained
     (a fresh reference) for 2, then 4 writes before the next try, not delta-encoded and then re-encoded."""
     model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False))
-    config = layerckpt.Config(full=True, keep_last=0, delta_chain=8)
+    config = layerckpt.Config(encoding="delta", full=True, keep_last=0, delta_chain=8)
     with layerckpt.Checkpointer(tmp_path, model, config=config) as ck:
         for step in range(1, 10):
             with torch.no_grad():

@@ -123,7 +123,7 @@ def test_rng_states_restored(tmp_path):
 
 def test_back_pressure_small_pool_and_many_saves(tmp_path):
     model, opt = trained()
-    cfg = layerckpt.Config(staging_bytes="16KiB", chunk_bytes="4KiB", keep_last=2, threshold=0.0)
+    cfg = layerckpt.Config(staging_bytes="16KiB", chunk_bytes="4KiB", keep_last=2, threshold=0.0, encoding="delta")
     with layerckpt.Checkpointer(tmp_path, model, opt, config=cfg) as ck:
         for step in range(1, 5):
             ck.save(step).wait()

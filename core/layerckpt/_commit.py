@@ -41,34 +41,36 @@ class RankResult:
     rng: Any  # this rank's RNG states, as the manifest holds them
     error: Optional[RankFailure] = None
     tensors: Dict[str, TensorEntry] = field(default_factory=dict)  # none when it failed
+    coding: Optional[Dict[str, Any]] = None  # how its tensors were written, by kind, and why (``_cost``)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"rank": self.rank, "fname": self.fname, "size": self.size, "rng": self.rng,
                 "error": None if self.error is None else list(self.error),
-                "tensors": {k: plain(e) for k, e in self.tensors.items()}}
+                "tensors": {k: plain(e) for k, e in self.tensors.items()}, "coding": self.coding}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "RankResult":
         return cls(rank=d["rank"], fname=d["fname"], size=d["size"], rng=d["rng"],
                    error=None if d["error"] is None else RankFailure(*d["error"]),
-                   tensors={k: TensorEntry(**e) for k, e in d["tensors"].items()})
+                   tensors={k: TensorEntry(**e) for k, e in d["tensors"].items()}, coding=d.get("coding"))
 
 
 def rank_result(rank: int, fname: str, layout: Layout, crcs: Sequence[int], rng: Any,
                 failed: Optional[BaseException], path: str, tensors: Optional[Dict[str, TensorEntry]] = None,
-                size: Optional[int] = None) -> RankResult:
+                size: Optional[int] = None, coding: Optional[Dict[str, Any]] = None) -> RankResult:
     """What this rank tells the others about its file: where each tensor landed, or its error.  ``tensors``
-    and ``size``: the file's entries and size when it was written encoded (else the layout's)."""
+    and ``size``: the file's entries and size when it was written encoded (else the layout's); ``coding``:
+    the cost model's decisions for its tensors, by kind."""
     if failed is not None:
         error = RankFailure(getattr(failed, "errno", None) or errno.EIO, getattr(failed, "path", None) or path,
                             str(failed))
         return RankResult(rank, fname, layout.size, rng, error)
     if tensors is not None:
-        return RankResult(rank, fname, layout.size if size is None else size, rng, tensors=tensors)
+        return RankResult(rank, fname, layout.size if size is None else size, rng, tensors=tensors, coding=coding)
     tensors = {it.key: TensorEntry(file=fname, dtype=DTYPES[it.tensor.dtype], shape=list(it.tensor.shape),
                                    offset=it.offset, nbytes=it.nbytes, crc=crcs[i])
                for i, it in enumerate(layout.items)}
-    return RankResult(rank, fname, layout.size, rng, tensors=tensors)
+    return RankResult(rank, fname, layout.size, rng, tensors=tensors, coding=coding)
 
 
 def agree(group: Group, mine: RankResult, failed: Optional[BaseException], path: str) -> List[RankResult]:
@@ -116,6 +118,8 @@ def merge(m: Manifest, ranks: List[RankResult], checksum: str) -> None:
         fname[r.rank] = r.fname
         m.files[r.fname] = FileEntry(step=m.step, rank=r.rank, size=r.size)
         m.tensors.update(r.tensors)
+        if r.coding:
+            m.coding = {**(m.coding or {}), r.fname: r.coding}
     for info in m.layers.values():
         if info.file is None:
             info.file = fname[info.rank]

@@ -65,6 +65,13 @@ def _decompressor():
     return d
 
 
+def warm() -> None:
+    """Create this thread's zstd contexts and run them once, so that an encoder thread's first block is
+    timed (by the cost model) as the rest are."""
+    block = np.arange(1 << 14, dtype=np.float32).view(np.uint8)
+    encode_block(block, block[::-1].copy(), 4)
+
+
 def zigzag_delta(raw: np.ndarray, ref: np.ndarray, esize: int) -> np.ndarray:
     """``raw - ref`` element-wise on the bit patterns (wrapping), zigzag-mapped, as bytes."""
     a, b = raw.view(_INT[esize]), ref.view(_INT[esize])

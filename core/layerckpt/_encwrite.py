@@ -1,4 +1,5 @@
-"""Encoded writes: the flush path of ``Config(encoding='delta'|'compress')``.
+"""Encoded writes: the flush path of ``Config(encoding='delta'|'compress')``, and of ``'auto'`` where its
+cost model (``_cost``) encodes some tensor of a save.
 
 The stager copies a save's raw file image into pool buffers as always (the copy is all training waits
 for).  Instead of writing each buffer where it lies in the raw image, :class:`EncodingLoop` encodes it (on
@@ -21,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Dict, List, Optional, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -71,15 +72,26 @@ class Refs:
     def memory_bytes(self) -> int:
         return sum(r.data.nbytes for r in self._refs.values()) + sum(r.data.nbytes for r in self._pending.values())
 
-    def plan(self, layout: Layout, self_contained: bool, frozen: AbstractSet[str] = frozenset()) -> "ItemPlan":
+    def plan(self, layout: Layout, self_contained: bool, frozen: AbstractSet[str] = frozenset(),
+             modes: Optional[List[str]] = None) -> "ItemPlan":
         """For each item of the save about to be written: its reference (or None: self-contained), and the
         buffer its bytes are copied into to become the next reference (or None).  ``frozen``: keys of frozen
-        layers, rewritten only if they change: no host copy is kept for them."""
+        layers, rewritten only if they change: no host copy is kept for them.  ``modes``: per item, 'raw'
+        (stored as it is, not encoded, no reference kept), 'compress' or 'delta' (``Config(encoding='auto')``'s
+        decisions); None: every item 'delta' (or 'compress' where this Refs makes no deltas)."""
         out = ItemPlan([], [], {})
         for i, it in enumerate(layout.items):
+            mode = modes[i] if modes is not None else "delta" if self.delta else "compress"
+            if mode == "raw":
+                self._refs.pop(it.key, None)  # a save in flight that encodes against it holds its bytes
+                out.refs.append(None)
+                out.news.append(None)
+                out.raw.add(i)
+                continue
+            delta = self.delta and mode == "delta"
             es = it.tensor.element_size()
             r = self._refs.get(it.key)
-            usable = (self.delta and not self_contained and r is not None and r.where is not None
+            usable = (delta and not self_contained and r is not None and r.where is not None
                       and r.data.size == it.nbytes and r.esize == es and r.versions < self.chain)
             if usable and r.skip > 0:  # its deltas have not paid lately: self-contained, a fresh reference
                 r.skip -= 1
@@ -92,13 +104,14 @@ class Refs:
                 self._used.append(it.key)
                 continue
             out.refs.append(None)
-            if self.delta and it.nbytes >= MIN_REF and es in _encode.ESIZES and it.key not in frozen:
+            if delta and it.nbytes >= MIN_REF and es in _encode.ESIZES and it.key not in frozen:
                 self._refs.pop(it.key, None)  # rewritten: no reference until this save commits
                 same = r is not None and r.data.size == it.nbytes
                 data = r.data if same else np.empty(it.nbytes, np.uint8)
                 self._pending[it.key] = _Ref(data, es, r.fails if same else 0, r.skip if same else 0)
                 out.news.append(data)
             else:
+                self._refs.pop(it.key, None)
                 out.news.append(None)
         return out
 
@@ -136,6 +149,7 @@ class ItemPlan:
 
     #: item -> {raw start of each of its reference's blocks: (stored length, raw length)}
     starts: Dict[int, Dict[int, Tuple[int, int]]] = field(default_factory=dict)
+    raw: set = field(default_factory=set)  # items stored as they are, not encoded
 
     def rival(self, i: int, start: int, length: int) -> Optional[int]:
         """The stored size of item ``i``'s reference's block of raw bytes [start, start + length), if it has
@@ -186,16 +200,19 @@ def chunk_blocks(layout: Layout, chunk_bytes: int) -> Dict[int, List[Tuple[int, 
 
 
 Record = Tuple[int, int, int, int, int, int]  # item, start in the tensor, raw length, mode, start in the output, length
+Observed = Tuple[int, int, int, float]  # item, raw length, stored length, CPU seconds: one block's encode
 
 
 def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Layout, plan: ItemPlan,
-                 hurry: Optional[threading.Event] = None) -> Tuple[int, List[Record], float]:
-    """Encode a staged buffer's blocks, compacted in place at its start; returns (bytes, records, seconds).
-    Once ``hurry`` is set the blocks left are stored as they are (self-contained), nothing compressed."""
+                 hurry: Optional[threading.Event] = None) -> Tuple[int, List[Record], float, List[Observed]]:
+    """Encode a staged buffer's blocks, compacted in place at its start; returns (bytes, records, seconds,
+    what each block's encode took and gave).  Once ``hurry`` is set the blocks left are stored as they are
+    (self-contained), nothing compressed; items ``plan.raw`` are always stored as they are."""
     t0 = time.perf_counter()
     arr = s.chunk.tensor.numpy()
     pos = 0
     recs: List[Record] = []
+    seen: List[Observed] = []
     for i, a, b in blocks:
         it = layout.items[i]
         raw = arr[a - s.base:b - s.base]
@@ -204,9 +221,13 @@ def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Lay
         if new is not None:
             new[ra:rb] = raw
         ref = plan.refs[i]
-        mode, data = (_encode.RAW, None) if hurry is not None and hurry.is_set() else _encode.encode_block(
-            raw, None if ref is None else ref[ra:rb], it.tensor.element_size(),
-            None if ref is None else plan.rival(i, ra, rb - ra))
+        if i in plan.raw or (hurry is not None and hurry.is_set()):
+            mode, data = _encode.RAW, None
+        else:
+            c = time.thread_time()
+            mode, data = _encode.encode_block(raw, None if ref is None else ref[ra:rb], it.tensor.element_size(),
+                                              None if ref is None else plan.rival(i, ra, rb - ra))
+            seen.append((i, b - a, b - a if mode == _encode.RAW else len(data), time.thread_time() - c))
         if mode == _encode.RAW:
             n = b - a
             if pos != a - s.base:
@@ -216,7 +237,7 @@ def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Lay
             arr[pos:pos + n] = np.frombuffer(data, dtype=np.uint8)
         recs.append((i, ra, b - a, mode, pos, n))
         pos += n
-    return pos, recs, time.perf_counter() - t0
+    return pos, recs, time.perf_counter() - t0, seen
 
 
 class EncodingLoop(WriteLoop):
@@ -225,8 +246,10 @@ class EncodingLoop(WriteLoop):
     manifest says of each tensor."""
 
     def __init__(self, *args, layout: Layout, plan: ItemPlan, pool_exec: ThreadPoolExecutor, chunk_bytes: int,
-                 hurry: Optional[threading.Event] = None, **kwargs):
+                 hurry: Optional[threading.Event] = None,
+                 observe: Optional[Callable[[List[Observed]], None]] = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.observe = observe  # told what each buffer's encodes took and gave (the cost model)
         self.hurry = hurry if hurry is not None else threading.Event()
         self.hurried = 0  # buffers written without encoding because a save() waited
         self.layout = layout
@@ -261,6 +284,8 @@ class EncodingLoop(WriteLoop):
 
     def _take(self, fd: int, direct: bool, s: StagedChunk) -> None:
         """Encode once the caller's copy is over (not to compete with it for a core), write what is done."""
+        if self.tap is not None:  # before the buffer is encoded in place
+            self.tap(s.base, s.chunk.view, s.fill)
         self._waiting.append(s)
         if self._staged is None or self._staged.is_set():
             self._dispatch(len(self._waiting))
@@ -298,8 +323,10 @@ class EncodingLoop(WriteLoop):
             s, fut = self._encoding.popleft()
             want -= 1
             try:
-                n, recs, took = fut.result()
+                n, recs, took, seen = fut.result()
                 self.encode_s += took
+                if self.observe is not None and seen:
+                    self.observe(seen)
                 self.hurried += self.hurry.is_set() and any(r[3] == _encode.RAW for r in recs)
             except BaseException:
                 self.writes.pool.release(s.chunk)

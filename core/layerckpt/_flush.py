@@ -10,14 +10,14 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Dict, Optional, Protocol, Sequence
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from . import _commit, _encwrite, _faults, _registry
+from . import _commit, _cost, _encode, _encwrite, _faults, _registry
 from ._backend import CHECKSUM, Backend, open_file
 from ._dist import Group
-from ._layout import Layout
+from ._layout import DTYPES, Layout
 from ._manifest import Manifest
 from ._stage import BufferPool
 from ._store import fsync_dir
@@ -126,10 +126,14 @@ class FlushJob:
     on_fail: Optional[Callable[[], None]] = None
     crcs: Dict[int, int] = field(default_factory=dict)  # item -> checksum, of those the stager took itself
     self_contained: bool = False  # encode every tensor without a reference (a base composite)
+    #: the share of the encoder's CPU time that comes out of the training (``_cost.charge``)
+    charge: float = 1.0
     frozen: AbstractSet[str] = frozenset()  # keys of frozen layers' tensors: no reference copy kept for them
     #: once written encoded: what the manifest says of each tensor, and the file's size
     encoded: Optional[Dict[str, Any]] = None
     size: Optional[int] = None
+    coding: Optional[Dict[str, Any]] = None  # Config(encoding='auto'): how each kind was written, and why
+    kinds: List[str] = field(default_factory=list)  # Config(encoding='auto'): each layout item's kind
 
 
 class CommitListener(Protocol):
@@ -193,8 +197,13 @@ class Flusher:
         self.root = root
         self.listeners = tuple(listeners)
         self.thread = thread if thread is not None else FlushThread()
-        self.refs = _encwrite.Refs(config.encoding == "delta", config.delta_chain)
+        self.refs = _encwrite.Refs(config.encoding in ("delta", "auto"), config.delta_chain)
+        #: Config(encoding='auto'): what encoding each kind of tensor gives and costs, and the local disk's rate
+        self.cost = _cost.CostModel() if config.encoding == "auto" else None
+        self.probes = _cost.Probes(self.cost) if self.cost is not None else None
+        self.disk = _cost.Sink("local disk")
         self._encoders: Optional[ThreadPoolExecutor] = None
+        self._probing: List[Future] = []  # probe encodes still running (see _cost.Probes)
         self._hurry = threading.Event()  # a save() waits for the save flushing now: stop encoding it
 
     def hurry(self) -> None:
@@ -205,8 +214,13 @@ class Flusher:
     def _encoder_threads(self) -> ThreadPoolExecutor:
         if self._encoders is None:
             self._encoders = ThreadPoolExecutor(_encwrite.threads(self.config.encode_threads),
-                                                thread_name_prefix="layerckpt-encode")
+                                                thread_name_prefix="layerckpt-encode", initializer=_encode.warm)
         return self._encoders
+
+    def settle(self) -> None:
+        """Wait for the probe encodes still running (the background work of the saves that have ended)."""
+        for p in list(self._probing):
+            p.result()
 
     def submit(self, job: FlushJob) -> None:
         _registry.save_started(job.pending.root, job.pending)  # read your writes: restore waits for it
@@ -259,7 +273,7 @@ class Flusher:
         _faults.point("flush.written")
         m = job.manifest
         mine = _commit.rank_result(self.group.rank, job.fname, job.layout, crcs, m.rng, failed, job.pending.path,
-                                   tensors=job.encoded, size=job.size)
+                                   tensors=job.encoded, size=job.size, coding=job.coding)
         ranks = _commit.agree(self.group, mine, failed, job.pending.path)
         _commit.merge(m, ranks, CHECKSUM)
         _encwrite.merge_refs(m.tensors, m.files)
@@ -286,7 +300,7 @@ class Flusher:
         except OSError as e:
             self._discard(job)
             raise CheckpointWriteError(e.errno or errno.EIO, path) from None
-        loop = self._loop(job, path)
+        loop, probe = self._loop(job, path)
         try:
             crcs = loop.run(fd, direct, job.layout.size, phases=job.pending.phases)
         except BaseException as e:
@@ -296,21 +310,79 @@ class Flusher:
             _commit.unlink_quietly(path)
             raise failed
         crcs = [job.crcs.get(i, c) for i, c in enumerate(crcs)]
-        if isinstance(loop, _encwrite.EncodingLoop):
+        encoded = isinstance(loop, _encwrite.EncodingLoop)
+        if encoded:
             job.encoded, job.size = loop.entries(job.fname, crcs), loop.size
             job.pending.unencoded = loop.hurried
+        if self.cost is not None:
+            # the disk's rate: bytes over the time spent waiting for them (the writes and the sync)
+            ph = job.pending.phases
+            self.disk.observe(loop.size if encoded else job.layout.size, ph.get("write", 0.0) + ph.get("fdatasync", 0.0))
+            if probe is not None and not probe.empty:  # off the save's path: the commit need not wait
+                self._probing = [p for p in self._probing if not p.done()]
+                self._probing.append(self._encoder_threads().submit(probe.run))
         return crcs
 
-    def _loop(self, job: FlushJob, path: str) -> WriteLoop:
-        """The write loop of this job: encoded unless ``Config.encoding='off'``."""
+    def _loop(self, job: FlushJob, path: str) -> "Tuple[WriteLoop, Optional[_cost.ProbeSave]]":
+        """The write loop of this job: encoded unless ``Config.encoding='off'``, or 'auto' decides that no
+        tensor of it is; with 'auto', the probes this save feeds."""
         kw = dict(nitems=len(job.layout.items), staged=job.staged, aborted=lambda: job.abort_error or CheckpointError(
             "staging was interrupted; nothing was committed"))
-        if self.config.encoding == "off":
-            return WriteLoop(self.backend, self.pool, job.chunks, path, **kw)
-        plan = self.refs.plan(job.layout, job.self_contained, job.frozen)
-        return _encwrite.EncodingLoop(self.backend, self.pool, job.chunks, path, layout=job.layout, plan=plan,
+        modes, probe = None, None
+        if self.cost is not None:
+            modes, probe = self._decide(job)
+            if all(mode == _cost.RAW for mode in modes):
+                loop = WriteLoop(self.backend, self.pool, job.chunks, path, **kw)
+                loop.tap = None if probe.empty else probe.tap
+                return loop, probe
+        elif self.config.encoding == "off":
+            return WriteLoop(self.backend, self.pool, job.chunks, path, **kw), None
+        plan = self.refs.plan(job.layout, job.self_contained, job.frozen, modes)
+        loop = _encwrite.EncodingLoop(self.backend, self.pool, job.chunks, path, layout=job.layout, plan=plan,
                                       pool_exec=self._encoder_threads(), chunk_bytes=self.pool.chunk_bytes,
-                                      hurry=self._hurry, **kw)
+                                      hurry=self._hurry, observe=self._observer(job, plan), **kw)
+        loop.tap = None if probe is None or probe.empty else probe.tap
+        return loop, probe
+
+    def _decide(self, job: FlushJob) -> "Tuple[List[str], _cost.ProbeSave]":
+        """Config(encoding='auto'): each item's mode for the local disk, the record of why (by kind), and
+        the probes of the kinds not encoded against a reference."""
+        self.cost.fold()
+        items = job.layout.items
+        kinds = job.kinds = [_cost.kind(it.key, DTYPES[it.tensor.dtype], it.key in job.frozen) for it in items]
+        verdicts: Dict[str, _cost.Verdict] = {}
+        record: Dict[str, Dict[str, Any]] = {}
+        modes: List[str] = []
+        for it, k in zip(items, kinds):
+            v = verdicts.get(k)
+            if v is None:
+                delta_ok = " frozen" not in k and it.tensor.element_size() in _encode.ESIZES
+                v = verdicts[k] = self.cost.decide(k, self.disk, job.charge, delta_ok)
+                record[k] = {**v.record(self.disk, job.charge), "tensors": 0, "bytes": 0}
+            small = it.nbytes < _cost.MIN_BYTES
+            modes.append(_cost.RAW if small else v.mode)
+            if not small:
+                record[k]["tensors"] += 1
+                record[k]["bytes"] += it.nbytes
+        job.coding = {k: r for k, r in record.items() if r["tensors"]}
+        wanted = {k for k, v in verdicts.items() if v.mode != _cost.DELTA}
+        probe = self.probes.plan([(it.key, it.offset, it.nbytes, it.tensor.element_size()) for it in items],
+                                 kinds, wanted)
+        return modes, probe
+
+    def _observer(self, job: FlushJob, plan) -> Optional[Callable]:
+        """What the encodes of this job tell the cost model: per block, its kind and mode (a delta where
+        the tensor had a reference), raw and stored bytes, CPU seconds."""
+        if self.cost is None:
+            return None
+        kinds = job.kinds
+
+        def observe(seen) -> None:
+            for i, raw, out, cpu in seen:
+                mode = _cost.DELTA if plan.refs[i] is not None else _cost.COMPRESS
+                self.cost.observe(kinds[i], mode, raw, max(out, 1), cpu)
+
+        return observe
 
     def _discard(self, job: FlushJob) -> None:
         discard(job.chunks, self.pool)

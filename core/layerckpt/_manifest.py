@@ -194,6 +194,10 @@ class Manifest:
     name: Optional[str] = None  # a name given at save(), e.g. LayerCheckpoint's templated filename
     blocks: Optional[Dict[str, RowBlocks]] = None  # tensors stored as row blocks (see ``_blocks``), by key
     boxes: Optional[Dict[str, Boxes]] = None  # tensors stored as boxes (DTensor shards of any layout), by key
+    #: the data files this save wrote -> {tensor kind: how its tensors were written (raw, compress, delta) and
+    #: why, with the measured ratio, encoder rate, sink bandwidth and CPU charge} (``Config(encoding='auto')``;
+    #: informational: a restore never reads it)
+    coding: Optional[Dict[str, Dict[str, Dict[str, Any]]]] = None
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -253,6 +257,8 @@ class Manifest:
         d = fields_of(self)
         if d["rng_ranks"] is None:
             del d["rng_ranks"]
+        if d["coding"] is None:
+            del d["coding"]
         if d["boxes"] is None:  # readable by the layerckpt that wrote version 2
             del d["boxes"]
             d["version"] = min(d["version"], _BOXES_VERSION - 1)
@@ -466,7 +472,8 @@ def _typed(v: Any, kind) -> bool:
 _OTHER_TYPES = {"seq": int, "chain": int, "created": _NUMBER, "config": dict, "optimizer": (dict, type(None)),
                 "rng": (dict, type(None)), "rng_ranks": (dict, type(None)), "checksum": str,
                 "cost": _NUMBER + (type(None),), "progress": _NUMBER + (type(None),),
-                "loss": _NUMBER + (type(None),), "name": (str, type(None)), "format": str, "version": int}
+                "loss": _NUMBER + (type(None),), "name": (str, type(None)), "format": str, "version": int,
+                "coding": (dict, type(None))}
 
 
 def _check_other(rest: Dict[str, Any], path: str, known: set) -> None:

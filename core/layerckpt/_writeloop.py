@@ -65,6 +65,8 @@ class WriteLoop:
         self._checksums = nitems is not None
         self._staged = staged
         self._ended = False  # the queue's last message (DONE or ABORT) was taken
+        #: shown each staged buffer (image offset, memory, bytes filled) before it is written or encoded
+        self.tap: Optional[Callable[[int, memoryview, int], None]] = None
 
     def run(self, fd: int, direct: bool, size: int, sync: Callable[[int], None] = os.fdatasync,
             phases: Optional[Dict[str, float]] = None) -> List[int]:
@@ -106,6 +108,8 @@ class WriteLoop:
 
     def _take(self, fd: int, direct: bool, s: StagedChunk) -> None:
         """A staged buffer: write it where it belongs."""
+        if self.tap is not None:
+            self.tap(s.base, s.chunk.view, s.fill)
         self._submit(fd, direct, s)
         if self._staged is not None and self._staged.is_set():  # the stall is over: checksum while writing
             self._checksum()

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from . import _dist, _policy, _registry, _retain, _store, _tiers
+from . import _cost, _dist, _policy, _registry, _retain, _store, _tiers
 from ._backend import make_backend
 from ._flush import FlushJob, Flusher, FlushThread, PendingSave
 from ._blocks import split, table_names
@@ -241,6 +241,7 @@ class Checkpointer:
         on the same directory took over, ``wait()``, ``check()`` and ``close()`` still report this one's
         saves (they had all ended); ``save()``, ``keep()`` and ``adopt()`` raise."""
         self._throttle(0)
+        self._flusher.settle()  # and the cost model's probes of the saves that ended
         self._raise_unreported()
         if self._tiers is not None:  # and every copy to the memory and remote tiers
             self._tiers.wait()
@@ -377,12 +378,19 @@ class Checkpointer:
                        on_commit=functools.partial(self.selector.committed, samples=plan.samples, plan=plan),
                        resolve=functools.partial(self.selector.resolve, plan) if plan.deferred else None,
                        on_fail=functools.partial(self.selector.failed, plan),
-                       self_contained=_is_base(plan, self.config),
+                       self_contained=_is_base(plan, self.config), charge=self._charge(),
                        frozen={k for n in plan.persisted if plan.layers[n].frozen for k in plan.layers[n].tensors})
         self.pool.reserve(layout.size)
         self._flusher.submit(job)
         self._pending.append(pending)
         return job
+
+    def _charge(self) -> float:
+        """How much of an encoder thread's CPU time comes out of the training now (``_cost.charge``): all of
+        it where the model trains on the CPU with a thread per core, less where cores sit idle beside a GPU."""
+        p = next(self.model.parameters(), None)
+        on_cpu = p is None or p.device.type == "cpu"
+        return _cost.charge(on_cpu, torch.get_num_threads(), _encode_threads(self.config))
 
     def _stage(self, job: FlushJob, lazy: Optional[Dict[str, torch.Tensor]], step: int) -> None:
         """Copy the save into the pool: on the stager thread under lazy staging, else now."""
@@ -401,6 +409,12 @@ class Checkpointer:
         while os.path.lexists(os.path.join(d, _store.data_name(step, self.rank, v))):
             v += 1
         return _store.data_name(step, self.rank, v)
+
+
+def _encode_threads(config: Config) -> int:
+    from ._encwrite import threads
+
+    return threads(config.encode_threads)
 
 
 def _lazy_split(entries: Entries, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:

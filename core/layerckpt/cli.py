@@ -92,6 +92,7 @@ def cmd_inspect(args) -> int:
           "counted):")
     for kind, (raw, st) in sorted(_by_kind(m, stored).items()):
         print(f"  {kind:<24}{raw / 1e6:>10.2f} -> {st / 1e6:>8.2f}  ({raw / max(st, 1):.2f}x)")
+    _print_coding(m)
     for key, b in (m.blocks or {}).items():
         print(f"row blocks: {key} {tuple(b.shape)} {b.dtype} in {len(b.rows)} blocks of up to "
               f"{max(z - a for a, z in b.rows)} rows")
@@ -100,6 +101,21 @@ def cmd_inspect(args) -> int:
     committed = [s for s, _ in _store.list_manifests(root)]
     print(f"committed steps: {committed}")
     return 0
+
+
+def _print_coding(m: Manifest) -> None:
+    """What ``Config(encoding='auto')`` decided for each kind of tensor this save wrote, and why."""
+    for fname, kinds in sorted((m.coding or {}).items()):
+        if not isinstance(kinds, dict):
+            continue
+        print(f"encoding of {fname} (Config.encoding 'auto': a kind is encoded only where the sink time its saved "
+              f"bytes take exceeds the CPU it costs):")
+        for k, r in sorted(kinds.items()):
+            if not isinstance(r, dict):
+                continue
+            n, b = r.get("tensors"), r.get("bytes")
+            size = f"{n} tensors, {b / 1e6:.2f} MB" if isinstance(n, int) and isinstance(b, (int, float)) else ""
+            print(f"  {str(k):<24}{str(r.get('mode')):<10}{size}: {r.get('why')}")
 
 
 def _stored(e) -> int:
@@ -288,7 +304,7 @@ def _bench(args) -> int:
     import importlib
 
     kind = ("sharded" if args.sharded else "lightning_io" if args.lightning else "policy" if args.policy
-            else "restore" if args.restore else "steps" if args.steps else "run")
+            else "restore" if args.restore else "steps" if args.steps else "cpu" if args.cpu else "run")
     shown = _progress.wanted(getattr(args, "quiet", False))
     # the bench reports nothing while it runs: the bar shows this process's disk traffic and its rate
     with _progress.printing_beside(shown), _progress.watching(_progress.process_io, None, f"bench {kind} I/O", shown):
@@ -378,8 +394,15 @@ def _bench_parser(sub) -> None:
                    help="instead: step time of a training loop with a checkpoint after every step: layerckpt "
                         "against DCP async_save and TorchSnapshot async_take (with --size, --steps-n)")
     a.add_argument("--steps-n", type=int, default=6, help="with --steps: steps measured")
+    a.add_argument("--cpu", action="store_true",
+                   help="instead: CPU time per checkpoint (all threads, until its background work ended) of "
+                        "torch.save and layerckpt's default, forced delta and off, selective and full, beside the "
+                        "floor of one copy and checksum of the state")
+    a.add_argument("--cpu-models", default="main,gpt2-small",
+                   help="with --cpu: comma-separated models, 'main' (the main job's) and/or 'gpt2-small'")
     a.add_argument("--steps-every", type=int, default=1,
-                   help="with --steps: a full checkpoint every N steps instead, encoded against raw")
+                   help="with --steps: a full checkpoint every N steps instead, the default Config against "
+                        "encoding delta and off forced")
     a.add_argument("--sizes", default="10MB,50MB,200MB,gpt2-small",
                    help="with --restore: comma-separated state sizes (e.g. 10MB) and/or gpt2-small")
     a.add_argument("--cache", default="warm,cold", help="with --restore: page-cache conditions, warm and/or cold")

@@ -16,7 +16,7 @@ from ._units import ALIGN, GiB, KiB, MiB, parse_size  # noqa: F401 - their home 
 from ._url import check_config
 from .errors import ConfigError
 
-ENCODINGS = ("delta", "compress", "off")  # Config.encoding's choices
+ENCODINGS = ("auto", "delta", "compress", "off")  # Config.encoding's choices
 REMOTE_BASES = "base"  # Config.remote_every: base composites only
 FIDELITY = 0.004  # Config.fidelity's default
 
@@ -137,17 +137,23 @@ class Config:
     """Cap on the remote tier's upload speed, bytes per second over all its uploads at once ('200MB', '1GiB/s',
     or a number); None: as fast as the network goes.  Uploads take longer; training is not slowed.  Refused
     without ``remote``."""
-    encoding: str = "delta"
-    """How a data file holds what a save writes, losslessly (restores are bit for bit either way): 'delta'
-    encodes each tensor against a version of it the store already holds (the difference of the bit patterns,
-    split into byte planes, zstd-compressed; raw where that does not pay), keeping a host copy of each
-    reference (as much host memory as the state the references cover); 'compress' compresses each tensor on
-    its own (byte planes + zstd, no reference kept); 'off' writes raw bytes (fastest to durable where the
-    disk is faster than the encoder and bytes do not matter).  The remote tier gets what the disk got."""
+    encoding: str = "auto"
+    """How a data file holds what a save writes, losslessly (restores are bit for bit either way).  'auto'
+    (the default) encodes a kind of tensor (dtype, role, frozen, row block) only where the disk time its
+    saved bytes would take exceeds the CPU time encoding it costs the training (measured as saves go: the
+    encoder's rate and ratio per kind, the disk's rate, and how much of the machine's cores the training
+    uses; see ``layerckpt inspect`` for each kind's decision and why): dense fp32 state on a fast disk is
+    written raw, what barely changed or a slow disk gets encoded.  The others force one way: 'delta' encodes
+    each tensor against a version of it the store already holds (the difference of the bit patterns, split
+    into byte planes, zstd-compressed; raw where that does not pay), keeping a host copy of each reference
+    (as much host memory as the state the references cover); 'compress' compresses each tensor on its own
+    (byte planes + zstd, no reference kept); 'off' writes raw bytes.  The remote tier gets what the disk
+    got."""
     delta_chain: int = 8
-    """Under ``encoding='delta'``: a tensor is encoded against its reference for at most this many versions,
-    then written self-contained again (a new reference).  A delta always refers to a self-contained
-    version directly (never to another delta), so a restore reads at most two versions of a tensor."""
+    """Where tensors are delta-encoded (``encoding='delta'``, or 'auto' where a delta pays): a tensor is
+    encoded against its reference for at most this many versions, then written self-contained again (a new
+    reference).  A delta always refers to a self-contained version directly (never to another delta), so a
+    restore reads at most two versions of a tensor."""
     encode_threads: int = 0
     """Threads that encode (and decode on restore); 0: half the machine's cores, at least one, so training
     keeps the rest."""

@@ -62,8 +62,9 @@ def _train(preset: str, steps: int, warmup: int, seq: int,
 
 def run(preset: str = "gpt2-small", steps: int = 6, warmup: int = 2, seq: int = 128,
         dirpath: Optional[str] = None, every: int = 1) -> Dict[str, Any]:
-    """``every`` > 1: a full checkpoint every that many steps, layerckpt encoded (the default) against raw
-    (``encoding='off'``) and none; the overhead is then of the total time of the measured steps."""
+    """``every`` > 1: a full checkpoint every that many steps, layerckpt's default Config (``encoding='auto'``)
+    against ``encoding='delta'`` and ``'off'`` forced, and none; the overhead is then of the total time of the
+    measured steps."""
     seq = min(seq, SIZES[preset].n_positions + 1)
     root = tempfile.mkdtemp(prefix="layerckpt-bench-steps-", dir=dirpath)
     res: Dict[str, Any] = {"preset": preset, "steps": steps, "warmup": warmup, "seq": seq, "every": every,
@@ -73,7 +74,8 @@ def run(preset: str = "gpt2-small", steps: int = 6, warmup: int = 2, seq: int = 
         res["runs"]["none"] = _strip(_train(preset, steps, warmup, seq, None))
         res["runs"]["layerckpt"] = _layerckpt(root, preset, steps, warmup, seq, every)
         if every > 1:
-            res["runs"]["layerckpt raw"] = _layerckpt(root, preset, steps, warmup, seq, every, encoding="off")
+            for enc in ("delta", "off"):
+                res["runs"][f"layerckpt {enc}"] = _layerckpt(root, preset, steps, warmup, seq, every, encoding=enc)
         else:
             res["runs"]["dcp async_save"] = _dcp(root, preset, steps, warmup, seq)
             res["runs"]["torchsnapshot async_take"] = _torchsnapshot(root, preset, steps, warmup, seq)
@@ -93,7 +95,7 @@ def _strip(r: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _layerckpt(root: str, preset: str, steps: int, warmup: int, seq: int, every: int = 1,
-               encoding: str = "delta") -> Dict[str, Any]:
+               encoding: str = "auto") -> Dict[str, Any]:
     from ..checkpointer import Checkpointer
     from ..config import Config
 

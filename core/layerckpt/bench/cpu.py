@@ -1,0 +1,189 @@
+"""`layerckpt bench --cpu`: what one checkpoint costs the machine in CPU time.
+
+The same model and AdamW take the same training steps, and every ``every`` steps each contender checkpoints
+them.  For each checkpoint the process's CPU time (every thread, user + system, ``getrusage``) is taken from
+the checkpoint call until everything it started in the background has ended (durable and committed, the
+cost model's probes included): what the checkpoint takes from the cores the training would otherwise
+have.  Nothing else runs meanwhile (the training waits), so the difference is the checkpoint's alone.
+
+Contenders: ``torch.save`` of the model's and optimizer's state dicts (as Lightning's ModelCheckpoint
+writes them: no fsync), layerckpt's default ``Config`` (selective, ``encoding='auto'``), the same with
+``encoding='delta'`` and ``'off'`` forced, and each of the three in full mode (every layer at every save).
+Beside them, the machine's floor for a checkpoint of the state: one copy and one CRC32C of every byte
+(``memcpy + crc32c``), and what one training step costs (``step``) for scale.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .._backend import checksum
+from .sharded import machine
+
+MODELS = ("main", "gpt2-small")
+CONTENDERS = ("torch.save", "layerckpt", "layerckpt delta", "layerckpt off", "layerckpt full",
+              "layerckpt full delta", "layerckpt full off")
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _model(name: str) -> Tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[int], Optional[float]], int, int]:
+    """(model, optimizer, one training step returning its loss, steps between checkpoints, checkpoints)."""
+    if name == "main":  # the main job's model and fine-tuning steps (examples/lightning_finetune.py)
+        from .workload import make_model, make_optimizer, start_finetune, train_step
+
+        model = make_model()
+        opt = make_optimizer(model)
+        for s in range(8):
+            train_step(model, opt, "count", s)
+        start_finetune(opt)
+        return model, opt, lambda s: train_step(model, opt, "affine", s), 4, 24
+    from .cases import build_state
+
+    model, opt = build_state("gpt2-small")
+
+    def step(_: int) -> None:  # an AdamW step on random gradients: every tensor moves as in training
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, opt, step, 1, 6
+
+
+def _layerckpt(root: str, model, opt, full: bool, encoding: str) -> Tuple[Callable[[int, Any], int], Callable]:
+    from ..checkpointer import Checkpointer
+    from ..config import Config
+
+    cfg = Config(full=True, encoding=encoding) if full else Config(encoding=encoding)
+    ck = Checkpointer(root, model, opt, cfg)
+
+    def save(step: int, loss: Any) -> int:
+        p = ck.save(step, loss=loss)
+        ck.wait()  # durable, committed, and the probes it started ended
+        return p.bytes_written
+
+    return save, ck.close
+
+
+def _torch_save(root: str, model, opt) -> Tuple[Callable[[int, Any], int], Callable]:
+    os.makedirs(root, exist_ok=True)
+
+    def save(step: int, loss: Any) -> int:
+        path = os.path.join(root, f"step-{step}.pt")
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+        n = os.path.getsize(path)
+        return n
+
+    return save, lambda: None
+
+
+def _floor(model, opt) -> float:
+    """CPU seconds of one copy and one CRC32C of every byte of the state (median of 5)."""
+    tensors = [t for t in list(model.state_dict().values()) + [v for st in opt.state.values() for v in st.values()]
+               if isinstance(t, torch.Tensor) and t.numel()]
+    dst = [torch.empty_like(t) for t in tensors]
+    out = []
+    for _ in range(5):
+        c = _cpu()
+        for d, t in zip(dst, tensors):
+            d.copy_(t)
+            checksum(memoryview(d.reshape(-1).view(torch.uint8).numpy()), 0)
+        out.append(_cpu() - c)
+    return statistics.median(out)
+
+
+def run_model(name: str, dirpath: Optional[str], contenders=CONTENDERS) -> Dict[str, Any]:
+    res: Dict[str, Any] = {"model": name, "runs": {}}
+    for who in ("step",) + tuple(contenders):
+        torch.manual_seed(0)
+        model, opt, step, every, n = _model(name)
+        res["state_bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
+            v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        root = tempfile.mkdtemp(prefix="layerckpt-bench-cpu-", dir=dirpath)
+        try:
+            if who == "step":
+                cpu, wall = [], []
+                for s in range(n):
+                    c, w = _cpu(), time.perf_counter()
+                    step(s)
+                    cpu.append(_cpu() - c)
+                    wall.append(time.perf_counter() - w)
+                res["runs"]["step"] = {"cpu_s": _summary(cpu), "wall_s": _summary(wall)}
+                res["floor_cpu_s"] = _floor(model, opt)
+                continue
+            if who == "torch.save":
+                save, close = _torch_save(root, model, opt)
+            else:
+                parts = who.split()
+                full = "full" in parts
+                enc = parts[-1] if parts[-1] in ("delta", "off") else "auto"
+                save, close = _layerckpt(root, model, opt, full, enc)
+            cpu, wall, nbytes = [], [], []
+            for s in range(n * every):
+                loss = step(s)
+                if (s + 1) % every:
+                    continue
+                c, w = _cpu(), time.perf_counter()
+                nbytes.append(save(s, loss))
+                cpu.append(_cpu() - c)
+                wall.append(time.perf_counter() - w)
+            close()
+            skip = min(2, len(cpu) - 1)  # the first saves allocate buffers and write everything
+            res["runs"][who] = {"cpu_s": _summary(cpu[skip:]), "wall_s": _summary(wall[skip:]),
+                                "bytes": statistics.mean(nbytes[skip:]), "saves": len(cpu) - skip}
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+def _summary(xs: List[float]) -> Dict[str, Any]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
+
+
+def run(models=MODELS, dirpath: Optional[str] = None, contenders=CONTENDERS) -> Dict[str, Any]:
+    return {"machine": machine(), "torch_threads": torch.get_num_threads(),
+            "models": [run_model(m, dirpath, contenders) for m in models]}
+
+
+def format_table(res: Dict[str, Any]) -> str:
+    m = res["machine"]
+    lines = [f"layerckpt bench --cpu: CPU time (all threads, user + system) per checkpoint, from the call until its "
+             f"background work ended; on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, "
+             f"{res['torch_threads']} torch threads; medians [min-max]"]
+    for r in res["models"]:
+        mb = r["state_bytes"] / 1e6
+        floor = r["floor_cpu_s"]
+        ts = r["runs"].get("torch.save")
+        lines += ["", f"{r['model']}: {mb:.1f} MB of state; the floor (one copy and one CRC32C of it) "
+                      f"{floor * 1e3:.1f} ms of CPU; one training step {r['runs']['step']['cpu_s']['median'] * 1e3:.0f} "
+                      f"ms of CPU",
+                  f"{'checkpoint':<24}{'CPU ms':>24}{'vs floor':>10}{'vs torch.save':>15}{'wall ms':>10}{'MB written':>12}"]
+        for who, x in r["runs"].items():
+            if who == "step":
+                continue
+            c = x["cpu_s"]
+            lines.append(f"{who:<24}" + f"{c['median'] * 1e3:.1f} [{c['min'] * 1e3:.1f}-{c['max'] * 1e3:.1f}]".rjust(24)
+                         + f"{c['median'] / floor:>9.1f}x"
+                         + (f"{c['median'] / ts['cpu_s']['median']:>14.2f}x" if ts else " " * 15)
+                         + f"{x['wall_s']['median'] * 1e3:>10.1f}{x['bytes'] / 1e6:>12.1f}")
+    lines.append("torch.save: no fsync (as Lightning's ModelCheckpoint); layerckpt: durable (fdatasync) and committed")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    models = [m for m in (getattr(args, "cpu_models", None) or "main,gpt2-small").split(",") if m]
+    res = run(models, args.dir)
+    print(json.dumps(res) if args.json else format_table(res))
+    return 0

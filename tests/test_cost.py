@@ -1,0 +1,183 @@
+"""Config(encoding='auto'): the cost model decides per tensor kind whether encoding pays on the sink, on
+measured rates; what it decided is recorded and restores bit for bit either way."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import layerckpt
+from layerckpt import _cost
+from conftest import assert_same_optimizer_state, assert_same_state, trained
+
+
+def test_a_kind_is_dtype_role_frozen_and_rows():
+    k = _cost.kind
+    assert k("model/h.0.attn.weight", "F32") == "F32 weight"
+    assert k("optim/h.0.attn.weight/exp_avg", "F32") == "F32 exp_avg"
+    assert k("optim/h.0.attn.weight/exp_avg_sq", "BF16") == "BF16 exp_avg_sq"
+    assert k("optim/fc.weight/momentum_buffer", "F32") == "F32 momentum"
+    assert k("optim/fc.weight/step", "F32") == "F32 state"
+    assert k("optim/wte.weight/exp_avg#rows=0:64", "F32") == "F32 exp_avg rows"
+    assert k("model/base.weight", "BF16", frozen=True) == "BF16 weight frozen"
+    assert k("rng/torch", "U8") == "U8 other"
+
+
+def test_the_charge_is_the_share_of_encoder_threads_that_share_a_core_with_training():
+    assert _cost.charge(True, training_threads=2, encoder_threads=1, cores=2) == 1.0  # this machine, CPU training
+    assert _cost.charge(True, training_threads=3, encoder_threads=2, cores=4) == 0.5
+    assert _cost.charge(True, training_threads=4, encoder_threads=2, cores=4) == 1.0
+    # a GPU run drives the device from one core: 8 encoder threads on 15 idle cores cost the floor
+    assert _cost.charge(False, training_threads=16, encoder_threads=8, cores=16) == _cost.FLOOR
+    assert _cost.charge(True, training_threads=1, encoder_threads=1, cores=2) == _cost.FLOOR
+
+
+def _sink(bandwidth: float) -> _cost.Sink:
+    s = _cost.Sink("test sink")
+    s.observe(int(bandwidth), 1.0)
+    return s
+
+
+def _model(ratio: float, gbps: float, mode: str = _cost.COMPRESS, kind: str = "F32 weight") -> _cost.CostModel:
+    m = _cost.CostModel()
+    raw = 1 << 20
+    m.observe(kind, mode, raw, int(raw / ratio), raw / (gbps * 1e9))
+    m.fold()
+    return m
+
+
+def test_encoding_pays_only_where_the_sink_time_saved_beats_the_cpu_charged():
+    # 2x at 0.4 GB/s: 0.5 byte saved per raw byte, 2.5 ns of CPU per raw byte
+    m = _model(2.0, 0.4)
+    fast = m.decide("F32 weight", _sink(2e9), 1.0)  # saves 0.25 ns/B of a 2 GB/s disk: raw
+    assert fast.mode == _cost.RAW and "compress 2.00x at 0.40 GB/s" in fast.why and "test sink 2 GB/s" in fast.why
+    assert fast.ratio == pytest.approx(2.0)
+    slow = m.decide("F32 weight", _sink(1e8), 1.0)  # saves 5 ns/B of a 100 MB/s remote: encoded
+    assert slow.mode == _cost.COMPRESS
+    # the CPU is charged by the share of it the training loses: on idle cores the disk wins sooner
+    assert m.decide("F32 weight", _sink(3e8), 1.0).mode == _cost.RAW  # 1.67 ns/B saved vs 2.5 ns/B
+    assert m.decide("F32 weight", _sink(3e8), _cost.FLOOR).mode == _cost.COMPRESS  # vs 0.625 ns/B
+    # nothing measured, or no bandwidth yet: raw, and why
+    assert m.decide("F32 exp_avg", _sink(1e8), 1.0).why.startswith("not measured yet")
+    assert m.decide("F32 weight", _cost.Sink("new"), 1.0).why == "new bandwidth not measured yet"
+
+
+def test_a_kind_starts_encoding_past_a_margin_and_stops_below_break_even():
+    m = _model(2.0, 0.4)  # every sink below is named "test sink": the decision is kept per sink and kind
+    near = _sink(1.8e8)  # saves 2.78 ns/B against 2.5 ns/B: pays, but not by MARGIN (3.125)
+    assert m.decide("F32 weight", near, 1.0).mode == _cost.RAW
+    assert m.decide("F32 weight", _sink(1e8), 1.0).mode == _cost.COMPRESS  # now encoded for this sink...
+    assert m.decide("F32 weight", near, 1.0).mode == _cost.COMPRESS  # ...and it stays so above break-even
+    assert m.decide("F32 weight", _sink(2.2e8), 1.0).mode == _cost.RAW  # 2.27 < 2.5 ns/B: back to raw
+    assert m.decide("F32 weight", near, 1.0).mode == _cost.RAW
+
+
+def test_a_delta_is_chosen_where_it_gains_more_and_only_where_allowed():
+    m = _model(1.2, 0.5)
+    m.observe("F32 weight", _cost.DELTA, 1 << 20, (1 << 20) // 8, (1 << 20) / 2e9)  # 8x at 2 GB/s: a sparse update
+    m.fold()
+    assert m.decide("F32 weight", _sink(1e9), 1.0).mode == _cost.DELTA
+    assert m.decide("F32 weight", _sink(1e9), 1.0, delta_ok=False).mode == _cost.RAW  # compress alone does not pay
+    assert _cost.CostModel(delta=False).decide("F32 weight", _sink(1e9), 1.0).mode == _cost.RAW
+
+
+def test_a_probe_copies_its_region_across_staging_buffers_and_measures_both_modes():
+    model = _cost.CostModel()
+    probes = _cost.Probes(model)
+    rng = np.random.default_rng(0)
+    before = rng.standard_normal(200_000).astype(np.float32)
+    after = before + rng.standard_normal(200_000).astype(np.float32) * 1e-4
+    items = [("model/w", 4096, before.nbytes, 4)]
+
+    def feed(values: np.ndarray) -> None:
+        ps = probes.plan(items, ["F32 weight"], {"F32 weight"})
+        image = np.zeros(4096 + values.nbytes, dtype=np.uint8)
+        image[4096:] = values.view(np.uint8)
+        for base in range(0, image.size, 300_000):  # buffers that cut the region
+            part = image[base:base + 300_000]
+            ps.tap(base, memoryview(part), part.size)
+        ps.run()
+
+    feed(before)  # arms a region: nothing to measure yet
+    assert model.estimate("F32 weight", _cost.DELTA) is None
+    key, start, copy = probes._armed["F32 weight"]
+    assert key == "model/w" and np.array_equal(copy, before.view(np.uint8)[start:start + copy.size])
+    feed(after)  # measures the region against its copy
+    model.fold()
+    d, c = model.estimate("F32 weight", _cost.DELTA), model.estimate("F32 weight", _cost.COMPRESS)
+    assert d.raw == c.raw == _cost.PROBE
+    assert d.ratio > c.ratio > 1.0  # a small update: the delta compresses better than the values
+
+
+def _fixed(ck, bandwidth: float) -> None:
+    """The local disk as the cost model sees it, fixed at ``bandwidth`` bytes a second."""
+    sink = _cost.Sink("local disk")
+    sink.observe(int(bandwidth), 1.0)
+    sink.observe = lambda *a: None
+    ck._flusher.disk = sink
+
+
+def _train(model, opt, n: int = 1) -> None:
+    g = torch.Generator().manual_seed(n)
+    for _ in range(n):
+        x = torch.randint(0, 64, (2, 16), generator=g)
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _run(root, bandwidth: float, saves: int = 6):
+    model, opt = trained()
+    with layerckpt.Checkpointer(root, model, opt, config=layerckpt.Config(full=True, keep_last=0)) as ck:
+        _fixed(ck, bandwidth)
+        for step in range(1, saves + 1):
+            _train(model, opt)
+            ck.save(step).wait()
+        estimates = {k: ck._flusher.cost.estimate("F32 weight", k) for k in (_cost.DELTA, _cost.COMPRESS)}
+    return model, opt, estimates
+
+
+def _manifest(root, step):
+    with open(os.path.join(root, "manifests", f"step-{step:08d}.json")) as f:
+        return json.load(f)
+
+
+def _restores(root, step, model, opt):
+    fresh, fopt = trained(seed=1)
+    layerckpt.restore(root, fresh, fopt, step=step)
+    assert_same_state(fresh, model)
+    assert_same_optimizer_state(fopt.state_dict(), opt.state_dict())
+
+
+def test_auto_writes_dense_state_raw_to_a_fast_disk_and_says_why(tmp_path):
+    model, opt, est = _run(tmp_path, bandwidth=20e9)
+    m = _manifest(tmp_path, 6)
+    assert all(t["enc"] is None for t in m["tensors"].values())  # a plain safetensors file, read straight back
+    (coding,) = m["coding"].values()
+    assert {k for k in coding} >= {"F32 weight", "F32 exp_avg", "F32 exp_avg_sq"}
+    for kind, r in coding.items():
+        assert r["mode"] == "raw" and r["sink"] == "local disk" and r["bandwidth"] == 20e9, (kind, r)
+        assert "ns/B" in r["why"] and r["tensors"] > 0 and r["bytes"] >= _cost.MIN_BYTES
+    # the probes measured what encoding would give, both ways
+    assert est[_cost.DELTA] is not None and est[_cost.COMPRESS] is not None
+    _restores(tmp_path, 6, model, opt)
+    out = subprocess.run([sys.executable, "-m", "layerckpt.cli", "inspect", str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "encoding of step-00000006.rank0.safetensors" in out.stdout
+    assert "F32 exp_avg_sq" in out.stdout and "raw" in out.stdout
+
+
+def test_auto_encodes_for_a_slow_disk_and_restores_every_step(tmp_path):
+    model, opt, _ = _run(tmp_path, bandwidth=2e6)
+    m = _manifest(tmp_path, 6)
+    (coding,) = m["coding"].values()
+    assert coding["F32 weight"]["mode"] in ("delta", "compress")
+    raw = sum(t["nbytes"] for t in m["tensors"].values())
+    own = sum(f["size"] for f in m["files"].values() if f["step"] == 6)
+    assert own < raw  # fewer bytes than the state: encoded
+    assert any(t["enc"] is not None for t in m["tensors"].values())
+    _restores(tmp_path, 6, model, opt)
