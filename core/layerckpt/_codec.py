@@ -32,7 +32,10 @@ def encode(value: Any, key: str, out: Entries, where: str) -> Any:
         return _check_int(value, where)
     if isinstance(value, (tuple, list)):
         if all(type(v) in _PLAIN for v in value):  # fast path: e.g. the 625 ints of python's RNG state
-            items = [_check_int(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            items = list(value)
+            for i, v in enumerate(items):
+                if type(v) is int and not -_INT_BOUND < v < _INT_BOUND:
+                    _check_int(v, f"{where}[{i}]")
         else:
             items = [encode(v, f"{key}/{i}", out, f"{where}[{i}]") for i, v in enumerate(value)]
         return {"__tuple__": items} if isinstance(value, tuple) else items

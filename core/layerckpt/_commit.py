@@ -76,7 +76,8 @@ def rank_result(rank: int, fname: str, layout: Layout, crcs: Sequence[int], rng:
 def agree(group: Group, mine: RankResult, failed: Optional[BaseException], path: str) -> List[RankResult]:
     """Every rank's result, once every rank's data is durable (or failed).  If any rank failed, nothing
     is committed: this rank's file goes, and the error names every rank that failed and why."""
-    ranks = [RankResult.from_dict(d) for d in group.exchange(mine.to_dict())]
+    # alone, nothing crosses a process: this rank's result as it is (no round trip through plain dicts)
+    ranks = [mine] if group.world == 1 else [RankResult.from_dict(d) for d in group.exchange(mine.to_dict())]
     bad = [r for r in ranks if r.error is not None]
     if not bad:
         return ranks

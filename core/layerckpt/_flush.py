@@ -202,6 +202,7 @@ class Flusher:
         self.cost = _cost.CostModel() if config.encoding == "auto" else None
         self.probes = _cost.Probes(self.cost) if self.cost is not None else None
         self.disk = _cost.Sink("local disk")
+        self._kinds: Dict[tuple, str] = {}
         self._encoders: Optional[ThreadPoolExecutor] = None
         self._probing: List[Future] = []  # probe encodes still running (see _cost.Probes)
         self._hurry = threading.Event()  # a save() waits for the save flushing now: stop encoding it
@@ -349,7 +350,7 @@ class Flusher:
         the probes of the kinds not encoded against a reference."""
         self.cost.fold()
         items = job.layout.items
-        kinds = job.kinds = [_cost.kind(it.key, DTYPES[it.tensor.dtype], it.key in job.frozen) for it in items]
+        kinds = job.kinds = [self._kind(it.key, it.tensor.dtype, it.key in job.frozen) for it in items]
         verdicts: Dict[str, _cost.Verdict] = {}
         record: Dict[str, Dict[str, Any]] = {}
         modes: List[str] = []
@@ -369,6 +370,15 @@ class Flusher:
         probe = self.probes.plan([(it.key, it.offset, it.nbytes, it.tensor.element_size()) for it in items],
                                  kinds, wanted)
         return modes, probe
+
+    def _kind(self, key: str, dtype, frozen: bool) -> str:
+        """``_cost.kind`` of a tensor, worked out once per key (saves repeat them)."""
+        got = self._kinds.get((key, dtype, frozen))
+        if got is None:
+            if len(self._kinds) > 1 << 16:
+                self._kinds.clear()
+            got = self._kinds[(key, dtype, frozen)] = _cost.kind(key, DTYPES[dtype], frozen)
+        return got
 
     def _observer(self, job: FlushJob, plan) -> Optional[Callable]:
         """What the encodes of this job tell the cost model: per block, its kind and mode (a delta where

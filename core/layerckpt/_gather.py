@@ -330,14 +330,18 @@ def _runs(idx: torch.Tensor) -> List[Tuple[int, int, int]]:
 
 def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Optional[dict],
            rank: int = 0) -> Tuple[Entries, Dict[str, Any]]:
-    """Everything one save holds: tensors to stage, and the manifest's JSON parts."""
+    """Everything one save holds: tensors to stage, and the manifest's JSON parts (and ``requires_grad``: each
+    parameter's flag, by name, for the selection)."""
     entries: Entries = []
     tensors, aliases, other = model_state(model)
     entries.extend((MODEL + n, t) for n, t in tensors.items())
+    named = list(model.named_parameters())  # one walk of the modules for both uses
     meta: Dict[str, Any] = {
         "model": {"aliases": aliases,
                   "other": encode(other, MODEL_OTHER, entries, "model.state_dict() non-tensor entry")},
-        "optimizer": optimizer_state(optimizer, param_names(model), entries) if optimizer is not None else None,
+        "optimizer": optimizer_state(optimizer, {id(p): n for n, p in named}, entries) if optimizer is not None
+        else None,
+        "requires_grad": {n: p.requires_grad for n, p in named},  # for the selection (not the manifest)
         "rng": rng_state(entries, rank),
         "extra": encode(extra if extra is not None else {}, EXTRA, entries, "extra"),
     }

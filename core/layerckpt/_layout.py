@@ -70,11 +70,16 @@ class LayoutCache:
     def __init__(self) -> None:
         self._sig: Optional[tuple] = None
         self._plan: Optional[Tuple[bytes, List[Tuple[int, int, int]], int]] = None
+        #: (key, dtype, shape) -> (element size, bytes, the start of its header entry): selective saves write
+        #: other subsets of the same tensors, whose headers are made of the same entries at other offsets
+        self._entries: Dict[tuple, Tuple[int, int, str]] = {}
 
     def plan(self, entries: Sequence[Tuple[str, torch.Tensor]]) -> Layout:
         sig = tuple((k, t.dtype, t.shape) for k, t in entries)
         if sig != self._sig or self._plan is None:
-            layout = plan_layout(entries)
+            if len(self._entries) > 1 << 16:
+                self._entries.clear()
+            layout = plan_layout(entries, self._entries)
             index = {k: i for i, (k, _) in enumerate(entries)}
             self._sig = sig
             self._plan = (layout.header, [(index[it.key], it.offset, it.nbytes) for it in layout.items], layout.size)
@@ -83,19 +88,35 @@ class LayoutCache:
         return Layout(header=header, items=[Item(entries[i][0], entries[i][1], o, n) for i, o, n in placed], size=size)
 
 
-def plan_layout(entries: Sequence[Tuple[str, torch.Tensor]]) -> Layout:
-    """Place tensors in a safetensors file image; header padded to 4 KiB."""
-    order = sorted(range(len(entries)), key=lambda i: -entries[i][1].element_size())
-    meta: Dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "layerckpt"}}
+_METADATA = json.dumps({"__metadata__": {"format": "pt", "writer": "layerckpt"}}, separators=(",", ":"))
+
+
+def plan_layout(entries: Sequence[Tuple[str, torch.Tensor]], memo: Optional[Dict[tuple, Tuple[int, int, str]]] = None
+                ) -> Layout:
+    """Place tensors in a safetensors file image; header padded to 4 KiB.  ``memo``: each tensor's header
+    entry as far as it does not depend on its place, kept by the caller across calls."""
+    memo = {} if memo is None else memo
+    facts = []
+    for key, t in entries:
+        sig = (key, t.dtype, t.shape)
+        got = memo.get(sig)
+        if got is None:
+            es = t.element_size()
+            start = json.dumps(key) + ':{"dtype":' + json.dumps(dtype_code(t, key)) + ',"shape":' + json.dumps(
+                list(t.shape)) + ',"data_offsets":['
+            got = memo[sig] = (es, t.numel() * es, start)
+        facts.append(got)
+    order = sorted(range(len(entries)), key=lambda i: -facts[i][0])
+    parts = [_METADATA[:-1]]
     rel = 0
     placed = []
     for i in order:
         key, t = entries[i]
-        n = t.numel() * t.element_size()
-        meta[key] = {"dtype": dtype_code(t, key), "shape": list(t.shape), "data_offsets": [rel, rel + n]}
+        _, n, start = facts[i]
+        parts.append(f"{start}{rel},{rel + n}]}}")
         placed.append((key, t, rel, n))
         rel += n
-    body = json.dumps(meta, separators=(",", ":")).encode()
+    body = (",".join(parts) + "}").encode()
     hlen = align_up(8 + len(body)) - 8
     header = hlen.to_bytes(8, "little") + body + b" " * (hlen - len(body))
     start = len(header)

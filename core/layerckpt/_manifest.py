@@ -271,8 +271,13 @@ class Manifest:
         return plain(self._fields())
 
     def to_json(self) -> bytes:
-        # the entries are turned into dicts by the encoder as it meets them: no copy of the whole manifest
-        return json.dumps(self._fields(), separators=(",", ":"), allow_nan=True, default=fields_of).encode()
+        # the entries are turned into dicts by the encoder as it meets them: no copy of the whole manifest; a
+        # tensor's entry, which the composites after it carry unchanged, is serialised once (``_entry_json``)
+        d = self._fields()
+        tensors = d.pop("tensors")
+        head = json.dumps(d, separators=(",", ":"), allow_nan=True, default=fields_of)
+        body = ",".join([_entry_json(k, e) for k, e in tensors.items()])
+        return (head[:-1] + ',"tensors":{' + body + "}}").encode()
 
     @classmethod
     def from_dict(cls, m: Any, path: str) -> "Manifest":
@@ -294,6 +299,26 @@ class Manifest:
 
 
 _NAMES: Dict[type, Tuple[str, ...]] = {}
+#: id of a tensor entry -> (the entry, its key, its JSON member): composites carry the same entry objects from
+#: one manifest to the next (entries are never changed once made), so each is serialised once
+_ENTRY_JSON: Dict[int, Tuple["TensorEntry", str, str]] = {}
+_ENTRY_JSON_MAX = 1 << 16
+_quote = json.encoder.encode_basestring_ascii  # a JSON string, as json.dumps writes it
+
+
+def _entry_json(key: str, e: "TensorEntry") -> str:
+    """``"key":{...}``, the JSON member of one tensor entry (cached while the entry object lives)."""
+    hit = _ENTRY_JSON.get(id(e))
+    if hit is not None and hit[0] is e and hit[1] == key:
+        return hit[2]
+    # the fields in TensorEntry's order, as json.dumps would write them (one call per entry costs more)
+    enc = "null" if e.enc is None else json.dumps(e.enc, separators=(",", ":"), allow_nan=True)
+    member = (f'{_quote(key)}:{{"file":{_quote(e.file)},"dtype":{_quote(e.dtype)},"shape":'
+              f'[{",".join(map(str, e.shape))}],"offset":{e.offset},"nbytes":{e.nbytes},"crc":{e.crc},"enc":{enc}}}')
+    if len(_ENTRY_JSON) >= _ENTRY_JSON_MAX:
+        _ENTRY_JSON.clear()
+    _ENTRY_JSON[id(e)] = (e, key, member)
+    return member
 
 
 def fields_of(obj: Any) -> Dict[str, Any]:
@@ -323,6 +348,8 @@ def plain(obj: Any) -> Any:
 _REQUIRED = {"format": str, "version": int, "step": int, "world_size": int, "files": dict,
              "tensors": dict, "layers": dict, "model": dict}
 _TENSOR_FIELDS = [f.name for f in dataclasses.fields(TensorEntry)]
+if _TENSOR_FIELDS != ["file", "dtype", "shape", "offset", "nbytes", "crc", "enc"]:  # what _entry_json writes
+    raise RuntimeError(f"TensorEntry's fields changed ({_TENSOR_FIELDS}): update _manifest._entry_json")
 _LAYER_FIELDS = [f.name for f in dataclasses.fields(LayerEntry)]
 _OTHER_FIELDS = [f.name for f in dataclasses.fields(Manifest)
                  if f.name not in ("step", "world_size", "files", "tensors", "layers", "model")]

@@ -146,6 +146,13 @@ class Selector:
         self._lock = threading.Lock()
         self._owner: Optional[Tuple[tuple, Dict[str, str], frozenset]] = None  # (sig, owner, frozen layers)
         self._keys: Optional[Tuple[tuple, Dict[str, str], Dict[str, List[str]]]] = None
+        #: each parameter's requires_grad by name, as the save's gather found it (None: read from the model)
+        self.requires_grad: Optional[Dict[str, bool]] = None
+        self._generation = 0  # counts the recomputations of the maps below: what is derived from them keys on it
+        self._names: Dict[tuple, Tuple[str, ...]] = {}  # entry keys -> the model parameter names among them
+        #: (entry keys, layers) -> per entry: (layer, counted in the layer's bytes, weight name, gradient
+        #: average's parameter name): what ``_by_layer`` works out of the keys alone, kept while they repeat
+        self._roles: Optional[Tuple[tuple, list]] = None
         self._prev_shapes: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = {}
 
     @property
@@ -169,7 +176,8 @@ class Selector:
         """Each state_dict name's layer.  With the automatic grouping, a layer's frozen parameters (adapters
         on a frozen base, a partly frozen block) form a layer of their own, ``<layer>[frozen]``, written
         once and then only if they change, so the trainable rest can be written without them."""
-        grad = {n: p.requires_grad for n, p in self.model.named_parameters()}
+        grad = self.requires_grad if self.requires_grad is not None else {
+            n: p.requires_grad for n, p in self.model.named_parameters()}
         frozen = frozenset(n for n, g in grad.items() if not g)
         sig = (names, frozen)
         if self._owner is None or self._owner[0] != sig:
@@ -184,15 +192,22 @@ class Selector:
                 if n in owner:
                     trainable[owner[n]] = trainable.get(owner[n], False) or g
             self._owner = (sig, owner, frozenset(layer for layer, t in trainable.items() if not t))
+            self._generation += 1  # what was worked out of the old map is stale (ids of dicts may be reused)
         return self._owner[1]
 
     def _key_layers(self, keys: Tuple[str, ...]) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
         """Each entry key's layer, and each layer's keys (cached while the keys and layers stay the same).
         A row block of an embedding table is a layer of its own, ``<layer>#rows=<a>:<b>``; the shards of a
         sharded tensor belong to its layer."""
-        split = [piece_base(k) for k in keys]
-        owner = self.owners(tuple(dict.fromkeys(n for n in (model_name(b) for b, _ in split) if n is not None)))
-        if self._keys is None or self._keys[0] != (keys, id(owner)):
+        names = self._names.get(keys)
+        if names is None:
+            if len(self._names) > 8:
+                self._names.clear()
+            names = self._names[keys] = tuple(dict.fromkeys(
+                n for n in (model_name(piece_base(k)[0]) for k in keys) if n is not None))
+        owner = self.owners(names)
+        if self._keys is None or self._keys[0] != (keys, self._generation):
+            split = [piece_base(k) for k in keys]
             key_layer: Dict[str, str] = {}
             layer_keys: Dict[str, List[str]] = {}
             for k, (base, piece) in zip(keys, split):
@@ -203,7 +218,8 @@ class Selector:
                     layer = layer if not piece or base in self._shards else layer + piece
                     key_layer[k] = layer
                     layer_keys.setdefault(layer, []).append(k)
-            self._keys = ((keys, id(owner)), key_layer, layer_keys)
+            self._generation += 1
+            self._keys = ((keys, self._generation), key_layer, layer_keys)
         return self._keys[1], self._keys[2]
 
     def _by_layer(self, entries: Entries):
@@ -223,22 +239,40 @@ class Selector:
             if pk in key_layer:
                 nbytes[key_layer[pk]] = nbytes.get(key_layer[pk], 0) + math.prod(sizes) * ITEMSIZE[
                     self._shards[key].dtype]
-        for k, t in entries:
-            layer = key_layer.get(k)
+        for (k, t), (layer, counted, name, gname) in zip(entries, self._entry_roles(local, key_layer)):
             if layer is None:
                 continue
-            base, piece = piece_base(k)
-            if base not in self._shards:
+            if counted:
                 nbytes[layer] = nbytes.get(layer, 0) + t.numel() * t.element_size()
-            name = model_name(base)
             if name is not None:
-                name = name + piece
                 weights.setdefault(layer, {})[name] = t
-            elif base.rsplit("/", 1)[-1] in GRAD_AVERAGE:
-                p = param_of(base)
-                grads.setdefault(layer, {})[p + piece] = t
+            elif gname is not None:
+                grads.setdefault(layer, {})[gname] = t
             held.setdefault(layer, {})[k] = (t, name)
         return key_layer, layer_keys, weights, grads, nbytes, held
+
+    def _entry_roles(self, local: tuple, key_layer: Dict[str, str]) -> list:
+        """Per entry key: (its layer or None, whether its bytes count in the layer's (not a shard of a tensor
+        sharded over the ranks), its weight name (``<parameter>`` or ``<parameter>#rows=<a>:<b>``) or None, the
+        parameter name of a gradient average it is, or None); the same while the keys and layers are."""
+        sig = (local, self._keys[0][1], frozenset(self._shards))
+        if self._roles is None or self._roles[0] != sig:
+            roles = []
+            for k in local:
+                layer = key_layer.get(k)
+                if layer is None:
+                    roles.append((None, False, None, None))
+                    continue
+                base, piece = piece_base(k)
+                name = model_name(base)
+                gname = None
+                if name is not None:
+                    name = name + piece
+                elif base.rsplit("/", 1)[-1] in GRAD_AVERAGE:
+                    gname = param_of(base) + piece
+                roles.append((layer, base not in self._shards, name, gname))
+            self._roles = (sig, roles)
+        return self._roles[1]
 
     def _shapes(self, entries: Entries) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]:
         shapes = {k: (t.dtype, tuple(t.shape)) for k, t in entries}

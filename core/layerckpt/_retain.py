@@ -13,7 +13,7 @@ from typing import AbstractSet, Callable, Dict, Iterable, List, Set
 
 from . import _faults
 from ._manifest import Manifest, parse_once, still_valid
-from ._store import DATA_DIR, MANIFEST_DIR, fsync_dir, is_data_name, read_all, recency
+from ._store import DATA_DIR, MANIFEST_DIR, fsync_dir, is_data_name, manifest_name, read_all, recency
 
 log = logging.getLogger("layerckpt")
 
@@ -88,7 +88,14 @@ class Retention:
             return self._pinned | self._held
 
     def committed(self, m: Manifest) -> None:
-        """Commit listener, on the flusher thread, after the tiers were told of ``m``."""
+        """Commit listener, on the flusher thread, after the tiers were told of ``m``.  ``m`` is what its file
+        holds: retention takes it as parsed instead of reading the file back."""
+        path = os.path.join(self.root, MANIFEST_DIR, manifest_name(m.step))
+        try:
+            st = os.stat(path)
+            self._parsed[(path, st.st_ino, st.st_size, st.st_mtime_ns)] = m
+        except OSError:  # gone already: read_all will not list it either
+            pass
         self._run(f"after step {m.step}")
 
     def soon(self) -> None:

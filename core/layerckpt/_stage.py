@@ -275,12 +275,20 @@ class LazyStager:
     step waits for them (:meth:`guard`, an optimizer step pre-hook).  One save's
     copies at a time.  How long a step waited is told to the ``waited`` callback of
     the save being staged (:meth:`start`): time training pays beyond ``save()``.
+
+    The copies run on one thread kept between saves (not one started per save); it ends once it has had
+    nothing to do for ``IDLE_S`` seconds, and the next save starts it again.
     """
+
+    IDLE_S = 30.0
 
     def __init__(self) -> None:
         self._idle = threading.Event()
         self._idle.set()
         self._waited: Optional[Callable[[float], None]] = None
+        self._cv = threading.Condition()
+        self._jobs: List[Callable[[], None]] = []
+        self._thread: Optional[threading.Thread] = None
 
     @property
     def busy(self) -> bool:
@@ -291,11 +299,42 @@ class LazyStager:
         an optimizer step waited for it."""
         self._idle.clear()
         self._waited = waited
-        try:
-            threading.Thread(target=self._run, args=(fn,), name="layerckpt-stager", daemon=True).start()
-        except BaseException:
-            self._idle.set()
-            raise
+        with self._cv:
+            self._jobs.append(fn)
+            if self._thread is not None:
+                self._cv.notify()
+                return
+            t = threading.Thread(target=self._loop, name="layerckpt-stager", daemon=True)
+            try:
+                t.start()
+            except BaseException:
+                self._jobs.remove(fn)
+                self._idle.set()
+                raise
+            self._thread = t
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                if not self._jobs:
+                    self._cv.wait(self.IDLE_S)
+                if not self._jobs or self._jobs[0] is None:  # idle for IDLE_S, or closed
+                    self._jobs.clear()
+                    self._thread = None
+                    return
+                fn = self._jobs.pop(0)
+            self._run(fn)
+
+    def close(self) -> None:
+        """End the thread once the copies queued are done (the next ``start`` would begin a new one)."""
+        with self._cv:
+            t = self._thread
+            if t is None:
+                return
+            self._jobs.append(None)
+            self._cv.notify()
+        if t is not threading.current_thread():
+            t.join()
 
     def _run(self, fn: Callable[[], None]) -> None:
         try:

@@ -81,6 +81,7 @@ class DriftTracker:
         self._ref: Dict[str, Tuple[Views, float]] = {}  # layer -> (float32 samples persisted, squared norm)
         self._prev: Dict[str, Tuple[Views, Optional[Views]]] = {}  # layer -> (w, g) float32 at the last save
         self._cost: Dict[str, float] = {}  # layer -> signed cost accumulated up to the last save
+        self._prev_flat: Optional[_Flat] = None  # the last save's snapshots, where taken in one buffer
 
     @property
     def memory_bytes(self) -> int:
@@ -155,24 +156,31 @@ class DriftTracker:
                 sq[layer] = 0.0 if out[layer] == 0.0 else float(sum(float(v.float().square().sum()) for v in vs))
         return out, sq, moved
 
-    def measure(self, now: Dict[str, LayerSample]) -> Tuple[Dict[str, Measure], Dict[str, "Snap"]]:
+    def measure(self, now: Dict[str, LayerSample]) -> Tuple[Dict[str, Measure], "Snaps"]:
         """Drift, progress and cost of every layer; plus the float32 snapshots this save leaves behind
-        (hand them to :meth:`advance` once the decision is taken)."""
+        (hand them to :meth:`advance` once the decision is taken).  The snapshots of every layer are taken
+        in one copy (:class:`_Flat`); where the save before took its snapshots in the same arrangement, each
+        layer's progress comes from a few operations over all of them at once."""
         drift, sq, moved = self.drifts({layer: s.w for layer, s in now.items()})
         use_grad = any(s.g is not None for s in now.values())
         out: Dict[str, Measure] = {}
-        snaps: Dict[str, Snap] = {}
+        flat = _Flat.of(now)
+        snaps = Snaps()
+        snaps.flat = flat
         for layer, s in now.items():
-            w = self.snapshot(s.w)
-            g = self.snapshot(s.g) if s.g is not None else None
+            w, g = flat.views(layer, s) if flat is not None else (
+                self.snapshot(s.w), self.snapshot(s.g) if s.g is not None else None)
             snaps[layer] = (w, g, None)
+        fast = _steps(self._prev_flat, flat, now) if use_grad else None
+        for layer, s in now.items():
+            w, g, _ = snaps[layer]
             prev = self._prev.get(layer)
             ref = self._ref.get(layer)
             if prev is None or ref is None or not _same_shapes(prev[0], w) or not _same_shapes(ref[0], w):
                 out[layer] = Measure(drift=drift[layer], progress=0.0, cost=math.inf, moved=moved[layer])
                 continue
             if use_grad:
-                step = -_scaled_dot(_mean(prev[1], g), _sub(w, prev[0]), s.scale)
+                step = -(fast[layer] if fast is not None else _scaled_dot(_mean(prev[1], g), _sub(w, prev[0]), s.scale))
                 cost = self._cost.get(layer, 0.0) + step
                 snaps[layer] = (w, g, cost)
             else:
@@ -186,6 +194,8 @@ class DriftTracker:
     def advance(self, snaps: Dict[str, "Snap"]) -> None:
         """This save's samples become the start of the next interval; a layer's cost carries on until a save
         that persists it is planned (:meth:`commit`)."""
+        # the next measure's progress runs over the whole arrangement at once where every layer advanced
+        self._prev_flat = getattr(snaps, "flat", None)
         for layer, (w, g, cost) in snaps.items():
             self._prev[layer] = (w, g)
             if cost is not None:
@@ -196,6 +206,7 @@ class DriftTracker:
         their persisted versions): these snapshotted values become their references and their costs restart
         from zero, now, before that save commits (:meth:`forget` undoes it if the save fails)."""
         for layer, refs in samples.items():
+            refs = _own(refs)  # its own memory: not the whole save's snapshot buffer, kept as long as the layer lags
             norms = torch._foreach_norm(refs) if refs else []
             self._ref[layer] = (refs, float(sum(float(x) ** 2 for x in norms)))
             self._cost[layer] = 0.0
@@ -206,6 +217,78 @@ class DriftTracker:
         for layer in layers:
             self._ref.pop(layer, None)
             self._cost.pop(layer, None)
+
+
+class Snaps(dict):
+    """layer -> :data:`Snap`, and the :class:`_Flat` buffer the snapshots are views of (None where they are
+    copies of their own)."""
+
+    flat: "Optional[_Flat]" = None
+
+
+class _Flat:
+    """One save's sampled values of every layer, copied into one float32 buffer (and those of the gradient
+    averages into a second, zeros where a layer or tensor has none), instead of a copy per tensor.  ``sig``
+    names the arrangement: the layers in order, each one's tensor sizes and whether it has gradient averages."""
+
+    __slots__ = ("sig", "w", "g", "lens", "owner", "at", "_views", "_gviews")
+
+    @classmethod
+    def of(cls, now: Dict[str, LayerSample]) -> "Optional[_Flat]":
+        views = [v for s in now.values() for v in s.w]
+        if not views or len({v.device for v in views}) != 1:
+            return None
+        self = cls()
+        self.sig = tuple((layer, tuple(v.numel() for v in s.w), s.g is not None) for layer, s in now.items())
+        self.lens = [v.numel() for v in views]
+        self.owner = [i for i, s in enumerate(now.values()) for _ in s.w]
+        self.at, i = {}, 0  # layer -> index of its first tensor
+        for layer, s in now.items():
+            self.at[layer] = i
+            i += len(s.w)
+        self.w = torch.cat([v.reshape(-1) if v.dtype == torch.float32 else v.reshape(-1).float() for v in views])
+        self._views = list(self.w.split(self.lens)) if self.lens else []
+        self.g = None
+        self._gviews = None
+        if any(s.g is not None for s in now.values()):
+            gs = [g.reshape(-1) if g.dtype == torch.float32 else g.reshape(-1).float()
+                  for s in now.values() for g in (s.g if s.g is not None else [torch.zeros_like(v, dtype=torch.float32)
+                                                                             for v in s.w])]
+            if len({g.device for g in gs}) != 1 or gs[0].device != self.w.device:
+                return None
+            self.g = torch.cat(gs)
+            self._gviews = list(self.g.split(self.lens))
+        return self
+
+    def views(self, layer: str, s: LayerSample) -> Tuple[Views, Optional[Views]]:
+        """A layer's snapshots: views of the buffers, in its tensors' order."""
+        at, n = self.at[layer], len(s.w)
+        return self._views[at:at + n], (self._gviews[at:at + n] if s.g is not None else None)
+
+
+def _steps(prev: Optional[_Flat], now: Optional[_Flat], samples: Dict[str, LayerSample]) -> Optional[Dict[str, float]]:
+    """Each layer's first-order progress over the last interval, ``<mean of the gradient averages, W_now -
+    W_prev>`` scaled by each tensor's sampling ratio, computed over every layer at once; None unless the last
+    save's snapshots are in the same arrangement (then each layer is measured on its own)."""
+    if prev is None or now is None or prev.sig != now.sig or now.g is None or prev.g is None:
+        return None
+    prod = (now.g + prev.g).mul_(0.5).mul_(now.w - prev.w)
+    dots = torch.segment_reduce(prod, "sum", lengths=torch.tensor(now.lens, device=prod.device)).double().cpu().tolist()
+    scale = [x for s in samples.values() for x in s.scale]
+    layers = [name for name, _, _ in now.sig]
+    out = {name: 0.0 for name in layers}
+    for owner, d, sc in zip(now.owner, dots, scale):
+        out[layers[owner]] += d * sc
+    return out
+
+
+def _own(refs: Views) -> Views:
+    """Copies of ``refs`` in one buffer of their own."""
+    if not refs:
+        return refs
+    if len({r.device for r in refs}) != 1:
+        return [r.clone() for r in refs]
+    return list(torch.cat([r.reshape(-1) for r in refs]).split([r.numel() for r in refs]))
 
 
 def _same_shapes(a: Views, b: Views) -> bool:

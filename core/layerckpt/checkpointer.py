@@ -15,6 +15,7 @@ older one once its saves in flight have ended (``_registry``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -91,6 +92,7 @@ class Checkpointer:
         self._closed = False
         self._replaced = False
         self._lock = threading.Lock()  # one save() at a time
+        self._training_threads = torch.get_num_threads()
         self._stager = LazyStager()
         self._lazy, hook = self._guard_optimizer()
         self._release = self._arrange_release(hook)
@@ -169,7 +171,7 @@ class Checkpointer:
         ref = weakref.ref(self)
         owner = _registry.Owner(self.dirpath, functools.partial(_retire, ref))
         release = weakref.finalize(self, _shutdown, self._flusher, self.backend, self.pool, self._writer,
-                                   self._tiers, hook, owner, self.group)
+                                   self._tiers, hook, owner, self.group, self._stager)
         owner.claim()
         # It must run before thread pools refuse new work at shutdown, hence threading's exit hooks (run
         # newest first, before concurrent.futures' own) where this Python has them.
@@ -202,7 +204,9 @@ class Checkpointer:
             # commit; across ranks the ranks agree on the last committed one, which must be finished
             self._throttle(self.config.max_inflight - 1 if self.selector.full or self.group.world == 1 else 0)
             self._raise_unreported()  # the flush just waited for may have failed
-            return self._save(step, extra, loss, name)
+            self._training_threads = torch.get_num_threads()  # the training's, before _serial sets one
+            with _serial():
+                return self._save(step, extra, loss, name)
 
     def keep(self, manifests: Iterable[Union[str, "os.PathLike[str]"]]) -> None:
         """Composites (manifest paths of this directory) that retention keeps besides the
@@ -329,6 +333,7 @@ class Checkpointer:
     def _gather(self, extra: Optional[Dict[str, Any]]) -> Tuple[Entries, Dict[str, Any]]:
         """What a save holds, embedding tables cut into row blocks (selective saves only)."""
         entries, meta = gather(self.model, self.optimizer, extra, self.rank)
+        self.selector.requires_grad = meta.pop("requires_grad")
         entries, self.selector.shards = shard_entries(entries)  # FSDP2: this rank's shards only
         tables = {} if self.selector.full else table_names(self.model, self.config.row_block_bytes)
         entries, blocks = split(entries, tables)
@@ -390,7 +395,7 @@ class Checkpointer:
         it where the model trains on the CPU with a thread per core, less where cores sit idle beside a GPU."""
         p = next(self.model.parameters(), None)
         on_cpu = p is None or p.device.type == "cpu"
-        return _cost.charge(on_cpu, torch.get_num_threads(), _encode_threads(self.config))
+        return _cost.charge(on_cpu, self._training_threads, _encode_threads(self.config))
 
     def _stage(self, job: FlushJob, lazy: Optional[Dict[str, torch.Tensor]], step: int) -> None:
         """Copy the save into the pool: on the stager thread under lazy staging, else now."""
@@ -409,6 +414,23 @@ class Checkpointer:
         while os.path.lexists(os.path.join(d, _store.data_name(step, self.rank, v))):
             v += 1
         return _store.data_name(step, self.rank, v)
+
+
+@contextlib.contextmanager
+def _serial():
+    """save()'s own tensor operations (the drift samples, the fingerprints' host copies) are many and small:
+    they run on the calling thread alone, so that torch's worker threads are not woken for each one and left
+    spinning after it (which on two cores doubled the CPU time they took).  The setting is the calling
+    thread's (OpenMP's per-thread number of threads), put back on return."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def _encode_threads(config: Config) -> int:
@@ -501,10 +523,12 @@ def _quietly(fn: Callable[[], None]) -> None:
 
 def _shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_store.WriterLock],
               tiers: Optional[_tiers.Tiers] = None, hook=None, owner: Optional[_registry.Owner] = None,
-              group: Optional[_dist.Group] = None) -> None:
+              group: Optional[_dist.Group] = None, stager: Optional[LazyStager] = None) -> None:
     try:
         if hook is not None:
             hook.remove()
+        if stager is not None:  # its thread ends once the copies it runs are done
+            stager.close()
         flusher.stop()
         if tiers is not None:  # after the flusher: no more copies are queued
             tiers.close()
