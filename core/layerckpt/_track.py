@@ -77,7 +77,8 @@ def combine(parts: List[Optional[Tuple[float, float, float, float]]]) -> Measure
 class DriftTracker:
     def __init__(self, sample_per_layer: int):
         self.sample_per_layer = sample_per_layer
-        self._plan: Dict[Tuple[str, int], Optional[Tuple[int, int]]] = {}  # (name, numel) -> (start, stride)
+        #: (name, numel) -> (start, stride, count) of its sample, None: every element
+        self._plan: Dict[Tuple[str, int], Optional[Tuple[int, int, int]]] = {}
         self._ref: Dict[str, Tuple[Views, float]] = {}  # layer -> (float32 samples persisted, squared norm)
         self._prev: Dict[str, Tuple[Views, Optional[Views]]] = {}  # layer -> (w, g) float32 at the last save
         self._cost: Dict[str, float] = {}  # layer -> signed cost accumulated up to the last save
@@ -85,23 +86,32 @@ class DriftTracker:
 
     @property
     def memory_bytes(self) -> int:
+        """Bytes of the memory the samples held live in (a buffer shared by several layers counted once)."""
         held = [t for refs, _ in self._ref.values() for t in refs]
         held += [t for w, g in self._prev.values() for t in w + (g or [])]
-        return sum(t.numel() * t.element_size() for t in held)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+        return sum(storages.values())
 
     def _sampled(self, name: str, t: torch.Tensor, total: int) -> torch.Tensor:
         n = t.numel()
         key = (name, n)
-        if key not in self._plan:
+        p = self._plan.get(key, False)
+        if p is False:
             budget = 0 if self.sample_per_layer <= 0 else max(1, self.sample_per_layer * n // max(total, 1))
             if budget <= 0 or n <= budget:
-                self._plan[key] = None
+                p = None
             else:  # fixed per tensor name, so every checkpoint compares the same elements
                 stride = n // budget
-                self._plan[key] = (zlib.crc32(name.encode()) % stride, stride)
-        flat = t.detach().reshape(-1)
-        p = self._plan[key]
-        return flat if p is None else flat[p[0]::p[1]]
+                start = zlib.crc32(name.encode()) % stride
+                p = (start, stride, (n - start + stride - 1) // stride)
+            self._plan[key] = p
+        if t.requires_grad:
+            t = t.detach()
+        if p is None:
+            return t.reshape(-1)
+        if t.is_contiguous():  # one view: every stride-th element from start
+            return t.as_strided((p[2],), (p[1],), t.storage_offset() + p[0])
+        return t.reshape(-1)[p[0]::p[1]]
 
     def sample(self, weights: Dict[str, torch.Tensor], grads: Dict[str, torch.Tensor]) -> LayerSample:
         """The sampled elements of a layer's weights, as strided views (no copy), and, at the same elements,
@@ -205,10 +215,15 @@ class DriftTracker:
         """A save that persists the layers in ``samples`` is planned (or, from ``Selector.adopt``, they stand at
         their persisted versions): these snapshotted values become their references and their costs restart
         from zero, now, before that save commits (:meth:`forget` undoes it if the save fails)."""
+        # one copy of them all: not views of the save's snapshot buffer, which holds every layer's samples
+        every = _own([r for refs in samples.values() for r in refs])
+        at, owned = 0, {}
         for layer, refs in samples.items():
-            refs = _own(refs)  # its own memory: not the whole save's snapshot buffer, kept as long as the layer lags
-            norms = torch._foreach_norm(refs) if refs else []
-            self._ref[layer] = (refs, float(sum(float(x) ** 2 for x in norms)))
+            owned[layer] = every[at:at + len(refs)]
+            at += len(refs)
+        norms = iter(torch.stack(torch._foreach_norm(every)).double().cpu().tolist() if every else [])
+        for layer, refs in owned.items():
+            self._ref[layer] = (refs, float(sum(next(norms) ** 2 for _ in refs)))
             self._cost[layer] = 0.0
 
 
@@ -246,14 +261,13 @@ class _Flat:
         for layer, s in now.items():
             self.at[layer] = i
             i += len(s.w)
-        self.w = torch.cat([v.reshape(-1) if v.dtype == torch.float32 else v.reshape(-1).float() for v in views])
+        self.w = torch.cat([_flat32(v) for v in views])
         self._views = list(self.w.split(self.lens)) if self.lens else []
         self.g = None
         self._gviews = None
         if any(s.g is not None for s in now.values()):
-            gs = [g.reshape(-1) if g.dtype == torch.float32 else g.reshape(-1).float()
-                  for s in now.values() for g in (s.g if s.g is not None else [torch.zeros_like(v, dtype=torch.float32)
-                                                                             for v in s.w])]
+            gs = [_flat32(g) for s in now.values() for g in (s.g if s.g is not None else [
+                torch.zeros_like(v, dtype=torch.float32) for v in s.w])]
             if len({g.device for g in gs}) != 1 or gs[0].device != self.w.device:
                 return None
             self.g = torch.cat(gs)
@@ -280,6 +294,11 @@ def _steps(prev: Optional[_Flat], now: Optional[_Flat], samples: Dict[str, Layer
     for owner, d, sc in zip(now.owner, dots, scale):
         out[layers[owner]] += d * sc
     return out
+
+
+def _flat32(v: torch.Tensor) -> torch.Tensor:
+    v = v if v.dim() == 1 else v.reshape(-1)
+    return v if v.dtype == torch.float32 else v.float()
 
 
 def _own(refs: Views) -> Views:

@@ -29,6 +29,7 @@ from .._backend import checksum
 from .sharded import machine
 
 MODELS = ("main", "gpt2-small")
+PAUSE_S = 0.05
 CONTENDERS = ("torch.save", "layerckpt", "layerckpt delta", "layerckpt off", "layerckpt full",
               "layerckpt full delta", "layerckpt full off")
 
@@ -95,12 +96,18 @@ def _floor(model, opt) -> float:
                if isinstance(t, torch.Tensor) and t.numel()]
     dst = [torch.empty_like(t) for t in tensors]
     out = []
-    for _ in range(5):
-        c = _cpu()
-        for d, t in zip(dst, tensors):
-            d.copy_(t)
-            checksum(memoryview(d.reshape(-1).view(torch.uint8).numpy()), 0)
-        out.append(_cpu() - c)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core's work, no worker threads woken
+    try:
+        for _ in range(5):
+            time.sleep(PAUSE_S)
+            c = _cpu()
+            for d, t in zip(dst, tensors):
+                d.copy_(t)
+                checksum(memoryview(d.reshape(-1).view(torch.uint8).numpy()), 0)
+            out.append(_cpu() - c)
+    finally:
+        torch.set_num_threads(n)
     return statistics.median(out)
 
 
@@ -116,6 +123,7 @@ def run_model(name: str, dirpath: Optional[str], contenders=CONTENDERS) -> Dict[
             if who == "step":
                 cpu, wall = [], []
                 for s in range(n):
+                    time.sleep(PAUSE_S)
                     c, w = _cpu(), time.perf_counter()
                     step(s)
                     cpu.append(_cpu() - c)
@@ -135,6 +143,7 @@ def run_model(name: str, dirpath: Optional[str], contenders=CONTENDERS) -> Dict[
                 loss = step(s)
                 if (s + 1) % every:
                     continue
+                time.sleep(PAUSE_S)
                 c, w = _cpu(), time.perf_counter()
                 nbytes.append(save(s, loss))
                 cpu.append(_cpu() - c)
