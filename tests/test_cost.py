@@ -1,5 +1,6 @@
 """Config(encoding='auto'): the cost model decides per tensor kind whether encoding pays on the sink, on
 measured rates; what it decided is recorded and restores bit for bit either way."""
+import copy
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ import torch
 
 import layerckpt
 from layerckpt import _cost
-from conftest import assert_same_optimizer_state, assert_same_state, trained
+from conftest import assert_same_optimizer_state, assert_same_state, assert_same_tensors, trained
 
 
 def test_a_kind_is_dtype_role_frozen_and_rows():
@@ -181,3 +182,43 @@ def test_auto_encodes_for_a_slow_disk_and_restores_every_step(tmp_path):
     assert own < raw  # fewer bytes than the state: encoded
     assert any(t["enc"] is not None for t in m["tensors"].values())
     _restores(tmp_path, 6, model, opt)
+
+
+@pytest.mark.parametrize("part", [None, 64 * 1024])
+def test_a_slow_remote_gets_encoded_copies_while_the_disk_gets_raw_bytes(tmp_path, monkeypatch, part):
+    from layerckpt import _transcode
+
+    if part is not None:  # copies in many parts, each uploaded while the next is encoded
+        monkeypatch.setattr(_transcode, "PART", part)
+    remote = tmp_path / "remote"
+    url = "file://" + str(remote)
+    cfg = layerckpt.Config(full=True, keep_last=0, remote=url, remote_bandwidth="4MB")
+    model, opt = trained()
+    states = {}
+    with layerckpt.Checkpointer(tmp_path / "ck", model, opt, config=cfg) as ck:
+        _fixed(ck, 20e9)
+        for step in range(1, 7):
+            _train(model, opt)
+            ck.save(step).wait()
+            ck.wait()  # the remote copy too
+            states[step] = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        tc = ck._tiers.tiers[0].transcoder
+        assert 0 < tc.encoded_bytes < tc.raw_bytes  # what went up, encoded
+    local = _manifest(tmp_path / "ck", 6)
+    assert all(t["enc"] is None for t in local["tensors"].values())  # the disk: raw
+    with open(remote / "manifests" / "step-00000006.json") as f:
+        rm = json.load(f)
+    modes = {b[3] for t in rm["tensors"].values() if t["enc"] for b in t["enc"]["blocks"]}
+    assert modes & {1, 2, 3}  # compressed or delta blocks on the remote
+    own = lambda m, s: sum(f["size"] for f in m["files"].values() if f["step"] == s)  # noqa: E731
+    assert own(rm, 6) < own(local, 6)
+    parts = [n for n, f in rm["files"].items() if f["step"] == 6]
+    assert (len(parts) > 2) == (part is not None), parts
+    assert sorted(os.listdir(remote / "data")) == sorted({n for s in range(1, 7) for n in json.load(
+        open(remote / "manifests" / f"step-{s:08d}.json"))["files"]})  # every part listed, nothing else
+    assert not [n for n in os.listdir(tmp_path / "ck" / "data") if n.endswith(".tmp")]
+    for step in (5, 6):  # every remote composite restores bit for bit from the remote alone
+        fresh, fopt = trained(seed=1)
+        layerckpt.restore(url, fresh, fopt, step=step)
+        assert_same_tensors(fresh.state_dict(), states[step][0])
+        assert_same_optimizer_state(fopt.state_dict(), states[step][1])

@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AbstractSet, Dict, List, Optional, Tuple, Union
 
@@ -121,12 +122,15 @@ def _blocks(blocks: List[List[int]]) -> tuple:
     return tuple(tuple(b) for b in blocks)
 
 
-def place(m: Manifest, good: Dict[str, Manifest], listed: List[str]) -> Tuple[Dict[str, str], List[str]]:
+def place(m: Manifest, good: Dict[str, Manifest], listed: List[str], copies: Optional[Dict[str, tuple]] = None
+          ) -> Tuple[Dict[str, str], List[str]]:
     """Where each file of ``m`` lives on the tier, and which to copy.
 
     A committed tier file serves a local one when it has its size and, for every tensor ``m`` reads from
     it, the same offset, length and checksum (recorded by a tier manifest); such a file is never copied
-    again.  A name a tier manifest uses for other bytes is never overwritten: the copy gets a fresh name.
+    again.  ``copies``: local file -> (tier name, entries, size) of its encoded copies on the tier
+    (``_transcode``), which serve it where they hold every tensor ``m`` reads from it.  A name a tier
+    manifest uses for other bytes is never overwritten: the copy gets a fresh name.
     Returns ({local name: tier name}, [local names to copy])."""
     known: Dict[str, Dict[str, tuple]] = {}  # tier file -> every tensor entry tier manifests record for it
     size: Dict[str, Tuple[int, str]] = {}
@@ -138,6 +142,11 @@ def place(m: Manifest, good: Dict[str, Manifest], listed: List[str]) -> Tuple[Di
     where: Dict[str, str] = {}
     copy: List[str] = []
     for f, ents in sorted(_entries(m).items()):
+        copy_of = (copies or {}).get(f)
+        if copy_of is not None and all(n in known and n in listed for n in copy_of[0]) and all(
+                k in copy_of[1] for k, e in m.tensors.items() if e.file == f):
+            where[f] = copy_of[0][0]
+            continue
         want = (m.files[f].size, m.checksum)
         same = [r for r in [f] + sorted(known) if size.get(r) == want and all(
             known[r].get(k) == e for k, e in ents.items()) and (ents or r == f)]
@@ -170,28 +179,77 @@ def renamed(m: Manifest, where: Dict[str, str]) -> dict:
     return d
 
 
-def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: AbstractSet[str]) -> Tuple[int, int]:
+def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: AbstractSet[str],
+         transcoder=None, bases_only: bool = False) -> Tuple[int, int, int]:
     """Copy the composite ``m`` (committed in ``root`` as ``name``) to the tier, commit it there, apply the
-    tier's retention.  Returns (files copied, files the tier already held)."""
+    tier's retention.  ``transcoder`` (``_transcode.Transcoder``): a file whose tensors encoding pays for on
+    this tier goes as an encoded copy (``bases_only``: no deltas).  Returns (files copied, files the tier
+    already held, bytes uploaded)."""
     good, bad = read_all(store)
-    where, todo = place(m, good, store.names(DATA))
+    listed = store.names(DATA)
+    done = transcoder.done if transcoder is not None else {}
+    where, todo = place(m, good, listed, done)
+    copies = {f: done[f] for f in where if f not in todo and f in done and where[f] == done[f][0][0]}
+    sent = [0]
+    taken = set(listed) | set(where.values()) | {n for tm in good.values() for n in tm.files}
+    lock = threading.Lock()
+
+    def fresh(f: str) -> str:
+        """A tier name no file uses, for another part of the encoded copy of ``f``."""
+        fe, v = m.files[f], 1
+        with lock:
+            while _store.data_name(fe.step, fe.rank, v) in taken:
+                v += 1
+            taken.add(_store.data_name(fe.step, fe.rank, v))
+            return _store.data_name(fe.step, fe.rank, v)
 
     def put(f: str) -> None:
-        store.put_file(os.path.join(root, _store.DATA_DIR, f), DATA, where[f])
+        src = os.path.join(root, _store.DATA_DIR, f)
+        modes = transcoder.modes(m, f, bases_only) if transcoder is not None else None
+        if modes is None:
+            store.put_file(src, DATA, where[f])
+            n = m.files[f].size
+        else:
+            copies[f] = transcoder.write(root, f, m, modes, where[f], lambda: fresh(f),
+                                         lambda path, name: store.put_file(path, DATA, name))
+            n = sum(copies[f][2].values())
+        with lock:
+            sent[0] += n
         _faults.point("tier.file-copied")
 
-    if todo:
-        with ThreadPoolExecutor(min(COPIES_IN_FLIGHT, len(todo)), thread_name_prefix="layerckpt-copy") as ex:
-            for fut in [ex.submit(put, f) for f in todo]:
-                fut.result()
-    _faults.point("tier.data-copied")
-    d = renamed(m, where)
-    body = json.dumps(d, separators=(",", ":"), allow_nan=True).encode()
-    store.put_bytes(MANIFESTS, name, body)  # the tier's commit point: every file it names is whole
+    t0 = time.perf_counter()
+    try:
+        if todo:
+            with ThreadPoolExecutor(min(COPIES_IN_FLIGHT, len(todo)), thread_name_prefix="layerckpt-copy") as ex:
+                for fut in [ex.submit(put, f) for f in todo]:
+                    fut.result()
+        if transcoder is not None and sent[0]:  # the tier's rate, over every upload at once
+            transcoder.sink.observe(sent[0], time.perf_counter() - t0)
+        _faults.point("tier.data-copied")
+        d = renamed(m, where)
+        if copies:
+            from ._transcode import apply
+
+            apply(d, copies, where, m)
+        body = json.dumps(d, separators=(",", ":"), allow_nan=True).encode()
+        store.put_bytes(MANIFESTS, name, body)  # the tier's commit point: every file it names is whole
+    except BaseException:
+        if transcoder is not None:
+            transcoder.failed()
+        raise
+    if transcoder is not None:
+        transcoder.committed(m, d)
     _faults.point("tier.committed")
     good[name] = Manifest.from_dict(d, store.where(MANIFESTS, name))
     retain(store, good, bad, keep_last, pinned)
-    return len(todo), len(where) - len(todo)
+    return len(todo), len(where) - len(todo), sent[0]
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def retain(store, good: Dict[str, Manifest], bad: List[str], keep_last: int, pinned: AbstractSet[str]) -> None:
@@ -234,6 +292,9 @@ class Tier:
         self._reported = True
         self.files_copied = 0
         self.files_reused = 0
+        self.bytes_sent = 0  # bytes of data files uploaded (encoded copies at their encoded size)
+        #: Config(encoding='auto'), the remote tier: encodes what pays on it (``_transcode``); see Tiers.attach
+        self.transcoder = None
         self.seq = 0  # the highest commit number the tier held at open
         self.newest: Optional[Tuple[int, int]] = None  # (seq, step) of its newest composite at open
         _registry.tier_opened(root, self)
@@ -310,9 +371,11 @@ class Tier:
                 self._busy = name
             try:
                 pinned = self._tiers.pinned() if self.pins else frozenset()
-                copied, reused = push(self.store, self.root, name, m, self.keep_last, pinned)
+                copied, reused, sent = push(self.store, self.root, name, m, self.keep_last, pinned, self.transcoder,
+                                            bases_only=self.every == REMOTE_BASES)
                 self.files_copied += copied
                 self.files_reused += reused
+                self.bytes_sent += sent
                 self.error = None
                 log.debug("layerckpt: step %d is committed on the %s tier %s (%d file(s) copied, %d held)",
                           m.step, self.kind, self.store.url, copied, reused)
@@ -371,6 +434,17 @@ class Tiers:
         for t in self.tiers:
             t.open(identity)
         self.seq = max(t.seq for t in self.tiers)
+
+    def attach(self, cost, charge) -> None:
+        """``Config(encoding='auto')``: the remote tier encodes what the cost model ``cost`` (the flusher's,
+        fed by every save's encodes and probes) says pays on it, the CPU charged as ``charge()`` says."""
+        from ._cost import Sink
+        from ._transcode import Transcoder
+
+        for t in self.tiers:
+            if t.kind == "remote":
+                t.transcoder = Transcoder(cost, Sink("remote", cap=self.config.remote_bandwidth), charge,
+                                          self.config.delta_chain)
 
     def catch_up(self) -> None:
         """Queue a copy of the newest local composite where a tier lacks it (a run that was killed while

@@ -72,6 +72,7 @@ class Checkpointer:
         distributed: bool = True,
     ):
         self.config = _checked(model, optimizer, config)
+        self._charge_now = [1.0]  # the newest save's share of the encoder's CPU charged to training (_cost.charge)
         self.dirpath = _store.local_path(dirpath)
         self.model = model
         self.optimizer = optimizer
@@ -87,6 +88,9 @@ class Checkpointer:
         self._flusher = Flusher(self.backend, self.pool, self.config, self.dirpath, self.group,
                                 listeners=self._listeners(), thread=thread)
         if self._tiers is not None:
+            if self._flusher.cost is not None:  # encoding='auto': a remote gets encoded what pays there
+                box = self._charge_now  # not self: the tier must not keep the Checkpointer alive
+                self._tiers.attach(self._flusher.cost, lambda: box[0])
             self._tiers.catch_up()
         self._pending: List[PendingSave] = []
         self._closed = False
@@ -395,7 +399,8 @@ class Checkpointer:
         it where the model trains on the CPU with a thread per core, less where cores sit idle beside a GPU."""
         p = next(self.model.parameters(), None)
         on_cpu = p is None or p.device.type == "cpu"
-        return _cost.charge(on_cpu, self._training_threads, _encode_threads(self.config))
+        self._charge_now[0] = _cost.charge(on_cpu, self._training_threads, _encode_threads(self.config))
+        return self._charge_now[0]
 
     def _stage(self, job: FlushJob, lazy: Optional[Dict[str, torch.Tensor]], step: int) -> None:
         """Copy the save into the pool: on the stager thread under lazy staging, else now."""

@@ -21,18 +21,20 @@ import torch
 
 from .._memtier import memory_path
 from ..config import Config
-from .cases import _timed, build_state, drop_cache
+from .cases import _timed, build_state, drop_cache, perturb
 
 
 def bench_tiers(root: str, model, opt, cfg: Config, preset: str, reps: int = 2, remote: Optional[str] = None,
-                remote_options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+                remote_options: Optional[Mapping[str, Any]] = None, cap: Optional[int] = 100_000_000
+                ) -> Dict[str, Any]:
     from ..checkpointer import Checkpointer
     from ..restore import restore
 
     d = os.path.join(root, "tiers")
     url = (remote.rstrip("/") + "/" if remote else "file://" + os.path.join(root, "remote") + "/") + uuid.uuid4().hex[:8]
     options = dict(remote_options or {})
-    out: Dict[str, Any] = {"remote": url.split("://", 1)[0] + "://" if remote else "file:// (the same disk)"}
+    out: Dict[str, Any] = {"remote": url.split("://", 1)[0] + "://" if remote else "file:// (the same disk)",
+                           "cap": cap}
     full = cfg.replace(threshold=0.0, keep_last=1, memory_tier=True, remote=url, remote_options=options)
     durable, remote_durable, copies = [], [], []
     with Checkpointer(d, model, opt, config=full) as ck:
@@ -81,7 +83,47 @@ def bench_tiers(root: str, model, opt, cfg: Config, preset: str, reps: int = 2, 
                restore_memory_median_s=statistics.median(mem), restore_disk_median_s=statistics.median(disk),
                restore_bit_exact=ok)
     out.update(_plain(root, model, opt, url, options, reps, preset))
+    if cap:
+        out["capped"] = {enc: _capped(root, model, opt, cfg.replace(encoding=enc), url + "-" + enc, options, cap,
+                                      reps + 2, preset) for enc in (cfg.encoding, "off")}
     return out
+
+
+def _capped(root: str, model, opt, cfg: Config, url: str, options: Dict[str, Any], cap: int, saves: int,
+            preset: str) -> Dict[str, Any]:
+    """Full saves of a fine-tune (each after an AdamW-like step of every tensor) to a remote capped at ``cap``
+    bytes a second: per save, the local commit, how long the remote copy trails it, and the bytes uploaded
+    against the raw bytes of the save's file."""
+    from ..checkpointer import Checkpointer
+    from ..restore import restore
+
+    d = os.path.join(root, "capped-" + cfg.encoding)
+    conf = cfg.replace(threshold=0.0, keep_last=2, remote=url, remote_options=options, remote_bandwidth=cap)
+    local, trail, sent, raw = [], [], [], []
+    with Checkpointer(d, model, opt, config=conf) as ck:
+        ck.save(0).wait()
+        ck.wait()  # the first save allocates the pool and is a base
+        tier = ck._tiers.tiers[-1]
+        for i in range(saves):
+            perturb(model, opt, seed=100 + i)
+            before = tier.bytes_sent
+            t0 = time.perf_counter()
+            p = ck.save(i + 1).wait()
+            committed = t0 + p.durable_s
+            ck.wait()
+            trail.append(time.perf_counter() - committed)
+            local.append(p.durable_s)
+            sent.append(tier.bytes_sent - before)
+            raw.append(p.bytes_written)
+    m2, o2 = build_state(preset, seed=1, step=False)
+    _cold(url)
+    restore(url, m2, o2, config=conf)
+    ok = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
+    shutil.rmtree(d, ignore_errors=True)
+    last = max(1, saves // 2)  # the cost model decides on what the first saves measured: the later ones count
+    return {"local_s": local, "trail_s": trail, "sent": sent, "raw": raw, "restore_bit_exact": ok,
+            "trail_median_s": statistics.median(trail[-last:]), "local_median_s": statistics.median(local[-last:]),
+            "sent_over_raw": sum(sent[-last:]) / max(1, sum(raw[-last:]))}
 
 
 def _plain(root: str, model, opt, url: str, options: Dict[str, Any], reps: int, preset: str) -> Dict[str, Any]:
@@ -123,6 +165,12 @@ def _cold(url: str) -> None:
 
 
 def format_tiers(t: Dict[str, Any], gb: float) -> str:
+    capped = []
+    for enc, c in (t.get("capped") or {}).items():
+        capped.append(f"  remote capped at {t.get('cap', 0) / 1e6:.0f} MB/s, Config.encoding {enc!r}: local commit "
+                      f"{c['local_median_s']:.3f}s, the remote copy trails it by {c['trail_median_s']:.3f}s, uploaded "
+                      f"{c['sent_over_raw']:.3f}x the raw bytes ({1 / max(c['sent_over_raw'], 1e-9):.2f}x fewer); "
+                      f"bit-exact from the remote: {c['restore_bit_exact']}")
     return "\n".join([
         f"tiers (full saves, {gb:.2f} GB; remote {t['remote']}; disk and file:// reads all cold):",
         f"  save() to durable: local {t['durable_s']:.3f}s; every tier (memory + remote) {t['all_tiers_durable_s']:.3f}s; "
@@ -130,4 +178,5 @@ def format_tiers(t: Dict[str, Any], gb: float) -> str:
         f"  restore: memory tier {t['restore_memory_s']:.3f}s, disk {t['restore_disk_s']:.3f}s "
         f"({t['restore_disk_s'] / t['restore_memory_s']:.1f}x), remote {t['restore_remote_s']:.3f}s; "
         f"plain fsspec get + torch.load {t['plain_restore_s']:.3f}s; bit-exact: {t['restore_bit_exact']}",
-    ])
+    ] + ([f"  fine-tune (an AdamW-like step of every tensor between full saves), medians of the later saves "
+          f"(the first ones measure for the cost model):"] + capped if capped else []))
