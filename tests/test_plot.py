@@ -20,7 +20,7 @@ def selective_store(root, saves=6, n_layer=4, config=None):
     for s in range(20):
         train_step(model, opt, "count", s)
     start_finetune(opt)
-    cfg = config or layerckpt.Config(keep_last=0, max_staleness=4)
+    cfg = config or layerckpt.Config(keep_last=0, max_staleness=4, encoding="delta")  # stored bytes differ from raw
     with layerckpt.Checkpointer(root, model, opt, config=cfg) as ck:
         for k in range(saves):
             for s in range(2):
