@@ -210,6 +210,9 @@ def test_a_slow_remote_gets_encoded_copies_while_the_disk_gets_raw_bytes(tmp_pat
         rm = json.load(f)
     modes = {b[3] for t in rm["tensors"].values() if t["enc"] for b in t["enc"]["blocks"]}
     assert modes & {1, 2, 3}  # compressed or delta blocks on the remote
+    (decided,) = rm["coding"].values()  # the remote's own decisions, for its own sink
+    assert decided["F32 weight"]["sink"] == "remote" and decided["F32 weight"]["bandwidth"] == 4e6
+    assert decided["F32 weight"]["mode"] in ("delta", "compress")
     own = lambda m, s: sum(f["size"] for f in m["files"].values() if f["step"] == s)  # noqa: E731
     assert own(rm, 6) < own(local, 6)
     parts = [n for n, f in rm["files"].items() if f["step"] == 6]

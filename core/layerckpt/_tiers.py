@@ -231,6 +231,8 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
             from ._transcode import apply
 
             apply(d, copies, where, m)
+        if transcoder is not None:  # what the tier decided for the files it copied now, and why
+            d["coding"] = {where[f]: rec for f, rec in transcoder.coding.items() if f in where} or None
         body = json.dumps(d, separators=(",", ":"), allow_nan=True).encode()
         store.put_bytes(MANIFESTS, name, body)  # the tier's commit point: every file it names is whole
     except BaseException:

@@ -65,6 +65,9 @@ class Transcoder:
         self.done: Dict[str, Done] = {}
         self._new: Dict[str, Done] = {}
         self._lock = threading.Lock()
+        #: local file -> what the cost model decided for its kinds on this tier, and why (the tier manifest's
+        #: ``coding``), for the composite being copied
+        self.coding: Dict[str, Dict[str, Any]] = {}
         self.raw_bytes = 0  # bytes of the local files transcoded (what uploading them as they are would take)
         self.encoded_bytes = 0  # bytes of their encoded copies
 
@@ -81,14 +84,22 @@ class Transcoder:
         frozen = {k for layer in m.layers.values() if layer.frozen for k in layer.tensors}
         charge = self.charge()
         verdicts: Dict[Tuple[str, bool], str] = {}
+        record: Dict[str, Dict[str, Any]] = {}
         out = {}
         for k, e in entries.items():
             kind = _cost.kind(k, e.dtype, k in frozen)
             delta_ok = self.delta and not bases_only and k not in frozen and ITEMSIZE[e.dtype] in _encode.ESIZES
             mode = verdicts.get((kind, delta_ok))
             if mode is None:
-                mode = verdicts[(kind, delta_ok)] = self.cost.decide(kind, self.sink, charge, delta_ok).mode
+                v = self.cost.decide(kind, self.sink, charge, delta_ok)
+                mode = verdicts[(kind, delta_ok)] = v.mode
+                record.setdefault(kind, {**v.record(self.sink, charge), "tensors": 0, "bytes": 0})
             out[k] = (mode if e.nbytes >= _cost.MIN_BYTES else _cost.RAW, kind)
+            if e.nbytes >= _cost.MIN_BYTES:
+                record[kind]["tensors"] += 1
+                record[kind]["bytes"] += e.nbytes
+        with self._lock:
+            self.coding[f] = {k: r for k, r in record.items() if r["tensors"]}
         return out if any(v[0] != _cost.RAW for v in out.values()) else None
 
     def write(self, root: str, f: str, m: Manifest, modes: Dict[str, Tuple[str, str]], name: str,
@@ -221,6 +232,7 @@ class Transcoder:
         self._pending.clear()
         self._used.clear()
         self._new.clear()
+        self.coding.clear()
 
 
 class _Part:
@@ -261,6 +273,8 @@ def apply(d: Dict[str, Any], copies: Dict[str, Done], where: Dict[str, str], m: 
     from ._manifest import plain
 
     for f, (names, entries, sizes) in copies.items():
+        if f not in m.files:
+            continue
         fe = d["files"].pop(where[f])
         for name in names:
             d["files"][name] = {**fe, "size": sizes[name]}

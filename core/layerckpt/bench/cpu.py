@@ -72,7 +72,8 @@ def _layerckpt(root: str, model, opt, full: bool, encoding: str) -> Tuple[Callab
 
     def save(step: int, loss: Any) -> int:
         p = ck.save(step, loss=loss)
-        ck.wait()  # durable, committed, and the probes it started ended
+        p.wait()  # durable and committed, as it goes (Checkpointer.wait() would hurry it: the rest unencoded)
+        ck.wait()  # and the probes it started ended
         return p.bytes_written
 
     return save, ck.close
