@@ -53,6 +53,16 @@ def trained(seed: int = 0, opt_cls=torch.optim.AdamW, steps: int = 2, **opt_kw):
     return model, opt
 
 
+def train_steps(model, opt, steps: int = 1, seed: int = 0) -> None:
+    """``steps`` real optimizer steps of ``model`` (a tiny GPT) on seeded random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 64, (2, 16), generator=g)
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def assert_same_tensors(sa: dict, sb: dict) -> None:
     """Two name -> tensor dicts, equal bit for bit (dtype and shape included)."""
     assert sa.keys() == sb.keys()

@@ -12,7 +12,7 @@ import torch
 
 import layerckpt
 from layerckpt import _cost
-from conftest import assert_same_optimizer_state, assert_same_state, assert_same_tensors, trained
+from conftest import assert_same_optimizer_state, assert_same_state, assert_same_tensors, train_steps, trained
 
 
 def test_a_kind_is_dtype_role_frozen_and_rows():
@@ -121,13 +121,8 @@ def _fixed(ck, bandwidth: float) -> None:
     ck._flusher.disk = sink
 
 
-def _train(model, opt, n: int = 1) -> None:
-    g = torch.Generator().manual_seed(n)
-    for _ in range(n):
-        x = torch.randint(0, 64, (2, 16), generator=g)
-        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+def _train(model, opt) -> None:
+    train_steps(model, opt, seed=1)
 
 
 def _run(root, bandwidth: float, saves: int = 6):
@@ -211,7 +206,7 @@ def test_a_slow_remote_gets_encoded_copies_while_the_disk_gets_raw_bytes(tmp_pat
     modes = {b[3] for t in rm["tensors"].values() if t["enc"] for b in t["enc"]["blocks"]}
     assert modes & {1, 2, 3}  # compressed or delta blocks on the remote
     (decided,) = rm["coding"].values()  # the remote's own decisions, for its own sink
-    assert decided["F32 weight"]["sink"] == "remote" and decided["F32 weight"]["bandwidth"] == 4e6
+    assert decided["F32 weight"]["sink"] == "remote" and 0 < decided["F32 weight"]["bandwidth"] <= 4e6  # the cap, or slower
     assert decided["F32 weight"]["mode"] in ("delta", "compress")
     own = lambda m, s: sum(f["size"] for f in m["files"].values() if f["step"] == s)  # noqa: E731
     assert own(rm, 6) < own(local, 6)

@@ -12,7 +12,7 @@ from safetensors import safe_open
 import layerckpt
 from layerckpt import _encode, _faults
 from layerckpt.errors import CheckpointCorruptError, CheckpointError
-from conftest import assert_same_optimizer_state, assert_same_state, trained
+from conftest import assert_same_optimizer_state, assert_same_state, train_steps, trained
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -73,13 +73,7 @@ def test_damaged_blocks_are_refused_with_a_clear_error():
         _encode.decode_block(_encode.SAME, memoryview(b"abc"), out, 4, "tensor 'x'")
 
 
-def _train(model, opt, steps=1, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randint(0, 64, (2, 16), generator=g)
-        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+_train = train_steps
 
 
 def _saves(root, config, n=6):

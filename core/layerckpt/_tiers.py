@@ -247,13 +247,6 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
     return len(todo), len(where) - len(todo), sent[0]
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
 def retain(store, good: Dict[str, Manifest], bad: List[str], keep_last: int, pinned: AbstractSet[str]) -> None:
     """The tier's retention, by reference as the local one: the ``keep_last`` newest composites and the
     pinned ones stay; other manifests go first, then every data object no kept manifest references."""

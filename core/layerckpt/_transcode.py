@@ -27,6 +27,7 @@ import numpy as np
 
 from . import _cost, _encode, _store
 from ._backend import checksum
+from ._commit import unlink_quietly
 from ._encwrite import MIN_REF, _starts, header_bytes
 from ._layout import ITEMSIZE, align_up
 from ._manifest import FileEntry, Manifest, TensorEntry
@@ -257,14 +258,14 @@ class _Part:
 
     def discard(self) -> None:
         self.out.close()
-        _unlink(self.path)
+        unlink_quietly(self.path)
 
 
 def _upload_then_remove(upload: Callable[[str, str], None], path: str, name: str) -> None:
     try:
         upload(path, name)
     finally:
-        _unlink(path)
+        unlink_quietly(path)
 
 
 def apply(d: Dict[str, Any], copies: Dict[str, Done], where: Dict[str, str], m: Manifest) -> None:
@@ -305,9 +306,3 @@ def _read(fd: int, offset: int, n: int, path: str) -> np.ndarray:
         got += k
     return buf
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
