@@ -63,20 +63,31 @@ def _train(preset: str, steps: int, warmup: int, seq: int,
 def run(preset: str = "gpt2-small", steps: int = 6, warmup: int = 2, seq: int = 128,
         dirpath: Optional[str] = None, every: int = 1) -> Dict[str, Any]:
     """``every`` > 1: a full checkpoint every that many steps, layerckpt's default Config (``encoding='auto'``)
-    against ``encoding='delta'`` and ``'off'`` forced, ``dcp.async_save`` at the same cadence, and none; the
-    overhead is then of the total time of the measured steps."""
+    against ``encoding='delta'`` and ``'off'`` forced, ``dcp.async_save`` at the same cadence, and none, each
+    twice (the second round in reverse order); the overhead is then of the mean total time of the measured
+    steps."""
     seq = min(seq, SIZES[preset].n_positions + 1)
     root = tempfile.mkdtemp(prefix="layerckpt-bench-steps-", dir=dirpath)
     res: Dict[str, Any] = {"preset": preset, "steps": steps, "warmup": warmup, "seq": seq, "every": every,
                            "machine": machine(),
                            "runs": {}}
     try:
-        res["runs"]["none"] = _strip(_train(preset, steps, warmup, seq, None))
-        res["runs"]["layerckpt"] = _layerckpt(root, preset, steps, warmup, seq, every)
-        if every > 1:
-            for enc in ("delta", "off"):
-                res["runs"][f"layerckpt {enc}"] = _layerckpt(root, preset, steps, warmup, seq, every, encoding=enc)
-        res["runs"]["dcp async_save"] = _dcp(root, preset, steps, warmup, seq, every)
+        if every == 1:
+            res["runs"]["none"] = _strip(_train(preset, steps, warmup, seq, None))
+            res["runs"]["layerckpt"] = _layerckpt(root, preset, steps, warmup, seq, every)
+        else:  # each contender twice, the second round in reverse order: a disk still writing back the one
+            # before weighs on whoever comes next, and the order must not decide the ratios
+            runs: Dict[str, List[Dict[str, Any]]] = {}
+            order = ["none", "auto", "delta", "off", "dcp"]
+            for name in order + order[::-1]:
+                runs.setdefault(name, []).append(
+                    _strip(_train(preset, steps, warmup, seq, None)) if name == "none" else
+                    _dcp(root, preset, steps, warmup, seq, every) if name == "dcp" else
+                    _layerckpt(root, preset, steps, warmup, seq, every, encoding=name))
+            for name, label in zip(order, ["none", "layerckpt", "layerckpt delta", "layerckpt off", "dcp async_save"]):
+                res["runs"][label] = _rounds(runs[name])
+        if every == 1:
+            res["runs"]["dcp async_save"] = _dcp(root, preset, steps, warmup, seq, every)
         if every == 1:
             res["runs"]["torchsnapshot async_take"] = _torchsnapshot(root, preset, steps, warmup, seq)
         key = "median" if every == 1 else None
@@ -88,6 +99,23 @@ def run(preset: str = "gpt2-small", steps: int = 6, warmup: int = 2, seq: int = 
         return res
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _rounds(rs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One contender's rounds as one: the mean total time, the steps of every round, the first's other
+    figures (an error of any round is the result)."""
+    bad = next((r for r in rs if "error" in r), None)
+    if bad is not None:
+        return bad
+    out = dict(rs[0])
+    out["total_s"] = sum(r["total_s"] for r in rs) / len(rs)
+    out["totals_s"] = [r["total_s"] for r in rs]
+    out["step"] = summary([x for r in rs for x in r["step"]["all"]])
+    out["blocked"] = summary([x for r in rs for x in r["blocked"]["all"]])
+    if "step_wait" in rs[0]:
+        out["step_wait"] = summary([x for r in rs for x in r["step_wait"]["all"]])
+        out["bytes"] = [b for r in rs for b in r["bytes"]]
+    return out
 
 
 def _strip(r: Dict[str, Any]) -> Dict[str, Any]:
@@ -176,7 +204,8 @@ def format_table(res: Dict[str, Any]) -> str:
     m = res["machine"]
     every = res.get("every", 1)
     cadence = "a checkpoint after every step" if every == 1 else f"a full checkpoint every {every} steps"
-    over = "" if every == 1 else " (overhead: total time of the measured steps against none)"
+    over = "" if every == 1 else (" (each contender twice, the second round in reverse order; overhead: the mean total "
+                                  "time of the measured steps against none's)")
     lines = [f"layerckpt bench --steps: {res['preset']} + AdamW, {cadence}, {res['steps']} "
              f"steps measured after {res['warmup']} warm-up ones (batch 1 x {res['seq']} tokens), on {m['cpu']} "
              f"({m['cores']} cores), torch {m['torch']}; medians [min-max]{over}",
