@@ -410,7 +410,7 @@ def _bench_parser(sub) -> None:
                    help="with --sharded, --lightning or --steps: the model")
     a.add_argument("--nproc", type=int, default=2, help="with --sharded: processes")
     a.add_argument("--mesh", help="with --sharded: DxT, FSDP2 over D x tensor parallel over T (D * T processes)")
-    a.add_argument("--encoding", choices=["delta", "compress", "off"],
+    a.add_argument("--encoding", choices=["auto", "delta", "compress", "off"],
                    help="with --sharded: layerckpt's Config.encoding (default: Config's)")
     a.set_defaults(fn=_bench)
 
