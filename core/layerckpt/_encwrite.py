@@ -135,6 +135,12 @@ class Refs:
         self._pending.clear()
         self._used.clear()
 
+    def drop(self, keys) -> None:
+        """These tensors are written raw (``encoding='auto'``): their references' host copies go (a save in
+        flight that encodes against one holds its bytes itself)."""
+        for k in keys:
+            self._refs.pop(k, None)
+
     def failed(self) -> None:
         """The save in flight failed: what it was writing is no reference (its buffers hold its bytes)."""
         self._pending.clear()

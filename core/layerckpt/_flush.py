@@ -333,6 +333,7 @@ class Flusher:
         if self.cost is not None:
             modes, probe = self._decide(job)
             if all(mode == _cost.RAW for mode in modes):
+                self.refs.drop(it.key for it in job.layout.items)  # none of them reads or renews a reference
                 loop = WriteLoop(self.backend, self.pool, job.chunks, path, **kw)
                 loop.tap = None if probe.empty else probe.tap
                 return loop, probe
