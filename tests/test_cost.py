@@ -220,3 +220,57 @@ def test_a_slow_remote_gets_encoded_copies_while_the_disk_gets_raw_bytes(tmp_pat
         layerckpt.restore(url, fresh, fopt, step=step)
         assert_same_tensors(fresh.state_dict(), states[step][0])
         assert_same_optimizer_state(fopt.state_dict(), states[step][1])
+
+
+@pytest.mark.parametrize("encoding", ["off", "auto", "delta"])
+def test_full_saves_carry_a_frozen_layer_proven_unchanged_in_any_encoding(tmp_path, encoding):
+    model, _ = trained()
+    for p in model.h[0].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    frozen = sum(p.numel() * p.element_size() for p in model.h[0].parameters())
+    cfg = layerckpt.Config(full=True, keep_last=0, encoding=encoding)
+    written = {}
+    with layerckpt.Checkpointer(tmp_path, model, opt, config=cfg) as ck:
+        for step in (1, 2, 3):
+            _train(model, opt)
+            written[step] = ck.save(step).wait().bytes_written
+        m3 = _manifest(tmp_path, 3)
+        assert m3["layers"]["h.0"]["step"] == 1 and m3["layers"]["h.0"]["reason"] == "unchanged"
+        assert m3["layers"]["h.1"]["step"] == 3 and m3["layers"]["h.1"]["reason"] == "full"
+        assert all(m3["tensors"][k]["file"] == "step-00000001.rank0.safetensors" for k in m3["layers"]["h.0"]["tensors"])
+        h0 = set(m3["layers"]["h.0"]["tensors"])
+        own3 = sum(t["nbytes"] for t in m3["tensors"].values() if t["file"] == "step-00000003.rank0.safetensors")
+        assert own3 == sum(t["nbytes"] for k, t in m3["tensors"].items() if k not in h0)  # all but the frozen layer
+        assert sum(m3["tensors"][k]["nbytes"] for k in h0) >= frozen and written[3] < written[1]
+        _restores_frozen(tmp_path, 3, model, opt)
+        with torch.no_grad():  # changed, frozen or not: written again
+            next(model.h[0].parameters()).add_(1.0)
+        ck.save(4).wait()
+    m4 = _manifest(tmp_path, 4)
+    assert m4["layers"]["h.0"]["step"] == 4 and m4["layers"]["h.0"]["reason"] == "full"
+    _restores_frozen(tmp_path, 4, model, opt)
+
+
+def _restores_frozen(root, step, model, opt):
+    fresh, _ = trained(seed=1)
+    for p in fresh.h[0].parameters():
+        p.requires_grad_(False)
+    fopt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-3)
+    layerckpt.restore(root, fresh, fopt, step=step)
+    assert_same_state(fresh, model)
+    assert_same_optimizer_state(fopt.state_dict(), opt.state_dict())
+
+
+def test_full_saves_for_a_bases_only_remote_write_every_layer(tmp_path):
+    model, _ = trained()
+    for p in model.h[0].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    cfg = layerckpt.Config(full=True, keep_last=0, remote="file://" + str(tmp_path / "remote"), remote_every="base")
+    with layerckpt.Checkpointer(tmp_path / "ck", model, opt, config=cfg) as ck:
+        for step in (1, 2):
+            _train(model, opt)
+            ck.save(step).wait()
+    assert _manifest(tmp_path / "ck", 2)["layers"]["h.0"]["step"] == 2  # a base reads no older file
+    assert (tmp_path / "remote" / "manifests" / "step-00000002.json").exists()

@@ -31,7 +31,7 @@ from ._manifest import (ROWS, Boxes, FileEntry, LayerEntry, Manifest, RowBlocks,
                         param_of, piece_base, shard_pieces)
 from ._dist import Group
 from ._track import DriftTracker, Measure, Views, combine
-from .config import Config
+from .config import REMOTE_BASES, Config
 from .errors import CheckpointError
 
 NEW = "new"  # the layer's tensors changed since the last composite (added, reshaped, new optimizer state)
@@ -296,6 +296,26 @@ class Selector:
                 joined[layer] = (all(u for u, _ in got), any(c for _, c in got))
         return {layer: combine([r[0][layer] for r in ranks if layer in r[0]]) for layer in layers}, joined
 
+    def _prove_frozen(self, held) -> Tuple[Dict[str, Tuple[bool, bool]], Dict[str, Fingerprint], Dict[str, List[str]]]:
+        """Full mode (one process): every frozen layer is fingerprinted on every byte, and proven bit-identical to
+        its persisted version where each tensor matches; the proof, the fingerprints taken, no unpriced state."""
+        if not self._carries():
+            return {}, {}, {}
+        frozen = self._owner[2] if self._owner is not None else frozenset()
+        taken = fingerprints({k: t for layer, tensors in held.items() if layer in frozen
+                              for k, (t, _) in tensors.items()})
+        with self._lock:
+            same = self.fingerprints.matches
+            proof = {layer: (all(same(k, taken[k]) for k in tensors), False)
+                     for layer, tensors in held.items() if layer in frozen}
+        return proof, taken, {}
+
+    def _carries(self) -> bool:
+        """Whether a full save may carry a frozen layer proven unchanged instead of writing it again: in one
+        process (saves in flight are known there), unless the remote tier is to get bases only (every full save
+        must then read no older file)."""
+        return self.full and self.group.world == 1 and self.config.remote_every != REMOTE_BASES
+
     def _prove(self, measures: Dict[str, Measure], held, grads) -> Tuple[Dict[str, Tuple[bool, bool]],
                                                                         Dict[str, Fingerprint], Dict[str, List[str]]]:
         """layer -> (proven bit-identical to its persisted version, state the cost cannot price changed), the
@@ -308,7 +328,7 @@ class Selector:
         todo: Dict[str, torch.Tensor] = {}
         unpriced_keys: Dict[str, List[str]] = {}
         if self.full:
-            return proof, {}, unpriced_keys
+            return self._prove_frozen(held)
         plans = {}
         for layer, tensors in held.items():
             m = measures.get(layer)
@@ -399,9 +419,11 @@ class Selector:
     def _decide(self, states: Dict[str, policy.LayerState], forced: Set[str], first: bool, chain: int,
                 loss: Optional[float]) -> Dict[str, str]:
         """Why each layer is written or skipped: the policy's reasons, ``NEW`` for a forced layer it skips."""
-        if self.full:
-            return {layer: "full" for layer in states}
         cfg = self.config
+        if self.full:  # every layer, but a frozen one proven unchanged since the version the composite holds
+            carry = self._carries() and not first and not (cfg.base_every > 0 and chain % cfg.base_every == 0)
+            return {layer: policy.UNCHANGED if carry and st.unchanged and layer not in forced else "full"
+                    for layer, st in states.items()}
         reasons = policy.decide(states, first=first, base_due=cfg.base_every > 0 and chain % cfg.base_every == 0,
                                 threshold=cfg.threshold, fidelity=cfg.fidelity, loss=loss,
                                 max_staleness=cfg.max_staleness, budget_bytes=cfg.budget_bytes)
@@ -415,9 +437,10 @@ class Selector:
         """The fingerprints of the tensors this save persists (on this rank) that become their references: those
         taken to decide, and those taken now of what the next saves must prove unchanged to skip: every tensor
         of a frozen layer or of a block of table rows written as new, and the unpriced tensors of any layer
-        (written whenever they change, so skipped only where proven unchanged)."""
+        (written whenever they change, so skipped only where proven unchanged).  In full mode: the frozen
+        layers' fingerprints, taken to decide (see :meth:`_prove_frozen`)."""
         if self.full:
-            return {}
+            return {k: taken[k] for layer in out.persisted for k in held.get(layer, {}) if k in taken}
         frozen = self._owner[2] if self._owner is not None else frozenset()
         refs: Dict[str, Fingerprint] = {}
         todo: Dict[str, torch.Tensor] = {}
@@ -440,7 +463,7 @@ class Selector:
             # flight measures against them; should this one fail, they are forgotten (failed())
             self.tracker.commit(out.samples)
             self.fingerprints.persisted([k for layer in out.persisted for k in out.layers[layer].tensors], refs)
-            if not self.full and world == 1:
+            if (not self.full or self._carries()) and world == 1:  # the next plan may carry from this one
                 self._planned = out
 
     def resolve(self, plan: SavePlan, m: Manifest) -> None:

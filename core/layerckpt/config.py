@@ -159,9 +159,13 @@ class Config:
     keeps the rest."""
     # last, so that every other field keeps its place for positional arguments
     full: bool = False
-    """Full mode: every layer at every save, so no save carries a layer from the one before (under
-    ``encoding='delta'`` its tensors are still encoded against their references: a base composite, one that
-    reads no older file, every ``delta_chain + 1`` saves, or every ``base_every``-th).
+    """Full mode: every layer at every save, so no save carries a layer from the one before, but for a frozen
+    layer (every parameter ``requires_grad=False``) proven bit-identical, on every byte, to the version the
+    composite holds: that one writes nothing in any encoding (in one process, and not with
+    ``remote_every='base'``, whose remote copies must read no older file; the first save and a due
+    ``base_every`` write it too).  Under ``encoding='delta'`` its tensors are still encoded against their
+    references: a base composite, one that reads no older file, every ``delta_chain + 1`` saves, or every
+    ``base_every``-th.
     Besides deciding nothing by drift, it turns off what only selective saves need: drift sampling, row blocks
     of embedding tables, the exchange of the loss across ranks and the manifest's cost estimates; saves
     pipeline across ranks up to ``max_inflight``; ``base_every`` and ``max_staleness`` have nothing left to
