@@ -178,5 +178,5 @@ def format_tiers(t: Dict[str, Any], gb: float) -> str:
         f"  restore: memory tier {t['restore_memory_s']:.3f}s, disk {t['restore_disk_s']:.3f}s "
         f"({t['restore_disk_s'] / t['restore_memory_s']:.1f}x), remote {t['restore_remote_s']:.3f}s; "
         f"plain fsspec get + torch.load {t['plain_restore_s']:.3f}s; bit-exact: {t['restore_bit_exact']}",
-    ] + ([f"  fine-tune (an AdamW-like step of every tensor between full saves), medians of the later saves "
-          f"(the first ones measure for the cost model):"] + capped if capped else []))
+    ] + (["  fine-tune (an AdamW-like step of every tensor between full saves), medians of the later saves "
+          "(the first ones measure for the cost model):"] + capped if capped else []))
