@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Dict, List, Optional, Tuple
 
@@ -308,8 +307,5 @@ class ProbeSave:
 
 def _timed_encode(model: CostModel, kind_: str, mode: str, raw: np.ndarray, ref: Optional[np.ndarray],
                   es: int) -> None:
-    t = time.thread_time()
-    m, data = _encode.encode_block(raw, ref, es)
-    cpu = time.thread_time() - t
-    out = raw.size if m == _encode.RAW else len(data)
-    model.observe(kind_, mode, raw.size, max(out, 1), cpu)
+    _, _, stored, cpu = _encode.encode_timed(raw, ref, es)
+    model.observe(kind_, mode, raw.size, max(stored, 1), cpu)

@@ -160,8 +160,14 @@ class ItemPlan:
     def rival(self, i: int, start: int, length: int) -> Optional[int]:
         """The stored size of item ``i``'s reference's block of raw bytes [start, start + length), if it has
         one there (None: not known)."""
-        hit = self.starts.get(i, {}).get(start)
-        return hit[0] if hit is not None and hit[1] == length else None
+        return rival(self.starts.get(i, {}), start, length)
+
+
+def rival(starts: Dict[int, Tuple[int, int]], start: int, length: int) -> Optional[int]:
+    """Of a reference's blocks by raw start (``_starts``): the stored size of its block of raw bytes
+    [start, start + length), if it has one there (None: not known)."""
+    hit = starts.get(start)
+    return hit[0] if hit is not None and hit[1] == length else None
 
 
 def _starts(blocks: List[List[int]]) -> Dict[int, Tuple[int, int]]:
@@ -170,7 +176,11 @@ def _starts(blocks: List[List[int]]) -> Dict[int, Tuple[int, int]]:
 
 def header_reserve(layout: Layout, chunk_bytes: int) -> int:
     """Bytes reserved at the file's start for the safetensors header of the encoded file."""
-    n = -(-layout.size // chunk_bytes)
+    return reserve(-(-layout.size // chunk_bytes))
+
+
+def reserve(n: int) -> int:
+    """Bytes reserved at an encoded file's start for a header naming ``n`` spans (``header_bytes``)."""
     big = 10 ** 19
     one = len(json.dumps({f"enc/{n:07d}": {"dtype": "U8", "shape": [big], "data_offsets": [big, big]}}))
     meta = len(json.dumps(_metadata()))
@@ -230,10 +240,10 @@ def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Lay
         if i in plan.raw or (hurry is not None and hurry.is_set()):
             mode, data = _encode.RAW, None
         else:
-            c = time.thread_time()
-            mode, data = _encode.encode_block(raw, None if ref is None else ref[ra:rb], it.tensor.element_size(),
-                                              None if ref is None else plan.rival(i, ra, rb - ra))
-            seen.append((i, b - a, b - a if mode == _encode.RAW else len(data), time.thread_time() - c))
+            mode, data, stored, cpu = _encode.encode_timed(
+                raw, None if ref is None else ref[ra:rb], it.tensor.element_size(),
+                None if ref is None else plan.rival(i, ra, rb - ra))
+            seen.append((i, b - a, stored, cpu))
         if mode == _encode.RAW:
             n = b - a
             if pos != a - s.base:

@@ -226,17 +226,10 @@ def stage(layout: Layout, pool: BufferPool, out: "queue.Queue[Handoff]", staged:
         for idx, t, nbytes in sources:
             if not nbytes:
                 continue
+            # the common case, a contiguous host tensor with its checksum taken here, needs no flat view first
             view = _host_bytes(t) if fused and idx >= 0 else None
-            if view is not None:  # the common case, in few calls: copied and checksummed in one pass
-                crc, pos = 0, 0
-                while pos < nbytes:
-                    chunk, at, n = filler.span(nbytes - pos)
-                    crc = copy_crc32c(chunk.view[at:at + n], view[pos:pos + n], crc)
-                    filler.fill += n
-                    pos += n
-                crcs[idx] = crc
-                continue
-            _copy_source(filler, idx, _flat_bytes(t), nbytes, streams, after, crcs if fused else None)
+            _copy_source(filler, idx, t if view is not None else _flat_bytes(t), nbytes, streams, after,
+                         crcs if fused else None, view)
         _synchronize(streams)
         _faults.point("stage.copied")
         if verify is not None:
@@ -250,12 +243,14 @@ def stage(layout: Layout, pool: BufferPool, out: "queue.Queue[Handoff]", staged:
 
 def _copy_source(filler: Filler, idx: int, src: torch.Tensor, nbytes: int,
                  streams: Dict[torch.device, "torch.cuda.Stream"],
-                 after: Optional[Dict[torch.device, "torch.cuda.Event"]], crcs: Optional[Dict[int, int]]) -> None:
+                 after: Optional[Dict[torch.device, "torch.cuda.Event"]], crcs: Optional[Dict[int, int]],
+                 view: Optional[memoryview] = None) -> None:
     """Copy one source (``idx`` -1: the header) into the buffers: a device tensor on its side stream into
-    pinned buffers; a host tensor, with ``crcs``, checksummed in the same pass; else by torch (then the
-    writer owes its checksum)."""
-    stream = _device_stream(src, streams, after) if src.is_cuda else None
-    view = _host_view(src) if crcs is not None and idx >= 0 and stream is None else None
+    pinned buffers; a host tensor, with ``crcs``, checksummed in the same pass (``view``: its bytes, where the
+    caller has them); else by torch (then the writer owes its checksum)."""
+    stream = _device_stream(src, streams, after) if view is None and src.is_cuda else None
+    if view is None and crcs is not None and idx >= 0 and stream is None:
+        view = _host_bytes(src)
     if view is not None:
         crcs[idx] = 0
     pos = 0
@@ -394,14 +389,6 @@ def _host_bytes(t: torch.Tensor) -> Optional[memoryview]:
         return None
     try:
         return memoryview(t.numpy()).cast("B")
-    except (RuntimeError, TypeError, ValueError):
-        return None
-
-
-def _host_view(src: torch.Tensor) -> Optional[memoryview]:
-    """The bytes of a contiguous host tensor, or None (then it is copied by torch, checksummed later)."""
-    try:
-        return memoryview(src.numpy())
     except (RuntimeError, TypeError, ValueError):
         return None
 

@@ -155,14 +155,20 @@ def place(m: Manifest, good: Dict[str, Manifest], listed: List[str], copies: Opt
             continue
         name = f
         if f in known:  # another file of this name is committed on the tier
-            fe, v = m.files[f], 1
-            while _store.data_name(fe.step, fe.rank, v) in taken:
-                v += 1
-            name = _store.data_name(fe.step, fe.rank, v)
+            name = fresh_name(m.files[f], taken)
         taken.add(name)
         where[f] = name
         copy.append(f)
     return where, copy
+
+
+def fresh_name(fe, taken) -> str:
+    """The first name of a data file of ``fe``'s step and rank that ``taken`` lacks (``data_name``'s versions
+    1, 2, ...)."""
+    v = 1
+    while _store.data_name(fe.step, fe.rank, v) in taken:
+        v += 1
+    return _store.data_name(fe.step, fe.rank, v)
 
 
 def renamed(m: Manifest, where: Dict[str, str]) -> dict:
@@ -196,12 +202,10 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
 
     def fresh(f: str) -> str:
         """A tier name no file uses, for another part of the encoded copy of ``f``."""
-        fe, v = m.files[f], 1
         with lock:
-            while _store.data_name(fe.step, fe.rank, v) in taken:
-                v += 1
-            taken.add(_store.data_name(fe.step, fe.rank, v))
-            return _store.data_name(fe.step, fe.rank, v)
+            name = fresh_name(m.files[f], taken)
+            taken.add(name)
+            return name
 
     def put(f: str) -> None:
         src = os.path.join(root, _store.DATA_DIR, f)

@@ -16,10 +16,8 @@ encoding of each file takes a lock.
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -28,8 +26,8 @@ import numpy as np
 from . import _cost, _encode, _store
 from ._backend import checksum
 from ._commit import unlink_quietly
-from ._encwrite import MIN_REF, _starts, header_bytes
-from ._layout import ITEMSIZE, align_up
+from ._encwrite import MIN_REF, _starts, header_bytes, reserve, rival
+from ._layout import ITEMSIZE
 from ._manifest import FileEntry, Manifest, TensorEntry
 from .errors import CheckpointCorruptError
 
@@ -192,13 +190,10 @@ class Transcoder:
             if mode == _cost.RAW:
                 m_, data = _encode.RAW, None
             else:
-                c = time.thread_time()
-                rival = starts.get(a)
-                m_, data = _encode.encode_block(blk, None if ref is None else ref[a:a + blk.size], es,
-                                                rival[0] if rival is not None and rival[1] == blk.size else None)
-                n = blk.size if m_ == _encode.RAW else len(data)
+                m_, data, n, cpu = _encode.encode_timed(blk, None if ref is None else ref[a:a + blk.size], es,
+                                                        rival(starts, a, blk.size))
                 self.cost.observe(kind_, _cost.DELTA if ref is not None else _cost.COMPRESS, blk.size, max(n, 1),
-                                  time.thread_time() - c)
+                                  cpu)
             payload = blk if m_ == _encode.RAW else np.frombuffer(data, dtype=np.uint8)
             out.write(memoryview(payload))
             blocks.append([pos, payload.size, blk.size, m_])
@@ -243,7 +238,7 @@ class _Part:
     def __init__(self, src: str, index: int, name: str):
         self.name = name
         self.path = f"{src}.tier{index}.tmp"
-        self.reserve = _reserve()
+        self.reserve = reserve(1)
         self.out = open(self.path, "wb")
         self.out.write(bytes(self.reserve))
         self.pos = self.reserve
@@ -284,14 +279,6 @@ def apply(d: Dict[str, Any], copies: Dict[str, Done], where: Dict[str, str], m: 
             ref = e.enc.get("ref") if e.enc else None
             if ref and ref["file"] not in d["files"]:
                 d["files"][ref["file"]] = plain(FileEntry(step=ref["step"], rank=ref["rank"], size=ref["size"]))
-
-
-def _reserve() -> int:
-    """Bytes reserved at the copy's start for its safetensors header (one U8 tensor spans the blocks)."""
-    big = 10 ** 19
-    one = len(json.dumps({"enc/0000000": {"dtype": "U8", "shape": [big], "data_offsets": [big, big]}}))
-    meta = len(json.dumps({"__metadata__": {"format": "pt", "writer": "layerckpt", "encoding": _encode.CODEC}}))
-    return align_up(8 + meta + 32 + one)
 
 
 def _read(fd: int, offset: int, n: int, path: str) -> np.ndarray:

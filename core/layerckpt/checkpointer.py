@@ -31,6 +31,7 @@ from ._backend import make_backend
 from ._flush import FlushJob, Flusher, FlushThread, PendingSave
 from ._blocks import split, table_names
 from ._codec import Entries
+from ._encwrite import threads
 from ._gather import gather, shard_entries
 from ._layers import LayerSpec
 from ._layout import LayoutCache
@@ -399,7 +400,7 @@ class Checkpointer:
         it where the model trains on the CPU with a thread per core, less where cores sit idle beside a GPU."""
         p = next(self.model.parameters(), None)
         on_cpu = p is None or p.device.type == "cpu"
-        self._charge_now[0] = _cost.charge(on_cpu, self._training_threads, _encode_threads(self.config))
+        self._charge_now[0] = _cost.charge(on_cpu, self._training_threads, threads(self.config.encode_threads))
         return self._charge_now[0]
 
     def _stage(self, job: FlushJob, lazy: Optional[Dict[str, torch.Tensor]], step: int) -> None:
@@ -436,12 +437,6 @@ def _serial():
         yield
     finally:
         torch.set_num_threads(n)
-
-
-def _encode_threads(config: Config) -> int:
-    from ._encwrite import threads
-
-    return threads(config.encode_threads)
 
 
 def _lazy_split(entries: Entries, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
