@@ -241,6 +241,8 @@ def test_an_edited_encoding_is_refused_by_name(tmp_path):
 
 
 def test_native_and_python_planes_agree(monkeypatch):
+    if _encode._NATIVE is None:  # both sides would be the Python planes: nothing to compare
+        pytest.skip("native module layerckpt._uring (with planes) not built")
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.uint8):
         a = _bits((torch.randn(4096, generator=g) * 100).to(dtype))
