@@ -21,7 +21,7 @@ from ._codec import Entries, decode, encode
 from ._layout import DTYPES
 from ._manifest import (EXTRA, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, Boxes, RowBlocks, box_key, param_of, piece_key,
                         rng_prefix)
-from .errors import CheckpointError
+from .errors import CheckpointCorruptError, CheckpointError
 
 
 
@@ -110,20 +110,54 @@ def rng_state(out: Entries, rank: int = 0) -> Dict[str, Any]:
     return st
 
 
-def set_rng_state(st: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
-    if "python" in st:
-        v = decode(st["python"], tensors)
-        random.setstate((v[0], tuple(v[1]), v[2]))
-    if "numpy" in st:
-        np.random.set_state(decode(st["numpy"], tensors))
-    if "torch" in st:
-        # a tensor of its own: set_rng_state reads from the start of the storage, and a restored
-        # state can be a view into a shared read buffer
-        torch.set_rng_state(decode(st["torch"], tensors).clone())
-    if "cuda" in st and torch.cuda.is_available():
-        states = decode(st["cuda"], tensors)
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all([s.clone() for s in states])
+def rng_values(st: Any, tensors: Dict[str, torch.Tensor], where: str) -> Dict[str, Any]:
+    """The saved RNG states ``st`` decoded, each proven settable on a scratch generator of its kind, so that a
+    restore sets them only once everything is known to load; a damaged entry is a CheckpointCorruptError
+    naming it.  A kind this layerckpt does not know is left out."""
+    if not isinstance(st, dict):
+        raise _bad_rng(where, "the record", f"a {type(st).__name__}, not an object")
+    out: Dict[str, Any] = {}
+    for kind, raw in st.items():
+        try:
+            v = decode(raw, tensors)
+            if kind == "python":
+                v = (v[0], tuple(v[1]), v[2])
+                random.Random().setstate(v)
+            elif kind == "numpy":
+                np.random.RandomState().set_state(v)
+            elif kind == "torch":
+                # a tensor of its own: set_rng_state reads from the start of the storage, and a restored
+                # state can be a view into a shared read buffer
+                v = v.clone()
+                torch.Generator().set_state(v)
+            elif kind == "cuda":
+                v = [s.clone() for s in v]
+                if not all(s.dtype == torch.uint8 and s.dim() == 1 for s in v):
+                    raise TypeError("each device's state must be a 1-D uint8 tensor")
+            else:
+                continue
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError, OverflowError) as e:
+            raise _bad_rng(where, f"the {kind} state", f"{type(e).__name__}: {e}") from None
+        out[kind] = v
+    return out
+
+
+def _bad_rng(where: str, what: str, why: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"manifest {where}: {what} of the saved RNG is malformed ({why}); the manifest was edited or damaged: "
+        f"restore another step, or restore without the RNG (Config(restore_rng=False))", path=where)
+
+
+def set_rng_state(values: Dict[str, Any]) -> None:
+    """Set the RNGs to states :func:`rng_values` decoded and checked."""
+    if "python" in values:
+        random.setstate(values["python"])
+    if "numpy" in values:
+        np.random.set_state(values["numpy"])
+    if "torch" in values:
+        torch.set_rng_state(values["torch"])
+    if "cuda" in values and torch.cuda.is_available() and len(values["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(values["cuda"])
 
 
 # ------------------------------------------------------------------ sharded tensors

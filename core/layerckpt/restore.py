@@ -10,24 +10,25 @@ straight into its memory.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar, Union
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, TypeVar, Union
 
 import torch
 
 from . import _dist, _fetch
 from ._codec import decode, tensor_refs
-from ._gather import model_state, optimizer_params, param_names, set_rng_state
+from ._gather import model_state, optimizer_params, param_names, rng_values, set_rng_state
 from ._layout import CODES, DTYPES
 from ._manifest import Manifest, is_rng, model_key, model_name, parse_once, piece_base
 from ._reader import (Reader, Window, is_row_sharded, is_sharded, local_boxes, local_rows, open_reader,  # noqa: F401
                       read_tensors, retry_gone)
 from .config import Config
-from .errors import CheckpointMismatchError, StalenessError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, StalenessError
 
 log = logging.getLogger("layerckpt")
 
@@ -72,12 +73,12 @@ class LoadedCheckpoint(_Summary):
     optimizer: Optional[Dict[str, Any]]  # Optimizer.state_dict() form; parameters numbered in saved order
     rng: Optional[Dict[str, Any]]  # this rank's RNG states; apply with restore_rng()
     seconds: float = 0.0
-    _rng_tensors: Dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _rng_values: Dict[str, Any] = field(default_factory=dict, repr=False)  # decoded and checked at the read
 
     def restore_rng(self) -> None:
         """Set python/numpy/torch (and CUDA) RNG to their state at the save."""
         if self.rng:
-            set_rng_state(self.rng, self._rng_tensors)
+            set_rng_state(self._rng_values)
 
 
 @retry_gone
@@ -120,8 +121,9 @@ def _restore_from(r: Reader, model: torch.nn.Module, optimizer: Optional[torch.o
     # read and verified first, so that damage there leaves the model untouched
     tensors = r.tensors(sorted(other_keys - set(plan.keys)),
                         windows=_shard_windows(model, m) if optimizer is not None else None)
+    state = _State.decoded(model, optimizer, m, tensors, rng, r.mpath)  # every malformation, before the model
     r.into([(key, plan.targets[name]) for name, key in plan.pairs])  # through bounce buffers into its memory
-    _load_state(model, optimizer, m, tensors, rng)
+    state.load(model, optimizer)
     return RestoreReport(
         **_summary(r, tensors), missing=plan.missing, unexpected=plan.unexpected, mismatched=plan.mismatched,
         layer_bytes=_layer_bytes(m, set(plan.keys) | other_keys), staleness_steps=m.steps_behind(), cost=m.cost,
@@ -150,10 +152,11 @@ def _load_from(r: Reader, strict: bool, bound: int) -> LoadedCheckpoint:
     rng = m.rng_for(_dist.rank())
     keys = {k for k in m.logical_keys() if not is_rng(k)} | set(tensor_refs(rng or {}))
     tensors = r.tensors(sorted(keys))
+    rng = rng if r.cfg.restore_rng else None
+    state = _State.decoded(None, None, m, tensors, rng, r.mpath)
     return LoadedCheckpoint(
-        **_summary(r, tensors), model=_model_dict(m, tensors), model_other=decode(m.model_other, tensors),
-        optimizer=_saved_optimizer_state(m, tensors), rng=rng if r.cfg.restore_rng else None,
-        _rng_tensors=tensors)
+        **_summary(r, tensors), model=_model_dict(m, tensors), model_other=state.model_other,
+        optimizer=state.optimizer, rng=rng, _rng_values=state.rng or {})
 
 
 _Out = TypeVar("_Out", RestoreReport, LoadedCheckpoint)
@@ -191,16 +194,70 @@ def _state_keys(m: Manifest, rng: Optional[Dict[str, Any]], with_optimizer: bool
     return keys
 
 
-def _load_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], m: Manifest,
-                tensors: Dict[str, torch.Tensor], rng: Optional[Dict[str, Any]]) -> None:
-    """Non-tensor model state, the optimizer's state and the RNG, once every tensor is read."""
-    if m.model_other:
-        wanted = set(model.state_dict())
-        model.load_state_dict({k: v for k, v in decode(m.model_other, tensors).items() if k in wanted}, strict=False)
-    if optimizer is not None:
-        optimizer.load_state_dict(_optimizer_state_dict(optimizer, model, m, tensors))
-    if rng:
-        set_rng_state(rng, tensors)
+class _State:
+    """What restore() loads besides the model's tensors (non-tensor model state, the optimizer's state dict, the
+    RNG states), decoded and checked while the model is still untouched, then loaded."""
+
+    def __init__(self, model_other: Dict[str, Any], optimizer: Optional[Dict[str, Any]],
+                 rng: Optional[Dict[str, Any]]):
+        self.model_other, self.optimizer, self.rng = model_other, optimizer, rng
+
+    @classmethod
+    def decoded(cls, model: Optional[torch.nn.Module], optimizer: Optional[torch.optim.Optimizer], m: Manifest,
+                tensors: Dict[str, torch.Tensor], rng: Optional[Dict[str, Any]], where: str) -> "_State":
+        """``model=None``: the optimizer state in saved order (``read_checkpoint``, ``verify``)."""
+        with _malformed(where, "the non-tensor model state"):
+            other = decode(m.model_other, tensors) if m.model_other else {}
+        with _malformed(where, "the extra"):
+            decode(m.extra or {}, tensors)
+        with _malformed(where, "the optimizer state"):
+            if model is None:
+                opt = _saved_optimizer_state(m, tensors)
+            else:
+                opt = _optimizer_state_dict(optimizer, model, m, tensors) if optimizer is not None else None
+        return cls(other, opt, rng_values(rng, tensors, where) if rng else None)
+
+    def load(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        if self.model_other:
+            wanted = set(model.state_dict())
+            model.load_state_dict({k: v for k, v in self.model_other.items() if k in wanted}, strict=False)
+        if optimizer is not None:
+            optimizer.load_state_dict(self.optimizer)
+        if self.rng:
+            set_rng_state(self.rng)
+
+
+@contextlib.contextmanager
+def _malformed(where: str, what: str) -> Iterator[None]:
+    """A value of the manifest that does not decode: a CheckpointCorruptError naming it, not a KeyError."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        raise CheckpointCorruptError(f"manifest {where}: {what} is malformed ({type(e).__name__}: {e}); the "
+                                     f"manifest was edited or damaged: restore another step", path=where) from None
+
+
+def state_refs(m: Manifest) -> List[str]:
+    """The tensors :func:`check_state` decodes: every rank's RNG states, the extra, the non-tensor model state."""
+    refs = set(tensor_refs(m.extra or {})) | set(tensor_refs(m.model_other))
+    for rank_rng in [m.rng, *(m.rng_ranks or {}).values()]:
+        refs |= set(tensor_refs(rank_rng or {}))
+    return sorted(refs)
+
+
+def check_state(m: Manifest, tensors: Dict[str, torch.Tensor], where: str) -> None:
+    """What a restore decodes besides the model's and optimizer's tensors (every rank's RNG states, the extra,
+    the non-tensor model state; ``tensors``: at least :func:`state_refs`), checked as restore checks them:
+    ``verify``'s test of a composite whose tensors read back."""
+    with _malformed(where, "the non-tensor model state"):
+        decode(m.model_other, tensors)
+    with _malformed(where, "the extra"):
+        decode(m.extra or {}, tensors)
+    for rank_rng in [m.rng, *(m.rng_ranks or {}).values()]:
+        if rank_rng:
+            rng_values(rank_rng, tensors, where)
 
 
 def _layer_bytes(m: Manifest, read: Set[str]) -> Dict[str, int]:
