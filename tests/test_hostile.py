@@ -307,24 +307,35 @@ def test_restore_without_a_step_retries_once_on_the_newest(store, monkeypatch):
 
 
 WRITER = """
-import os, sys, torch, layerckpt
+import os, sys, time, torch, layerckpt
 sys.path.insert(0, {tests!r})
 from test_hostile import fill, tiny
 root, stop = {root!r}, {stop!r}
 model = tiny()
-with layerckpt.Checkpointer(root, model, config=layerckpt.Config(full=True, keep_last=1)) as ck:
+with layerckpt.Checkpointer(root, model, config=layerckpt.Config(full=True, keep_last=1)) as ck, \\
+        open({log!r}, "a") as log:
     step = 2
     while not os.path.exists(stop) and step < 100000:
         fill(model, step)
-        ck.save(step).wait()
+        t0 = time.monotonic()
+        ck.save(step).wait()  # committed, and the previous composite pruned
+        log.write(f"{{step}} {{t0!r}} {{time.monotonic()!r}}\\n")
+        log.flush()
         step += 1
 """
+
+
+def _save_intervals(log) -> list:
+    """The writer's (start, end) of each save, on the machine-wide monotonic clock."""
+    lines = log.read_text().split("\n")[:-1] if log.exists() else []  # whole lines only: the writer may be mid-line
+    return [(float(a), float(b)) for _, a, b in (line.split() for line in lines)]
 
 
 def test_a_reader_racing_keep_last_1_never_sees_corruption(tmp_path):
     """A writer process saving with keep_last=1 (deleting each composite as the next commits) while this one
     restores in a loop: every restore succeeds bit for bit, or at worst (the retry lost again) says the
-    checkpoint went to retention; never that the store is damaged."""
+    checkpoint went to retention; never that the store is damaged.  Reads start once the writer has committed,
+    and some of them must have overlapped a save in progress (the writer logs each save's start and end)."""
     import subprocess
     import sys
 
@@ -333,13 +344,19 @@ def test_a_reader_racing_keep_last_1_never_sees_corruption(tmp_path):
     with layerckpt.Checkpointer(root, model, config=layerckpt.Config(full=True, keep_last=1)) as ck:
         fill(model, 1)
         ck.save(1).wait()
+    log = tmp_path / "saves.log"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    code = WRITER.format(tests=os.path.dirname(__file__), root=str(root), stop=str(stop))
+    code = WRITER.format(tests=os.path.dirname(__file__), root=str(root), stop=str(stop), log=str(log))
     writer = subprocess.Popen([sys.executable, "-c", code], env=env)
-    reader, reads, gone, errors = tiny(1), 0, 0, []
+    reader, spans, steps, gone, errors = tiny(1), [], set(), 0, []
     try:
-        deadline = time.monotonic() + 4.0
+        ready = time.monotonic() + 60.0  # reads start once the writer has committed its first save
+        while not _save_intervals(log) and writer.poll() is None and time.monotonic() < ready:
+            time.sleep(0.01)
+        assert _save_intervals(log), "the writer committed nothing within 60 s"
+        deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline and writer.poll() is None:
+            t0 = time.monotonic()
             try:
                 rep = layerckpt.restore(root, reader)
             except CheckpointGoneError:
@@ -348,16 +365,22 @@ def test_a_reader_racing_keep_last_1_never_sees_corruption(tmp_path):
             except CheckpointError as e:
                 errors.append(e)
                 break
+            spans.append((t0, time.monotonic()))
+            steps.add(rep.step)
             want = expected(rep.step)
             for k, v in reader.state_dict().items():
                 assert torch.equal(v, want[k]), (rep.step, k)
-            reads += 1
     finally:
         stop.touch()
         writer.wait(60)
     assert writer.returncode == 0
     assert not errors, errors
+    reads, saves = len(spans), _save_intervals(log)
+    # a read that overlapped a save in progress: the race this test is about did happen
+    overlapped = sum(any(s0 < r1 and r0 < s1 for s0, s1 in saves) for r0, r1 in spans)
+    print(f"{reads} reads ({overlapped} overlapped a save), {gone} gone, {len(saves)} saves")
     assert reads > 10 and gone <= reads // 10, (reads, gone)
+    assert overlapped > 0 and len(steps) > 1, (reads, overlapped, len(saves), sorted(steps))
 
 
 # -- 11: credentials ---------------------------------------------------------------------------------------
