@@ -2,6 +2,7 @@
 optimizer's step waits for them, so every checkpoint holds the state of its step bit for bit."""
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -35,6 +36,21 @@ def held():
     _faults.remove("stage.copied")
 
 
+@pytest.fixture
+def step_waits():
+    """``waiting`` is set, and ``began`` gets the time (``time.perf_counter()``), each time an optimizer step
+    begins waiting for a save's copies."""
+    marks = types.SimpleNamespace(waiting=threading.Event(), began=[])
+
+    def hook():
+        marks.began.append(time.perf_counter())
+        marks.waiting.set()
+
+    _faults.install("stage.step-waits", hook)
+    yield marks
+    _faults.remove("stage.step-waits")
+
+
 def _snapshot(model, opt):
     return ({k: v.clone() for k, v in model.state_dict().items()},
             {"state": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
@@ -43,7 +59,7 @@ def _snapshot(model, opt):
 
 
 @pytest.mark.parametrize("with_closure", [False, True])
-def test_the_step_waits_for_the_copies(tmp_path, held, with_closure):
+def test_the_step_waits_for_the_copies(tmp_path, held, step_waits, with_closure):
     reached, go = held
     model, opt = trained()
     ck = layerckpt.Checkpointer(str(tmp_path), model, opt, layerckpt.Config(threshold=0.0))
@@ -72,11 +88,10 @@ def test_the_step_waits_for_the_copies(tmp_path, held, with_closure):
 
     t = threading.Thread(target=step)
     t.start()
-    deadline = time.monotonic() + 30
-    while not ran and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert ran  # the closure (forward and backward) ran while the copies were held...
-    assert not stepped.wait(0.2)  # ...and the update waits for them
+    assert step_waits.waiting.wait(30)  # the step waits for the copies, still held...
+    assert ran  # ...once the closure (forward and backward) ran
+    assert not stepped.wait(0.1) and not p.done()  # the update has not run: the copies are still held
+    assert torch.equal(model.state_dict()["h.0.c_fc.weight"], want_model["h.0.c_fc.weight"])
     go.set()
     t.join(30)
     assert stepped.is_set()
@@ -172,12 +187,19 @@ def test_training_with_lazy_saves_every_step_matches_eager(tmp_path):
 
 @pytest.fixture
 def slow_copy():
-    """The stager's copies take ``SLOW`` seconds more (a sleep after them, on the stager thread), counted from
-    when the test sets the event it gets: whatever else the machine runs, the copies are not over before the
-    test reaches the optimizer's step."""
-    go = threading.Event()
-    _faults.install("stage.copied", lambda: (go.wait(30), time.sleep(SLOW)))
-    yield go
+    """The stager, its copies done, waits for the event ``go``, then takes ``SLOW`` seconds more (a sleep, on
+    the stager thread) before it lets them go; ``released`` gets the time (``time.perf_counter()``) it does."""
+    marks = types.SimpleNamespace(go=threading.Event(), released=[], done=threading.Event())
+
+    def hook():
+        assert marks.go.wait(30)
+        time.sleep(SLOW)
+        marks.released.append(time.perf_counter())
+        marks.done.set()
+
+    _faults.install("stage.copied", hook)
+    yield marks
+    marks.go.set()
     _faults.remove("stage.copied")
 
 
@@ -185,23 +207,25 @@ SLOW = 0.5
 
 
 @pytest.mark.parametrize("with_closure", [False, True])
-def test_the_step_wait_is_recorded_on_the_save(tmp_path, slow_copy, with_closure):
+def test_the_step_wait_is_recorded_on_the_save(tmp_path, slow_copy, step_waits, with_closure):
     """What the optimizer's step waited for the copies lands on the save's handle (``step_wait_s``), apart
-    from save()'s return (``stall_s``); what training paid is their sum.  The closure's own time is not
-    counted as waiting."""
+    from save()'s return (``stall_s``); what training paid is their sum.  The copies are let go ``SLOW``
+    seconds after the step began waiting for them: the wait recorded is at least that span and at most
+    the step's time outside its closure."""
+    slow_copy.go = step_waits.waiting  # the copies' SLOW seconds start once the step waits for them
     model, opt = trained()
     ck = layerckpt.Checkpointer(str(tmp_path), model, opt, layerckpt.Config(threshold=0.0))
-    p = ck.save(7)
-    assert p.step_wait_s == 0.0 and p.save_return_s == p.stall_s and p.stall_s < SLOW
-    x, ran = _batch(1), []
+    p = ck.save(7)  # returns with the copies held: they wait for the step
+    assert p.step_wait_s == 0.0 and p.save_return_s == p.stall_s and not p.done()
+    x, span = _batch(1), []
 
     def closure():
         t = time.perf_counter()
         opt.zero_grad()
-        _loss(model, x).backward()
-        time.sleep(0.1)
-        ran.append(time.perf_counter() - t)
-        slow_copy.set()  # the copies' SLOW seconds start now, once the step's own work is done
+        loss = _loss(model, x)
+        loss.backward()
+        span.append((t, time.perf_counter()))
+        return loss
 
     t0 = time.perf_counter()
     if with_closure:
@@ -210,20 +234,48 @@ def test_the_step_wait_is_recorded_on_the_save(tmp_path, slow_copy, with_closure
         closure()
         opt.step()
     t1 = time.perf_counter()
-    outside = (t1 - t0) - ran[0]  # the step without the closure: the wait, then the update
-    assert 0.2 < p.step_wait_s <= outside, (p.step_wait_s, outside)
-    assert outside - p.step_wait_s < 0.15, (p.step_wait_s, outside)  # the update itself is a few ms
+    (began,), (released,), ((c0, c1),) = step_waits.began, slow_copy.released, span
+    assert c1 <= began  # the step began waiting once its closure was over
+    outside = (t1 - t0) - (c1 - c0)  # the step without the closure: the wait, then the update
+    assert released - began <= p.step_wait_s <= outside, (released - began, p.step_wait_s, outside)
+    assert p.step_wait_s >= SLOW
     assert p.blocked_s == p.stall_s + p.step_wait_s
     waited = p.step_wait_s
     opt.step()  # the copies are over: the next step waits for nothing and records nothing
-    assert p.step_wait_s == waited
+    assert p.step_wait_s == waited and len(step_waits.began) == 1
     ck.close()
     assert p.wait().step_wait_s == waited
 
 
+def test_the_closure_is_not_counted_as_a_step_wait(tmp_path, slow_copy, step_waits):
+    """Lightning's automatic optimization runs forward and backward in a closure inside ``step()``: the
+    copies may end while it runs, and the closure's time is not counted as waiting for them."""
+    model, opt = trained()
+    ck = layerckpt.Checkpointer(str(tmp_path), model, opt, layerckpt.Config(threshold=0.0))
+    p = ck.save(7)
+    x, ran = _batch(1), []
+
+    def closure():
+        t = time.perf_counter()
+        slow_copy.go.set()
+        opt.zero_grad()
+        loss = _loss(model, x)
+        loss.backward()
+        assert slow_copy.done.wait(30)  # the closure lasts until the copies are let go, SLOW seconds
+        ran.append(time.perf_counter() - t)
+        return loss
+
+    opt.step(closure)
+    assert len(step_waits.began) == 1  # the step still waited (for the end of the save's staging) ...
+    assert p.step_wait_s < ran[0], (p.step_wait_s, ran[0])  # ... and not for its closure's time
+    assert ran[0] >= SLOW and p.blocked_s == p.stall_s + p.step_wait_s
+    ck.close()
+    assert p.wait().error is None
+
+
 def test_eager_staging_records_no_step_wait(tmp_path, slow_copy):
     model, opt = trained()
-    slow_copy.set()
+    slow_copy.go.set()
     with layerckpt.Checkpointer(str(tmp_path), model, opt, layerckpt.Config(threshold=0.0, lazy_staging=False)) as ck:
         t0 = time.perf_counter()
         p = ck.save(1)

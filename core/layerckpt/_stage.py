@@ -354,6 +354,7 @@ class LazyStager:
     def _step_wait(self) -> None:
         """The step's wait for the copies, timed and told to the save being staged."""
         waited, t = self._waited, time.perf_counter()
+        _faults.point("stage.step-waits")
         self._idle.wait()
         if waited is not None:
             waited(time.perf_counter() - t)
