@@ -20,7 +20,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Ty
 
 import torch
 
-from . import _store
+from . import _faults, _store
 from ._backend import checksum_function, make_backend
 from ._fetch import View
 from ._flush import wait_for_saves
@@ -94,6 +94,7 @@ class Reader:
         except CheckpointNotFoundError:  # it was there when the composite was picked
             raise CheckpointGoneError(f"the checkpoint {mpath} was deleted while it was being read",
                                       path=mpath) from None
+        _faults.point("read.manifest-loaded")  # the composite is picked and its manifest held, nothing read yet
         self.cfg = config or Config()
         self.check = checksum_function(self.m.checksum) if self.cfg.verify_checksums else None
         self.bytes_read = 0
