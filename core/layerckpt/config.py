@@ -115,15 +115,20 @@ class Config:
     the unit every selection rule decides on."""
     memory_tier: bool = False
     """Also keep the newest composite in shared memory (/dev/shm/layerckpt-<hash of the directory>/, same
-    format), one only whatever ``keep_last`` says: a restart after a process crash restores from there; after
-    a node restart it is gone and the disk is read.  False also removes a memory tier an earlier run of the
-    directory left, when the directory's writer opens it (it would shadow this run's saves)."""
+    format), one only whatever ``keep_last`` says: after a process crash a restore whose ``config=`` has
+    ``memory_tier=True`` reads it from there (without one, the disk is read); after a node restart it is gone
+    and the disk is read.  False also removes a memory tier an earlier run of the directory left, when the
+    directory's writer opens it (it would shadow this run's saves)."""
     remote: Optional[str] = None
     """An fsspec URL ('s3://bucket/prefix', 'gs://...', 'file:///mnt/nfs/run1', 'memory://run1') the committed
     composites are copied to in the background, data first and the manifest last (the remote commit point).
-    restore() and the CLI take the URL; ``restore()`` without a Config looks at the remote the newest local
-    manifest was saved with, with one at this.  ``remote_options``, ``remote_every`` and ``remote_bandwidth``
-    are refused without it.  Needs ``pip install 'layerckpt[remote]'`` (fsspec, s3fs)."""
+    ``restore()``/``read_checkpoint()`` of the local directory read this remote only when the ``config=``
+    given to them names it (then the freshest of the directory, its memory tier where that Config enables
+    it, and this remote is read); without a Config they read the local directory alone, and never the remote
+    a manifest recorded (a manifest is data: its Config redirects nothing).  The remote is also read when its
+    URL is given as the path (``restore(URL, ..., config=...)``; the CLI with ``--remote-options``), its
+    options then taken from the ``config=`` given, if any.  ``remote_options``, ``remote_every`` and
+    ``remote_bandwidth`` are refused without it.  Needs ``pip install 'layerckpt[remote]'`` (fsspec, s3fs)."""
     remote_options: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the fsspec file system (key/secret, client_kwargs={'endpoint_url': ...}, ...);
     never written into a manifest.  Refused without ``remote``."""
