@@ -104,6 +104,9 @@ class PendingSave(Pending):
 
     @property
     def flush_gbps(self) -> float:
+        """This rank's file (``bytes_written``) over ``durable_s``, in GB/s: the rate of the whole save from the
+        ``save()`` call to its commit (planning, the staging copies, checksums, encoding, the writes, fdatasync
+        and the ranks' agreement all count), not the disk's write rate (``phases`` splits that time)."""
         return self.bytes_written / self.durable_s / 1e9 if self.durable_s else 0.0
 
     def __repr__(self) -> str:
