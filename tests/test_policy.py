@@ -64,6 +64,18 @@ def _check_accounting(r, w, root) -> tuple:
     return model_b, opt_b, written
 
 
+def _on_disk(root) -> int:
+    """Bytes of the store's data files as the file system has them."""
+    return sum(os.path.getsize(root / "data" / f) for f in os.listdir(root / "data"))
+
+
+def _restores_within(r, bound: float) -> None:
+    """Every crash's strict restore was accepted and the loss after it within ``bound`` of the uninterrupted run."""
+    for c in r["crashes"]:
+        assert "refused" not in c and c["deviation"] is not None, c
+        assert abs(c["deviation"]) <= bound, c
+
+
 def _run_default(name: str, root) -> tuple:
     """The policy bench's run of one workload with the default Config, its accounting checked; returns
     (result, a fresh model of the workload, (model bytes, optimizer bytes, {data file: tensors}))."""
@@ -77,9 +89,13 @@ def test_frozen_backbone_writes_the_base_once_and_the_head_at_every_save(tmp_pat
     r, model, (model_b, opt_b, _) = _run_default("frozen-backbone", tmp_path)
     head = _nbytes(model.head.parameters())
     # the first save is full; every later one is the head and its AdamW state (the only trainable layer)
+    assert r["saves"] == 40  # 200 steps, a save every 5
     assert r["bytes"] == model_b + opt_b + (r["saves"] - 1) * (head + opt_b)
-    assert r["ratio"] >= policy.BYTES_TARGET["frozen-backbone"] and policy.meets(r)
-    assert [c["behind"] for c in r["crashes"]] == [0, 0, 0] and all(c["deviation"] == 0.0 for c in r["crashes"])
+    # the targets: 10x fewer bytes than raw full saves, in payload and on disk (14.8x and 14.0x here)
+    assert r["full_bytes"] >= 10 * r["bytes"] and r["full_bytes"] >= 10 * _on_disk(tmp_path), (r, _on_disk(tmp_path))
+    assert [c["behind"] for c in r["crashes"]] == [0, 0, 0] and [c["deviation"] for c in r["crashes"]] == [0.0] * 3
+    _restores_within(r, 0.0)  # only the head trains, and every save holds it: bit for bit
+    assert policy.meets(r)  # the bench's verdict agrees
 
 
 def test_lora_writes_the_frozen_base_once(tmp_path):
@@ -89,9 +105,11 @@ def test_lora_writes_the_frozen_base_once(tmp_path):
     # after the first save only adapters (and their optimizer state) are written
     for f, tensors in list(written.items())[1:]:
         assert all("lora_" in k for k in tensors), (f, [k for k in tensors if "lora_" not in k][:5])
-    assert r["ratio"] >= policy.BYTES_TARGET["lora"]
-    assert all(abs(c["deviation"]) <= policy.LOSS_TARGET for c in r["crashes"]), r["crashes"]
-    assert policy.meets(r)
+    # the targets: 10x fewer bytes than raw full saves, in payload and on disk (22.0x and 20.4x here), and the
+    # loss after each restore within 0.5% of the uninterrupted run's (0.15-0.3% here)
+    assert r["full_bytes"] >= 10 * r["bytes"] and r["full_bytes"] >= 10 * _on_disk(tmp_path), (r, _on_disk(tmp_path))
+    _restores_within(r, 0.005)
+    assert policy.meets(r)  # the bench's verdict agrees
 
 
 def test_defaults_keep_a_fast_moving_cnn_within_half_a_percent(tmp_path):
@@ -101,8 +119,9 @@ def test_defaults_keep_a_fast_moving_cnn_within_half_a_percent(tmp_path):
     r = policy.run(w, layerckpt.Config(), str(tmp_path))
     _check_accounting(r, w, tmp_path)
     assert 1.05 <= r["ratio"] <= 2.0, r["ratio"]
-    assert all(abs(c["deviation"]) <= policy.LOSS_TARGET for c in r["crashes"]), r["crashes"]
-    assert policy.meets(r)
+    assert r["written_bytes"] == _on_disk(tmp_path)
+    _restores_within(r, 0.005)  # the target (0.02-0.19% here); no bytes target for this workload
+    assert policy.meets(r)  # the bench's verdict agrees
 
 
 def test_threshold_zero_writes_everything_and_restores_bit_exactly(tmp_path):
