@@ -1,8 +1,9 @@
 """Seeded fuzzing of a real store: manifests and data files mutated (field types, duplicate keys, sizes,
 nesting, special files, truncation, flipped bytes, another store's files) and read back.  Every case ends,
-within a timeout, in a result or one of the library's errors (a CheckpointError); a result never holds
-bytes that are not this store's; ``layerckpt verify`` never crashes and fails every store a read refused
-as damaged.  The short run is part of the suite; ``-m slow`` runs the long one."""
+within a timeout, in a result or one of the library's errors (a CheckpointError); a result holds exactly
+the bytes the step it reports saved; ``layerckpt verify`` never crashes, exits 1 where a read refuses the
+store as damaged and 0 where every checkpoint reads back as saved.  The short run is part of the suite;
+``-m slow`` runs the long one."""
 import contextlib
 import io
 import json
@@ -16,7 +17,7 @@ import torch
 
 import layerckpt
 from layerckpt import cli
-from layerckpt.errors import CheckpointCorruptError, CheckpointError
+from layerckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 CASE_TIMEOUT = 15.0
 SHORT = 40
@@ -229,17 +230,35 @@ def _verify(root):
         return cli.main(["verify", str(root)]), out.getvalue()
 
 
-def _check_result(loaded, ours):
-    """A read that succeeded holds only our tensors' bytes: those of the key at the step read where it has
-    them; never anything else (another store's, or bytes between tensors)."""
-    mine = {b for st in ours.values() for b in st.values()}
-    want = ours.get(loaded.step, {})
+def _check_result(loaded, ours, where: str) -> None:
+    """A read that succeeded is of a step this store saved and holds, for each tensor, exactly the bytes that
+    step saved under that name: never another step's, another store's, or bytes between tensors."""
+    assert loaded.step in ours, f"{where}: read step {loaded.step}, which this store never saved"
+    want = ours[loaded.step]
     for k, v in loaded.model.items():
-        raw = _raw(v)
-        if k in want and raw != want[k]:
-            assert raw in mine, f"tensor {k!r} restored with bytes that are not this store's"
+        assert k in want, f"{where}: step {loaded.step} read a tensor {k!r} it never saved"
+        assert _raw(v) == want[k], f"{where}: tensor {k!r} of step {loaded.step} restored with other bytes"
+
+
+def _read_lenient(root, step: int):
+    return layerckpt.read_checkpoint(root, step, strict=False)
+
+
+def _expected_verify(root, err, ours, where: str) -> int:
+    """What ``layerckpt verify`` must exit with, from reading the newest checkpoint (``err``) and each step the
+    store saved (strict=False: staleness is the caller's bound, not damage): 1 where a read refused the store as
+    damaged; 0 where every read gave back exactly the saved bytes (a step whose manifest is gone is no
+    checkpoint, not damage)."""
+    damaged = isinstance(err, CheckpointCorruptError)
+    for step in ours:
+        loaded, e = _bounded(_read_lenient, root, step)
+        if e is None:
+            _check_result(loaded, ours, f"{where}: step {step}")
+        elif isinstance(e, CheckpointCorruptError):
+            damaged = True
         else:
-            assert raw in mine or len(raw) == 0, f"tensor {k!r} restored with bytes that are not this store's"
+            assert isinstance(e, CheckpointNotFoundError), f"{where}: step {step}: {type(e).__name__}: {e}"
+    return 1 if damaged else 0
 
 
 def run_case(seed, stores, tmp_path):
@@ -253,15 +272,14 @@ def run_case(seed, stores, tmp_path):
     loaded, err = _bounded(layerckpt.read_checkpoint, root)
     assert err is None or isinstance(err, CheckpointError), f"{where}: {type(err).__name__}: {err}"
     if err is None:
-        _check_result(loaded, ours)
+        _check_result(loaded, ours, where)
     _, rerr = _bounded(lambda: layerckpt.restore(root, tiny(), torch.optim.SGD(tiny().parameters(), lr=0.1)))
     assert rerr is None or isinstance(rerr, CheckpointError), f"{where}: restore: {type(rerr).__name__}: {rerr}"
     out, verr = _bounded(_verify, root)
     assert verr is None, f"{where}: verify raised {type(verr).__name__}: {verr}"
     rc, text = out
-    assert rc in (0, 1, 2), (where, rc, text)
-    if isinstance(err, CheckpointCorruptError):
-        assert rc == 1, f"{where}: read refused the store ({err}) but verify exited {rc}:\n{text}"
+    want = _expected_verify(root, err, ours, where)
+    assert rc == want, f"{where}: verify exited {rc}, expected {want} (newest read: {err!r}):\n{text}"
 
 
 def test_fuzz_short(stores, tmp_path):
