@@ -17,7 +17,8 @@ PREFIX = "layerckpt/"
 def save_metrics(p: PendingSave) -> Dict[str, float]:
     """The metrics of one committed save ``p``: bytes written (every rank's), layers persisted, what
     training paid (``save()``'s return plus the next step's wait for the copies, and each part), the
-    flush rate in GB/s and the composite's oldest layer in checkpoints."""
+    bytes written over the time from ``save()`` to the commit in GB/s (planning, staging, checksums and the
+    commit included: not the disk's rate) and the composite's oldest layer in checkpoints."""
     return {
         PREFIX + "bytes_written": float(p.bytes_all_ranks or p.bytes_written),
         PREFIX + "layers_persisted": float(p.layers_persisted),

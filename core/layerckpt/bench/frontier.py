@@ -144,9 +144,16 @@ def plot(rows: List[Dict[str, Any]], path: str) -> Optional[str]:
     fig, axes = plt.subplots(nrow, cols, figsize=(4 * cols, 3.2 * nrow), squeeze=False)
     for ax, r in zip(axes.flat, rows):
         f = r["frontier"]
-        ax.plot([p["bytes"] for p in f["full"]], [p["lost"] for p in f["full"]], "o-", label="full every k")
+        ax.plot([p["bytes"] for p in f["full"]], [p["lost"] for p in f["full"]], "-", color="C0")
+        measured = [p for p in f["full"] if not p.get("estimated")]
+        guessed = [p for p in f["full"] if p.get("estimated")]
+        ax.plot([p["bytes"] for p in measured], [p["lost"] for p in measured], "o", color="C0",
+                label="full every k")
+        if guessed:  # cadences never run: their bytes estimated from every 8's per save
+            ax.plot([p["bytes"] for p in guessed], [p["lost"] for p in guessed], "o", mfc="none", color="C0",
+                    label="full every k, estimated")
         for p in f["full"]:
-            ax.annotate(f"k={p['k']}", (p["bytes"], p["lost"]), fontsize=7)
+            ax.annotate(f"k={p['k']}{'~' if p.get('estimated') else ''}", (p["bytes"], p["lost"]), fontsize=7)
         if not f["default"].get("refused"):
             ax.plot([f["default"]["bytes"]], [f["default"]["lost"]], "r*", ms=12, label="default")
         ax.set_xscale("log")
