@@ -14,8 +14,10 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from . import _faults
 from ._dist import Group
+from ._backend import checksum
 from ._layout import DTYPES, Layout
 from ._manifest import FileEntry, Manifest, TensorEntry, plain
+from ._places import seal
 from ._store import LATEST, MANIFEST_DIR, manifest_name, write_atomic
 from .errors import CheckpointWriteError
 
@@ -67,10 +69,15 @@ def rank_result(rank: int, fname: str, layout: Layout, crcs: Sequence[int], rng:
         return RankResult(rank, fname, layout.size, rng, error)
     if tensors is not None:
         return RankResult(rank, fname, layout.size if size is None else size, rng, tensors=tensors, coding=coding)
-    tensors = {it.key: TensorEntry(file=fname, dtype=DTYPES[it.tensor.dtype], shape=list(it.tensor.shape),
-                                   offset=it.offset, nbytes=it.nbytes, crc=crcs[i])
-               for i, it in enumerate(layout.items)}
+    tensors = {it.key: _entry(it.key, DTYPES[it.tensor.dtype], list(it.tensor.shape), fname, it.offset, it.nbytes,
+                              crcs[i]) for i, it in enumerate(layout.items)}
     return RankResult(rank, fname, layout.size, rng, tensors=tensors, coding=coding)
+
+
+def _entry(key: str, dtype: str, shape: List[int], fname: str, offset: int, nbytes: int, crc: int) -> TensorEntry:
+    """A raw tensor's entry, its CRC sealed to its key, dtype and shape (``_places``)."""
+    return TensorEntry(file=fname, dtype=dtype, shape=shape, offset=offset, nbytes=nbytes,
+                       crc=seal(checksum, key, dtype, shape, crc))
 
 
 def agree(group: Group, mine: RankResult, failed: Optional[BaseException], path: str) -> List[RankResult]:

@@ -18,6 +18,7 @@ import torch
 from . import _encode, _store
 from ._layout import CODES
 from ._manifest import Manifest, TensorEntry
+from ._places import sealed_ok
 from ._read import Want, read_views
 from .errors import CheckpointCorruptError
 
@@ -210,10 +211,12 @@ def _decode_many(tasks: List[Task]) -> None:
 
 
 def _verify(key: str, e: TensorEntry, dest: np.ndarray, check: Callable, root: str, mpath: str) -> None:
-    if check(memoryview(dest), 0) != e.crc:
+    """The decoded bytes are the tensor's own: its CRC, sealed to its key, dtype and shape (``_places``), matches."""
+    if not sealed_ok(check, e.crc, key, e.dtype, e.shape, check(memoryview(dest), 0)):
         path = os.path.join(root, _store.DATA_DIR, e.file)
         ref = e.enc.get("ref")
         also = f" or its reference in {ref['file']}" if ref else ""
         raise CheckpointCorruptError(
-            f"checksum mismatch in tensor {key!r} of {path}{also} after decoding; the file is damaged: run "
-            f"`layerckpt verify`, or restore an older step", path=path, tensor=key)
+            f"checksum mismatch in tensor {key!r} of {path}{also} after decoding; the file is damaged, or the "
+            f"manifest gives the tensor another's blocks: run `layerckpt verify`, or restore an older step",
+            path=path, tensor=key)

@@ -5,7 +5,13 @@ layer's newest persisted version, and for every tensor where its bytes are.
 On disk it is JSON (``manifests/step-N.json``).  Format version 2 adds ``enc`` to a tensor entry
 (how its bytes are encoded, ``_encode``); version 3 adds ``boxes`` (tensors stored as boxes of the whole
 tensor: DTensor shards of any layout), written only by a save that has such a tensor; version 1 and 2
-manifests read unchanged.
+manifests read unchanged.  A tensor entry's ``crc`` with bit 32 set is sealed to the entry's key, dtype and shape
+(``_places``: every entry written since seals exist; an entry without it is a plain CRC, as written before).
+
+``Manifest.from_dict`` is the one validator every field passes before anything is read or allocated: types and
+ranges, tensors' regions of their files (none overlapping another's, an encoded tensor's blocks in file order:
+``_places``), row blocks and boxes covering their tensor once, references to tensors that have entries, finite
+fidelity costs; any damage is a CheckpointCorruptError naming the file and the field.
 
 Tensor keys in a checkpoint have fixed prefixes, named here and nowhere else:
 ``model/<state_dict name>``, ``optim/<parameter name>/<state key>``,
@@ -28,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ._layout import CODES, ITEMSIZE
 from ._json import load_strict, loads_strict  # noqa: F401 - loads_strict: the JSON reader of every store file
+from ._places import CRC_MAX, check_block_order, check_regions, max_blocks
 from .errors import CheckpointCorruptError
 
 FORMAT_NAME = "layerckpt"
@@ -122,7 +129,9 @@ class TensorEntry:
     shape: List[int]
     offset: int  # absolute offset in the file
     nbytes: int
-    crc: int  # of the raw bytes (after decoding, for an encoded tensor)
+    #: CRC of the raw bytes (after decoding, for an encoded tensor); sealed to this entry's key, dtype and shape
+    #: where bit 32 is set (``_places``: every entry written since; a plain CRC in entries written before)
+    crc: int
     #: how it is encoded (``_encode``): {"codec", "blocks": [[file offset, length, raw length, mode], ...],
     #: "ref": None or the reference's {"file", "step", "rank", "size", "crc", "blocks"}}; None: raw bytes at
     #: ``offset`` (format version 1's only kind)
@@ -285,6 +294,7 @@ class Manifest:
         _check_header(m, path)
         files = {name: _file_entry(name, e, m["step"], path) for name, e in m["files"].items()}
         tensors = {key: _tensor_entry(key, e, files, path) for key, e in m["tensors"].items()}
+        check_regions(tensors, path)
         layers = {name: _layer_entry(name, e, path) for name, e in m["layers"].items()}
         rest = {k: m[k] for k in _OTHER_FIELDS if k in m}
         if rest.get("blocks") is not None:
@@ -357,6 +367,10 @@ _OTHER_FIELDS = [f.name for f in dataclasses.fields(Manifest)
 MAX_STEP = (1 << 62) - 1
 MAX_WORLD = 1 << 24
 MAX_DIMS = 64
+#: bytes a tensor's shape may span, its empty dims counted as 1 (as torch sizes a tensor's storage): far above
+#: any real tensor, far below what overflows a torch size calculation (``[2**40, 2**40, 0]`` holds nothing but
+#: does not fit one)
+MAX_TENSOR_BYTES = 1 << 50
 _NAME_RE = re.compile(r"^step-(\d{8,})\.json$")
 _NUMBER = (int, float)
 
@@ -399,6 +413,14 @@ def _short(v: Any) -> str:
     return r if len(r) <= 40 else r[:37] + "..."
 
 
+def _is_shape(shape: Any, dtype: Any) -> bool:
+    """A list of at most MAX_DIMS sizes of a known dtype, spanning at most MAX_TENSOR_BYTES."""
+    if not (isinstance(dtype, str) and dtype in CODES and isinstance(shape, list) and len(shape) <= MAX_DIMS
+            and all(_is_int(s) for s in shape)):
+        return False
+    return math.prod(max(s, 1) for s in shape) * ITEMSIZE[dtype] <= MAX_TENSOR_BYTES
+
+
 def _file_entry(name: str, e: Any, step: int, path: str) -> FileEntry:
     if not (isinstance(e, dict) and all(_is_int(e.get(k, 0)) for k in ("step", "rank", "size"))
             and e.get("rank", 0) < MAX_WORLD):
@@ -408,11 +430,10 @@ def _file_entry(name: str, e: Any, step: int, path: str) -> FileEntry:
 
 
 def _tensor_entry(key: str, e: Any, files: Dict[str, FileEntry], path: str) -> TensorEntry:
-    if not (isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(e.get("dtype"), str)
-            and e["dtype"] in CODES and isinstance(e.get("shape"), list) and len(e["shape"]) <= MAX_DIMS
-            and all(_is_int(s) for s in e["shape"]) and _is_int(e.get("offset"))
-            and _is_int(e.get("nbytes")) and _is_int(e.get("crc"), 0, (1 << 64) - 1)):
-        raise _corrupt(path, f"entry for tensor {key!r} is malformed", tensor=key)
+    if not (isinstance(e, dict) and isinstance(e.get("file"), str) and _is_shape(e.get("shape"), e.get("dtype"))
+            and _is_int(e.get("offset")) and _is_int(e.get("nbytes")) and _is_int(e.get("crc"), 0, CRC_MAX)):
+        raise _corrupt(path, f"entry for tensor {key!r} is malformed (file and dtype: strings, shape: a list of "
+                             f"sizes within {MAX_TENSOR_BYTES} bytes, offset, nbytes and crc: integers)", tensor=key)
     if e["nbytes"] != math.prod(e["shape"]) * ITEMSIZE[e["dtype"]]:
         raise _corrupt(path, f"tensor {key!r} has shape {_short(e['shape'])} and dtype {e['dtype']} but "
                              f"{e['nbytes']} bytes", tensor=key)
@@ -445,19 +466,28 @@ def _check_enc(key: str, enc: Any, nbytes: int, size: int, fname: str, files: Di
             raise _corrupt(path, f"tensor {key!r} has delta blocks but no reference", tensor=key)
         return
     if not (isinstance(ref, dict) and isinstance(ref.get("file"), str) and ref["file"] in files
-            and _is_int(ref.get("crc"), 0, (1 << 64) - 1) and isinstance(ref.get("blocks"), list)):
-        raise _corrupt(path, f"tensor {key!r} has a malformed reference", tensor=key)
-    _check_blocks(key, ref["blocks"], nbytes, files[ref["file"]].size, ref["file"], (0, 1), path)
+            and _is_int(ref.get("crc"), 0, CRC_MAX) and isinstance(ref.get("blocks"), list)
+            and all(_is_int(ref.get(k)) for k in ("step", "rank", "size"))):
+        raise _corrupt(path, f"tensor {key!r} has a malformed reference (file: one the manifest lists; step, "
+                             f"rank, size and crc: integers; blocks: a list)", tensor=key)
+    _check_blocks(key, ref["blocks"], nbytes, files[ref["file"]].size, ref["file"], (0, 1), path, " (its reference)")
 
 
-def _check_blocks(key: str, blocks: list, nbytes: int, size: int, fname: str, modes, path: str) -> None:
+def _check_blocks(key: str, blocks: list, nbytes: int, size: int, fname: str, modes, path: str,
+                  what: str = "") -> None:
+    """Each block [file offset, length, raw length, mode] well formed (raw length 1..BLOCK, or the length of a
+    raw block; stored length 0 for an unchanged block, at least 1 for any other) and inside the file; together
+    in file order, covering the tensor's bytes once (``_places``)."""
     from ._encode import BLOCK, RAW, SAME
 
+    if len(blocks) > max_blocks(nbytes):  # before any is looked at: a long list costs no more than a short one
+        raise _corrupt(path, f"tensor {key!r}{what} has {len(blocks)} blocks in {fname!r}, more than the "
+                             f"{max_blocks(nbytes)} its {nbytes} bytes are cut into", tensor=key)
     total = 0
     for b in blocks:
-        if not (isinstance(b, list) and len(b) == 4 and all(_is_int(x) for x in b) and b[3] in modes
-                and (b[1] == b[2] if b[3] == RAW else b[2] <= BLOCK and (b[1] == 0 or b[3] != SAME))):
-            raise _corrupt(path, f"tensor {key!r} has a malformed block {_short(b)}", tensor=key)
+        if not (isinstance(b, list) and len(b) == 4 and all(_is_int(x) for x in b) and b[3] in modes and b[2] >= 1
+                and (b[1] == b[2] if b[3] == RAW else b[2] <= BLOCK and (b[1] == 0) == (b[3] == SAME))):
+            raise _corrupt(path, f"tensor {key!r}{what} has a malformed block {_short(b)}", tensor=key)
         if b[0] + b[1] > size:
             raise _corrupt(path, f"tensor {key!r} claims bytes {b[0]}..{b[0] + b[1]} of file {fname!r}, which "
                                  f"the manifest says holds {size}", tensor=key)
@@ -465,6 +495,7 @@ def _check_blocks(key: str, blocks: list, nbytes: int, size: int, fname: str, mo
     if total != nbytes:
         raise _corrupt(path, f"tensor {key!r}'s blocks in {fname!r} cover {total} bytes, not its {nbytes}",
                        tensor=key)
+    check_block_order(key, blocks, fname, path, what)
 
 
 _LAYER_TYPES = {"step": int, "file": (str, type(None)), "tensors": list, "nbytes": int, "rank": int, "age": int,
@@ -480,6 +511,8 @@ def _layer_entry(name: str, e: Any, path: str) -> LayerEntry:
     if bad is None and not (_is_int(e["step"]) and all(isinstance(t, str) for t in e.get("tensors", []))
                             and all(_is_int(e.get(k, 0)) for k in ("nbytes", "rank", "age"))):
         bad = "step, tensors, nbytes, rank or age"
+    if bad is None and not _is_cost(e.get("cost")):
+        bad = f"cost {_short(e['cost'])}: a finite number, at least 0"
     if bad is not None:
         raise _corrupt(path, f"entry for layer {name!r} is malformed ({bad})")
     known = {k: e[k] for k in _LAYER_FIELDS if k in e}
@@ -503,6 +536,16 @@ _OTHER_TYPES = {"seq": int, "chain": int, "created": _NUMBER, "config": dict, "o
                 "coding": (dict, type(None))}
 
 
+def _is_cost(v: Any) -> bool:
+    """A recorded fidelity cost: absent, or a finite number of at least 0 (an int passes, a bool does not)."""
+    return v is None or (_finite(v) and v >= 0)
+
+
+def _finite(v: Any) -> bool:
+    """A finite number (an int of any size passes; a bool does not)."""
+    return _typed(v, _NUMBER) and (isinstance(v, int) or math.isfinite(v))
+
+
 def _check_other(rest: Dict[str, Any], path: str, known: set) -> None:
     """The optional fields: of their types; the optimizer's groups and state shaped as a restore reads them;
     every tensor reference (in optimizer state, RNG, extra) a string."""
@@ -512,6 +555,12 @@ def _check_other(rest: Dict[str, Any], path: str, known: set) -> None:
     for k in ("seq", "chain"):
         if k in rest and not _is_int(rest[k]):
             raise _corrupt(path, f"field {k!r} is {_short(rest[k])}, outside 0..{MAX_STEP}")
+    # what a restore's fidelity check compares: a NaN would pass any bound unnoticed (the writers record finite
+    # values: a save refuses a loss that is not, and a cost sums finite per-layer costs)
+    if not _is_cost(rest.get("cost")):
+        raise _corrupt(path, f"field 'cost' is {_short(rest['cost'])}, not a finite number of at least 0")
+    if rest.get("loss") is not None and not _finite(rest["loss"]):
+        raise _corrupt(path, f"field 'loss' is {_short(rest['loss'])}, not a finite number")
     opt = rest.get("optimizer")
     if opt is not None and not (
             isinstance(opt.get("param_groups", []), list) and isinstance(opt.get("state", {}), dict)
@@ -526,9 +575,18 @@ def _check_other(rest: Dict[str, Any], path: str, known: set) -> None:
 
 
 def _check_model(model: Dict[str, Any], path: str, known: set) -> None:
+    """``model.aliases`` maps tied names, which have no entry of their own, to a model tensor that has one;
+    ``model.other`` is an object whose tensor references have entries."""
     aliases, other = model.get("aliases", {}), model.get("other")
     if not (isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values())):
         raise _corrupt(path, "field 'model.aliases' is not an object of names")
+    for alias, canon in aliases.items():
+        if model_key(canon) not in known:
+            raise _corrupt(path, f"field 'model.aliases' ties {alias!r} to {canon!r}, a model tensor the manifest "
+                                 f"has no entry for", tensor=model_key(canon))
+        if model_key(alias) in known:
+            raise _corrupt(path, f"field 'model.aliases' ties {alias!r} to {canon!r}, but {alias!r} has an entry "
+                                 f"of its own", tensor=model_key(alias))
     if not isinstance(other, (dict, type(None))):
         raise _corrupt(path, "field 'model.other' is not an object")
     _check_refs(other, "model.other", path, known)
@@ -557,15 +615,17 @@ def _read_blocks(blocks: Any, tensors: Dict[str, TensorEntry], path: str) -> Dic
         raise CheckpointCorruptError(f"manifest {path}: 'blocks' is not a mapping", path=path)
     out = {}
     for key, b in blocks.items():
-        ok = (isinstance(b, dict) and b.get("dtype") in CODES and isinstance(b.get("shape"), list)
-              and len(b["shape"]) >= 1 and all(isinstance(s, int) and s >= 0 for s in b["shape"])
-              and isinstance(b.get("rows"), list)
-              and all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) for r in b["rows"]))
+        ok = (isinstance(b, dict) and _is_shape(b.get("shape"), b.get("dtype")) and len(b["shape"]) >= 1
+              and isinstance(b.get("rows"), list) and len(b["rows"]) >= 1
+              and all(isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r) for r in b["rows"]))
         edges = [0] + [x for r in (b["rows"] if ok else []) for x in r] + [b["shape"][0] if ok else 0]
         if not ok or any(edges[i] != edges[i + 1] for i in range(0, len(edges), 2)) or any(
                 r[0] >= r[1] for r in b["rows"]):
-            raise CheckpointCorruptError(f"manifest {path}: the row blocks of tensor {key!r} are malformed",
-                                         path=path, tensor=key)
+            raise _corrupt(path, f"the row blocks of tensor {key!r} are malformed (dtype: a known code; shape: sizes "
+                                 f"within {MAX_TENSOR_BYTES} bytes; rows: [first, end] pairs covering its rows in "
+                                 f"order, at least one)", tensor=key)
+        if key in tensors:
+            raise _corrupt(path, f"tensor {key!r} is stored in row blocks and also otherwise", tensor=key)
         out[key] = RowBlocks(dtype=b["dtype"], shape=list(b["shape"]), rows=[list(r) for r in b["rows"]])
         for pk, a, z in row_pieces(out, key):
             e = tensors.get(pk)
@@ -598,8 +658,7 @@ def _read_boxes(boxes: Any, tensors: Dict[str, TensorEntry], rows: set, path: st
 
 def _box_record(key: str, b: Any, path: str) -> Boxes:
     """One ``boxes`` record, its fields of their types: every box [offsets, sizes] inside the shape."""
-    ok = (isinstance(b, dict) and b.get("dtype") in CODES and isinstance(b.get("shape"), list)
-          and len(b["shape"]) <= MAX_DIMS and all(_is_int(s) for s in b["shape"])
+    ok = (isinstance(b, dict) and _is_shape(b.get("shape"), b.get("dtype"))
           and isinstance(b.get("boxes"), list) and len(b["boxes"]) <= MAX_WORLD)
     nd = len(b["shape"]) if ok else 0
     for box in b["boxes"] if ok else []:

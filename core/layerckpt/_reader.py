@@ -27,6 +27,7 @@ from ._flush import wait_for_saves
 from ._gather import layout_boxes, shard_rows, shards_dim
 from ._layout import CODES
 from ._manifest import Manifest, load_manifest
+from ._encode import reads_ref
 from ._encread import read_encoded, span
 from ._read import MissingDataError, Want, read_into, read_views
 from ._stage import BufferPool
@@ -194,26 +195,30 @@ def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, c
 
 
 def check_claims(root: str, m: Manifest, mpath: str, keys: List[str]) -> None:
-    """Before any memory is allocated for them: every file holding the named tensors is a regular file as big
-    as the manifest says (whose entries were checked to lie inside those sizes), so a damaged manifest's 4 TB
-    tensor is refused by name instead of asked of the allocator."""
-    by_file: Dict[str, List[str]] = {}
+    """Before any memory is allocated for them: every file holding the named tensors (and the references their
+    deltas read) is a regular file as big as the manifest says (whose entries were checked to lie inside those
+    sizes), so a damaged manifest's 4 TB tensor is refused by name instead of asked of the allocator."""
+    by_file: Dict[str, List[Tuple[int, str]]] = {}  # file -> (where a tensor's stored bytes end, its key)
     for k in keys:
         pieces = m.pieces(k)
         for pk in [p for p, _, _ in pieces] if pieces is not None else [k] if k in m.tensors else []:
-            by_file.setdefault(m.tensors[pk].file, []).append(pk)
+            e = m.tensors[pk]
+            by_file.setdefault(e.file, []).append((_end(e), pk))
+            ref = e.enc.get("ref") if e.enc is not None else None
+            if ref is not None and reads_ref(e.enc["blocks"]):
+                by_file.setdefault(ref["file"], []).append((span(ref["blocks"])[1], pk))
     for fname, held in sorted(by_file.items()):
         path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            raise MissingDataError(f"data file {path} is missing (it holds tensor {held[0]!r})", path=path) from None
+            raise MissingDataError(f"data file {path} is missing (it holds tensor {held[0][1]!r})",
+                                   path=path) from None
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointCorruptError(f"data file {path} is not a regular file (mode {stat.filemode(st.st_mode)});"
                                          f" the store is damaged: restore another step", path=path)
         if st.st_size < m.files[fname].size:
-            lost = next((k for k in sorted(held, key=lambda k: m.tensors[k].offset)
-                         if _end(m.tensors[k]) > st.st_size), None)
+            lost = next((k for end, k in sorted(held) if end > st.st_size), None)
             raise CheckpointCorruptError(
                 f"data file {path} is truncated: {st.st_size} bytes, the manifest expects {m.files[fname].size}"
                 + (f"; tensor {lost!r} is cut off" if lost else ""), path=path, tensor=lost)

@@ -1,0 +1,105 @@
+"""Where a manifest's tensors lie in their files, and checksums sealed to their place.
+
+Regions.  Each tensor entry owns one region of its data file: ``[offset, offset + nbytes)`` for raw bytes, the
+span of its blocks for an encoded tensor (``_encode``).  The writers lay tensors out one after another, and an
+encoded tensor's blocks in the order of its bytes, each after the one before (``_encwrite`` writes the encoded
+buffers in image order, ``_transcode`` a tensor's blocks one after another); blocks are cut where the file
+image's ``BLOCK`` and staging-chunk boundaries fall, multiples of ``ALIGN``.  So the manifest's validator
+(``_manifest.Manifest.from_dict``) refuses, before anything is read or allocated:
+
+- two tensors of one file whose regions overlap (each stored byte belongs to one tensor);
+- a tensor whose blocks (or its reference's) go back in the file or overlap the one before;
+- more blocks than ``nbytes // ALIGN + 2``, the most its bytes are cut into.
+
+Decoding is then bounded by what the tensor needs: its blocks cover its bytes once, in order, each read once
+from the region the tensor owns; a manifest cannot make one stored block decode many times.
+
+Seals.  A CRC over a tensor's bytes does not say which tensor they are: another tensor's blocks and CRC copied
+onto an entry, or two boxes swapped with their CRCs, would read back as sound.  A tensor entry written by this
+layerckpt records its ``crc`` sealed: bit 32 (``SEALED``) set, and in the low 32 bits the CRC of its raw bytes
+continued over the entry's identity (its key, which names the row block or box of a tensor stored in pieces;
+its dtype; its shape), in the manifest's checksum.  A reader takes the CRC of the bytes it read (decoded) as
+before and continues it over the identity of the entry it reads them for: bytes that belong to another tensor,
+or to another place of the same tensor, do not match.  Clearing the bit does not help an edit: the sealed value
+is then compared as a plain CRC, which it is not.  An entry without the bit (written before seals existed) is
+compared as a plain CRC, as it always was.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ._units import ALIGN
+from .errors import CheckpointCorruptError
+
+SEALED = 1 << 32  # set in a tensor entry's crc: the CRC is sealed to the entry's identity
+CRC_MAX = (SEALED << 1) - 1  # a crc is a 32-bit CRC, sealed or not: nothing above bit 32
+
+Check = Callable[..., int]  # check(buffer, seed) -> CRC, the manifest's checksum (``_backend.checksum_function``)
+
+
+def identity(key: str, dtype: str, shape: Sequence[int]) -> bytes:
+    """What a sealed CRC is continued over: the entry's key, dtype code and shape."""
+    return f"{key}\0{dtype}\0{','.join(map(str, shape))}".encode("utf-8", "surrogatepass")
+
+
+def seal(check: Check, key: str, dtype: str, shape: Sequence[int], crc: int) -> int:
+    """The crc a tensor entry records for raw bytes whose CRC is ``crc``: sealed to its key, dtype and shape."""
+    return SEALED | (check(identity(key, dtype, shape), crc) & 0xFFFFFFFF)
+
+
+def sealed_ok(check: Check, recorded: int, key: str, dtype: str, shape: Sequence[int], crc: int) -> bool:
+    """Whether bytes whose CRC is ``crc``, read for the entry (key, dtype, shape), match its ``recorded`` crc."""
+    if recorded & SEALED:
+        return recorded == seal(check, key, dtype, shape, crc)
+    return recorded == crc
+
+
+def max_blocks(nbytes: int) -> int:
+    """The most blocks a tensor of ``nbytes`` raw bytes is cut into (cuts fall on multiples of ``ALIGN``)."""
+    return nbytes // ALIGN + 2
+
+
+def check_block_order(key: str, blocks: List[List[int]], fname: str, path: str, what: str = "") -> None:
+    """A tensor's blocks ([file offset, length, raw length, mode], already checked one by one, at most
+    :func:`max_blocks`) in file order, none overlapping the one before."""
+    end = 0
+    for b in blocks:
+        if b[0] < end:
+            raise _corrupt(path, f"tensor {key!r}{what} has a block at bytes {b[0]}..{b[0] + b[1]} of {fname!r} "
+                                 f"before the end of the one ahead of it ({end}): a tensor's blocks lie in file "
+                                 f"order, each stored byte read once", key)
+        end = b[0] + b[1]
+
+
+def region(e: Any) -> Tuple[int, int]:
+    """The bytes [start, end) of its file a tensor entry owns (raw bytes, or the span of its stored blocks)."""
+    if e.enc is None:
+        return e.offset, e.offset + e.nbytes
+    stored = [b for b in e.enc["blocks"] if b[1]]
+    if not stored:
+        return 0, 0
+    return stored[0][0], stored[-1][0] + stored[-1][1]  # in file order: checked before
+
+
+def check_regions(tensors: Dict[str, Any], path: str) -> None:
+    """No two tensors of one file own overlapping bytes."""
+    by_file: Dict[str, List[Tuple[int, int, str]]] = {}
+    for key, e in tensors.items():
+        a, z = region(e)
+        if z > a:
+            by_file.setdefault(e.file, []).append((a, z, key))
+    for fname, spans in by_file.items():
+        spans.sort()
+        reach: Optional[Tuple[int, int, str]] = None
+        for span in spans:
+            if reach is not None and span[0] < reach[1]:
+                raise _corrupt(path, f"tensor {span[2]!r} (bytes {span[0]}..{span[1]} of file {fname!r}) overlaps "
+                                     f"tensor {reach[2]!r} (bytes {reach[0]}..{reach[1]}): each stored byte "
+                                     f"belongs to one tensor", span[2])
+            if reach is None or span[1] > reach[1]:
+                reach = span
+
+
+def _corrupt(path: str, msg: str, tensor: Optional[str]) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"manifest {path}: {msg}; the manifest was edited or damaged: restore another "
+                                  f"step", path=path, tensor=tensor)
