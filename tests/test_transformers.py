@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 import layerckpt  # noqa: E402
 import transformers_layerckpt  # noqa: E402
+from transformers_layerckpt.attach import KNOWN  # noqa: E402
 from layerckpt import store  # noqa: E402
 from layerckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigError  # noqa: E402
 
@@ -173,6 +175,47 @@ def test_refusals(tmp_path):
     t = make(tmp_path, attach={})
     with pytest.raises(CheckpointError, match="already attached"):
         transformers_layerckpt.attach(t)
+
+
+def test_a_trainer_whose_wrapped_methods_changed_shape_is_refused(tmp_path, monkeypatch):
+    """Another transformers' Trainer, whose private methods layerckpt replaces take other arguments: refused at
+    attach(), naming the method, the version and the fix, with nothing replaced."""
+    t = make(tmp_path)
+    fix = re.escape("pip install 'transformers>=4.50,<6'")
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None, strict=True):
+        pass
+
+    monkeypatch.setattr(Trainer, "_load_from_checkpoint", _load_from_checkpoint)
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"attach(): transformers {transformers.__version__} has Trainer._load_from_checkpoint(self, "
+            f"resume_from_checkpoint, model=None, strict=True), not the _load_from_checkpoint(self, "
+            f"resume_from_checkpoint, model=None) of transformers 4.50 to 5.x") + ".*" + fix):
+        transformers_layerckpt.attach(t)
+    monkeypatch.delattr(Trainer, "_save_optimizer_and_scheduler")
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"transformers {transformers.__version__} has no Trainer._save_optimizer_and_scheduler") + ".*" + fix):
+        transformers_layerckpt.attach(t)
+    assert not [name for name in KNOWN if name in vars(t)]  # nothing was replaced
+    monkeypatch.undo()
+    assert transformers_layerckpt.attach(t).enabled  # and the refused attach left no trace
+
+
+def test_a_subclass_override_must_take_the_call_it_is_passed(tmp_path):
+    class Narrow(Trainer):
+        def _load_optimizer_and_scheduler(self):  # takes no checkpoint
+            pass
+
+    class Wide(Trainer):
+        def _load_best_model(self, *args, **kwargs):
+            return super()._load_best_model(*args, **kwargs)
+
+    with pytest.raises(CheckpointError, match=re.escape(
+            "attach(): Narrow._load_optimizer_and_scheduler(self) overrides Trainer._load_optimizer_and_scheduler("
+            "self, checkpoint) but does not take the call layerckpt's replacement passes on to it (too many "
+            "positional arguments); give the override Trainer's parameters")):
+        make(tmp_path / "narrow", cls=Narrow, attach={})
+    assert make(tmp_path / "wide", cls=Wide, attach={}).layerckpt.enabled
 
 
 def test_a_folder_whose_composite_never_committed(tmp_path, plain):

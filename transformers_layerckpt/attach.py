@@ -5,7 +5,7 @@ overrides are what get wrapped), and nowhere else.  Public, overridable methods:
 ``resume_from_checkpoint=True`` to the newest folder whose composite committed; wait for the saves when it
 returns), ``training_step`` (the loss), ``save_model`` (a checkpoint folder's weights go to the store).  Trainer
 has no hook for the rest, so four private methods are wrapped, each falling through to Trainer's own for a
-folder without a layerckpt pointer (transformers 4.50 to 4.x, the range the ``transformers`` extra pins):
+folder without a layerckpt pointer (transformers 4.50 to 5.x, the range the ``transformers`` extra pins):
 
 * ``_save_optimizer_and_scheduler``: for a folder whose optimizer went to the store, writes the scheduler only;
 * ``_load_from_checkpoint``: checks the folder's composite is committed (the model is restored with the
@@ -13,14 +13,20 @@ folder without a layerckpt pointer (transformers 4.50 to 4.x, the range the ``tr
 * ``_load_optimizer_and_scheduler``: restores model and optimizer from the composite, the scheduler from
   Trainer's file;
 * ``_load_best_model``: ``load_best_model_at_end`` restores the best folder's model.
+
+A wrapper replaces the method with one of a fixed signature, so before anything is replaced :func:`_check_methods`
+compares Trainer's own signatures of these four (and ``save_model``'s) with the ones this module knows, and a
+subclass's override with the calls the wrapper makes: a Trainer whose methods changed shape is refused at
+``attach()``, not failed deep in a run.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import weakref
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from transformers import Trainer, TrainerCallback
 
@@ -35,6 +41,17 @@ log = logging.getLogger("layerckpt.transformers")
 ENV_SWITCH = "TRANSFORMERS_LAYERCKPT"
 ENV_ENABLED = "LAYERCKPT_ENABLED"
 ENV_CONFIG = "LAYERCKPT_CONFIG"
+SUPPORTED = "transformers>=4.50,<6"  # the ``transformers`` extra's range
+# The Trainer methods whose wrappers have a fixed signature: the signature Trainer gives each (without annotations:
+# they differ between 4.x and 5.x), the same from 4.50 to 5.x, and the call the wrapper makes to the method it
+# replaces (a subclass's override must take it).
+KNOWN: Dict[str, Tuple[str, Tuple[Any, ...], Dict[str, Any]]] = {
+    "save_model": ("(self, output_dir=None, _internal_call=False)", ("checkpoint-1",), {"_internal_call": True}),
+    "_save_optimizer_and_scheduler": ("(self, output_dir)", ("checkpoint-1",), {}),
+    "_load_from_checkpoint": ("(self, resume_from_checkpoint, model=None)", ("checkpoint-1", None), {}),
+    "_load_optimizer_and_scheduler": ("(self, checkpoint)", ("checkpoint-1",), {}),
+    "_load_best_model": ("(self)", (), {}),
+}
 _attached: "weakref.WeakKeyDictionary[Any, Attached]" = weakref.WeakKeyDictionary()
 
 
@@ -74,6 +91,7 @@ def attach(trainer: Any, config: Union[Config, str, "os.PathLike[str]", Dict[str
         return Attached(trainer, cfg, layers, enabled=False)
     if trainer in _attached:
         raise CheckpointError("attach(): this Trainer is already attached to layerckpt; attach it once")
+    _check_methods(trainer)
     if getattr(trainer.args, "push_to_hub", False):
         log.warning("layerckpt: push_to_hub pushes checkpoint folders without weights while attached (they are in "
                     "the store); the final trainer.save_model() and push_to_hub() are Trainer's own")
@@ -102,6 +120,44 @@ def _check_trainer(trainer: Any) -> None:
                 f"single-process and DDP Trainers: do not attach it for this run")
 
 
+def _shape(fn: Callable[..., Any]) -> str:
+    """``fn``'s signature without annotations, as ``(self, a, b=None)``."""
+    sig = inspect.signature(fn)
+    return str(sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+                           return_annotation=sig.empty))
+
+
+def _check_methods(trainer: Any) -> None:
+    """Refuse a Trainer whose wrapped methods are not the ones this module's wrappers replace: a missing one, one
+    of transformers' own whose signature is not the one known (another transformers version), or a subclass's
+    override that does not take the wrapper's call."""
+    import transformers
+
+    version = transformers.__version__
+    fix = (f"install a transformers layerckpt supports: pip install '{SUPPORTED}' (or 'layerckpt[transformers]'), "
+           f"or leave this Trainer unattached (TRANSFORMERS_LAYERCKPT=0)")
+    for name, (known, args, kwargs) in KNOWN.items():
+        own = getattr(Trainer, name, None)
+        if not callable(own) or not callable(getattr(trainer, name, None)):
+            raise CheckpointError(f"attach(): transformers {version} has no Trainer.{name}, which layerckpt replaces "
+                                  f"while attached; {fix}")
+        if _shape(own) != known:
+            raise CheckpointError(
+                f"attach(): transformers {version} has Trainer.{name}{_shape(own)}, not the {name}{known} of "
+                f"transformers 4.50 to 5.x that layerckpt replaces while attached; {fix}")
+        method = getattr(trainer, name)
+        if getattr(method, "__func__", method) is own:
+            continue
+        try:  # a subclass's override (or a function set on the instance): the wrapper hands it this call
+            inspect.signature(method).bind(*args, **kwargs)
+        except TypeError as e:
+            shown = _shape(getattr(method, "__func__", method))
+            raise CheckpointError(
+                f"attach(): {type(trainer).__name__}.{name}{shown} overrides Trainer.{name}{known} but does not "
+                f"take the call layerckpt's replacement passes on to it ({e}); give the override Trainer's "
+                f"parameters") from None
+
+
 def _route(trainer: Any, att: Attached) -> None:
     """Replace the Trainer methods listed in this module's docstring, on this instance."""
     routes: Dict[str, Callable[..., Callable[..., Any]]] = {
@@ -111,12 +167,6 @@ def _route(trainer: Any, att: Attached) -> None:
         "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
         "_load_best_model": _load_best_model,
     }
-    missing = [name for name in routes if not callable(getattr(trainer, name, None))]
-    if missing:
-        import transformers
-
-        raise CheckpointError(f"attach(): transformers {transformers.__version__} has no Trainer.{missing[0]}; "
-                              f"layerckpt supports transformers>=4.50,<5 (pip install 'layerckpt[transformers]')")
     for name, make in routes.items():
         orig = getattr(trainer, name)
         setattr(trainer, name, functools.wraps(orig)(make(orig, att)))
