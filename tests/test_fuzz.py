@@ -292,3 +292,143 @@ def test_fuzz_long(stores, tmp_path):
     for seed in range(SHORT, SHORT + LONG):
         run_case(seed, stores, tmp_path)
         shutil.rmtree(tmp_path / f"case{seed}", ignore_errors=True)
+
+
+# -- the enc and boxes fields: encoded blocks and their references, tensors stored as boxes -------------------
+
+@pytest.fixture(scope="module")
+def piece_stores(tmp_path_factory):
+    """A delta-encoded store (every tensor an ``enc`` record, deltas with references) and one whose embedding
+    table is stored as boxes (tests/hostile_stores.py), each with {step: {model key: the bytes it reads back}}."""
+    import hostile_stores as hs
+
+    base = tmp_path_factory.mktemp("fuzz_pieces")
+    hs.build_delta(str(base / "delta"))
+    hs.build_rows(str(base / "rows"))
+    hs.rows_to_boxes(str(base / "rows"), str(base / "boxes"))
+    out = {}
+    for name in ("delta", "boxes"):
+        root = base / name
+        out[name] = root, {s: {k: _raw(v) for k, v in layerckpt.read_checkpoint(root, s).model.items()}
+                           for s in range(1, 5)}
+    return out
+
+
+def _inside(d, field):
+    """Every (path, value) inside each tensor's ``enc`` record, or inside the ``boxes`` records."""
+    if field == "boxes":
+        return [(("boxes",) + p, v) for p, v in _paths(d.get("boxes") or {}) if p]
+    return [(("tensors", k, "enc") + p, v) for k, e in d["tensors"].items() if isinstance(e.get("enc"), dict)
+            for p, v in _paths(e["enc"]) if p]
+
+
+def _piece_value(field):
+    def mutate(rng, d):
+        path, _ = rng.choice(_inside(d, field))
+        _set(d, path, rng.choice(VALUES + [[], [[0, 0], [1, 1]], [0, 1, 1, 0]]))
+    mutate.__name__ = f"{field}_value"
+    return mutate
+
+
+def _piece_number(field):
+    def mutate(rng, d):
+        nums = [x for x in _inside(d, field) if isinstance(x[1], int) and not isinstance(x[1], bool)]
+        path, v = rng.choice(nums)
+        other = rng.choice(nums)[1]
+        _set(d, path, rng.choice([v + 1, v - 1, v * 2, v + 4096, -v, 0, other, v + (1 << 40), 1 << 20]))
+    mutate.__name__ = f"{field}_number"
+    return mutate
+
+
+def enc_blocks(rng, d):
+    """A tensor's block list (its own or its reference's) cut, repeated, reordered, or another tensor's."""
+    encs = [e["enc"] for e in d["tensors"].values() if e.get("enc")]
+    lists = [e["blocks"] for e in encs] + [e["ref"]["blocks"] for e in encs if e.get("ref")]
+    blocks, other = rng.choice(lists), rng.choice(lists)
+    kind = rng.randrange(5)
+    if kind == 0:
+        blocks.append(rng.choice(blocks or [[0, 0, 1, 3]]))
+    elif kind == 1 and blocks:
+        del blocks[rng.randrange(len(blocks))]
+    elif kind == 2:
+        blocks.reverse()
+    elif kind == 3:
+        blocks[:] = [list(b) for b in other]
+    elif blocks and other:
+        blocks[rng.randrange(len(blocks))] = list(rng.choice(other))
+
+
+def boxes_swap(rng, d):
+    """Two boxes' coordinates swapped, a box repeated or dropped, or two boxes' entries swapped with their
+    checksums."""
+    key = rng.choice(sorted(d["boxes"]))
+    boxes = d["boxes"][key]["boxes"]
+    i, j = rng.sample(range(len(boxes)), 2)
+    kind = rng.randrange(4)
+    if kind == 0:
+        boxes[i], boxes[j] = boxes[j], boxes[i]
+    elif kind == 1:
+        boxes[i] = boxes[j]
+    elif kind == 2:
+        del boxes[i]
+    else:
+        keys = [k for k in d["tensors"] if k.startswith(key + "#box=")]
+        a, b = rng.sample(keys, 2)
+        for f in ("file", "offset", "crc"):
+            d["tensors"][a][f], d["tensors"][b][f] = d["tensors"][b][f], d["tensors"][a][f]
+
+
+#: (store, mutation of one of its parsed manifests)
+PIECE_MUTATIONS = [("delta", _piece_value("enc")), ("boxes", _piece_value("boxes")), ("delta", _piece_number("enc")),
+                   ("boxes", _piece_number("boxes")), ("delta", enc_blocks), ("boxes", boxes_swap)]
+PIECE_SHORT = 24
+
+
+def _linked_copy(src, dst) -> None:
+    """A copy of a store whose data files are hard links to the original's (the mutations here edit manifests)."""
+    def copy(s, t):
+        if os.path.basename(os.path.dirname(s)) == "data":
+            os.link(s, t)
+        else:
+            shutil.copy2(s, t)
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".writer.lock"), copy_function=copy)
+
+
+def run_piece_case(seed, piece_stores, tmp_path):
+    import hostile_stores as hs
+
+    rng = random.Random(seed)
+    store, mutation = PIECE_MUTATIONS[seed % len(PIECE_MUTATIONS)]
+    src, ours = piece_stores[store]
+    root = tmp_path / f"pieces{seed}"
+    _linked_copy(src, root)
+    p = rng.choice(_manifests(root))
+    d = json.loads(p.read_text())
+    mutation(rng, d)
+    p.write_text(json.dumps(d))
+    where = f"seed {seed} ({store}, {mutation.__name__} of {p.name})"
+    loaded, err = _bounded(layerckpt.read_checkpoint, root)
+    assert err is None or isinstance(err, CheckpointError), f"{where}: {type(err).__name__}: {err}"
+    if err is None:
+        _check_result(loaded, ours, where)
+    _, rerr = _bounded(lambda: layerckpt.restore(root, *hs.model_and_optimizer()))
+    assert rerr is None or isinstance(rerr, CheckpointError), f"{where}: restore: {type(rerr).__name__}: {rerr}"
+    out, verr = _bounded(_verify, root)
+    assert verr is None, f"{where}: verify raised {type(verr).__name__}: {verr}"
+    rc, text = out
+    assert "Traceback" not in text, f"{where}:\n{text}"
+    want = _expected_verify(root, err, ours, where)
+    assert rc == want, f"{where}: verify exited {rc}, expected {want} (newest read: {err!r}):\n{text}"
+
+
+def test_fuzz_enc_and_boxes_short(piece_stores, tmp_path):
+    for seed in range(PIECE_SHORT):
+        run_piece_case(seed, piece_stores, tmp_path)
+
+
+@pytest.mark.slow
+def test_fuzz_enc_and_boxes_long(piece_stores, tmp_path):
+    for seed in range(PIECE_SHORT, PIECE_SHORT + LONG):
+        run_piece_case(seed, piece_stores, tmp_path)
+        shutil.rmtree(tmp_path / f"pieces{seed}", ignore_errors=True)
