@@ -1,7 +1,8 @@
 """Command line: layerckpt inspect | verify | export | plot | bench.
 
 Exit codes: 0 done (verify: every checkpoint verified); 1 verify found a damaged checkpoint or file;
-2 any other error (nothing there, bad arguments), its message on stderr."""
+2 any other error (nothing there, bad arguments, an unreadable remote): one line on stderr that says what is
+wrong and how to fix it, never a traceback (LAYERCKPT_TRACEBACK=1 prints one before the line); 130 interrupted."""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +14,10 @@ import torch
 
 from . import _progress, _store
 from ._backend import checksum_function, make_backend
+from ._cli_run import Parser, figure_path, run
 from ._manifest import MODEL, OPTIM, Manifest, load_manifest, model_name, piece_base
 from .config import Config
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError
 from .restore import read_tensors
 
 
@@ -204,11 +206,36 @@ def _damage(root: str, name: str) -> str:
     return "unreadable"
 
 
+#: export's output kinds (args attribute, flag); none: a safetensors file
+_EXPORTS = (("dcp", "--dcp"), ("lightning", "--lightning"), ("accelerate", "--accelerate"),
+            ("transformers", "--transformers"))
+
+
+def _check_export(args) -> None:
+    """Refuse, before any work, two output kinds at once, --step where DIR is one step's folder, and an -o that
+    exists as a directory or special file where a file is written."""
+    kinds = [flag for dest, flag in _EXPORTS if getattr(args, dest) not in (None, False)]
+    if len(kinds) > 1:
+        raise CheckpointError(f"{' and '.join(kinds)} are different outputs: give one of them")
+    if args.dcp is not None and args.output is not None:
+        raise CheckpointError("--dcp OUT_DIR is the output: drop -o")
+    folder = "--accelerate" if args.accelerate else "--transformers" if args.transformers else None
+    if folder and args.step is not None:
+        raise CheckpointError(f"--step does not apply to {folder}: DIR is the folder of one step already; drop "
+                              f"--step and name that step's folder")
+    if folder or args.output is None or not os.path.exists(args.output) or os.path.isfile(args.output):
+        return
+    if os.path.isdir(args.output):
+        example = os.path.join(args.output, "model.ckpt" if args.lightning else "model.safetensors")
+        raise CheckpointError(f"-o {args.output} is a directory: name the file to write, e.g. -o {example}")
+    raise CheckpointError(f"-o {args.output} is not a regular file (a device, FIFO or socket), which the export "
+                          f"would replace or write into: name a file")
+
+
 def cmd_export(args) -> int:
     shown = _progress.wanted(getattr(args, "quiet", False))
+    _check_export(args)
     if args.dcp is not None:
-        if args.output is not None or args.lightning or args.accelerate:
-            raise CheckpointError("--dcp OUT_DIR is the output: drop -o, --lightning and --accelerate")
         from .interop import export_dcp
 
         _, path = _locate(args)
@@ -279,19 +306,9 @@ def _export_safetensors(args, root: str, path: str, shown: bool) -> int:
 
 
 def cmd_plot(args) -> int:
-    from ._plot import figure, history, _matplotlib
+    from ._plot import figure, history
 
-    out = os.path.abspath(args.output)
-    if not os.path.isdir(os.path.dirname(out)):
-        raise CheckpointError(f"cannot write {args.output}: the directory {os.path.dirname(out)} does not exist; "
-                              f"create it first")
-    ext = os.path.splitext(out)[1].lower()
-    if ext not in (".png", ".svg", ".pdf"):
-        raise CheckpointError(f"-o {args.output}: name a .png, .svg or .pdf file")
-    try:
-        _matplotlib()
-    except ImportError as e:
-        raise CheckpointError(str(e)) from None
+    out = figure_path(args.output, "-o")
     root, _ = _store.locate(args.dir)
     h = history(root)
     title = args.title or getattr(args, "url", None) or args.dir
@@ -303,37 +320,47 @@ def cmd_plot(args) -> int:
 def _bench(args) -> int:
     import importlib
 
-    kind = ("sharded" if args.sharded else "lightning_io" if args.lightning else "policy" if args.policy
-            else "restore" if args.restore else "steps" if args.steps else "cpu" if args.cpu else "run")
+    from .bench import options
+
+    kind = options.check(args)  # before any work: one mode, no option it ignores
     shown = _progress.wanted(getattr(args, "quiet", False))
     # the bench reports nothing while it runs: the bar shows this process's disk traffic and its rate
     with _progress.printing_beside(shown), _progress.watching(_progress.process_io, None, f"bench {kind} I/O", shown):
-        return importlib.import_module("layerckpt.bench." + kind).main(args)
+        rc = importlib.import_module("layerckpt.bench." + kind).main(args)
+    if rc:  # its processes failed (sharded: torchrun's exit status); 1 is verify's alone
+        raise CheckpointError(f"the benchmark's processes exited with status {rc}; their output above says why")
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run one command; whatever goes wrong ends as one line on stderr and exit 2 (verify's damage: 1)."""
     try:
-        return _on_local_view(args)
-    except CheckpointError as e:
-        print(f"layerckpt {args.cmd}: {e}", file=sys.stderr)
-        return 1 if args.cmd == "verify" and isinstance(e, CheckpointCorruptError) else 2  # 1: damage found
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version: 0; a refused argument: 2, its line printed
+        return e.code if isinstance(e.code, int) else 2
+    return run(args)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="layerckpt", description=__doc__)
+    from . import __version__
+    from .bench.options import add_parser
+
+    p = Parser(prog="layerckpt", description=__doc__)
+    p.add_argument("--version", action="version", version=f"layerckpt {__version__}",
+                   help="print the version of layerckpt and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("inspect", help="per layer: persisted step, steps behind, bytes, estimated cost")
-    a.add_argument("dir")
-    a.add_argument("--step", type=int)
+    a.add_argument("dir", help="a checkpoint directory, one of its manifests, or a URL (s3://bucket/prefix)")
+    a.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
     a.set_defaults(fn=cmd_inspect)
     a = sub.add_parser("verify", help="check the checksums of every committed checkpoint")
-    a.add_argument("dir")
+    a.add_argument("dir", help="a checkpoint directory or a URL (s3://bucket/prefix)")
     a.set_defaults(fn=cmd_verify)
     a = sub.add_parser("export", help="consolidated model weights as one safetensors file")
-    a.add_argument("dir")
-    a.add_argument("--step", type=int)
-    a.add_argument("-o", "--output")
+    a.add_argument("dir", help="a checkpoint directory, one of its manifests, or a URL; with --accelerate or "
+                               "--transformers: the folder of one step")
+    a.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    a.add_argument("-o", "--output", help="the file to write (with --accelerate or --transformers: a new folder)")
     a.add_argument("--dcp", metavar="OUT_DIR",
                    help="instead of -o: a torch.distributed.checkpoint directory ('model' and 'optim' as DCP's "
                         "get_model_state_dict / get_optimizer_state_dict give them)")
@@ -349,83 +376,21 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser("plot", help="a figure of the store's history from its manifests: layers written, skipped "
                                     "or unchanged per checkpoint, bytes, estimated loss increase (needs the 'plot' "
                                     "extra: matplotlib)")
-    a.add_argument("dir")
+    a.add_argument("dir", help="a checkpoint directory or a URL (s3://bucket/prefix)")
     a.add_argument("-o", "--output", required=True, help="the figure: a .png, .svg or .pdf file")
     a.add_argument("--max-rows", type=int, default=64, help="more layers than this are drawn as this many rows")
     a.add_argument("--title", help="the figure's title (default: DIR)")
     a.set_defaults(fn=cmd_plot)
-    _bench_parser(sub)
+    add_parser(sub).set_defaults(fn=_bench)
     for a in (sub.choices["verify"], sub.choices["export"], sub.choices["bench"]):
         a.add_argument("-q", "--quiet", action="store_true",
                        help="no progress bar (one is drawn on stderr only when it is a terminal)")
-    for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"], sub.choices["plot"],
-              sub.choices["bench"]):
+    for a in (sub.choices["inspect"], sub.choices["verify"], sub.choices["export"], sub.choices["plot"]):
         a.add_argument("--remote-options", metavar="JSON",
                        help="when DIR is a URL (s3://bucket/prefix): fsspec options, e.g. credentials")
+    sub.choices["bench"].add_argument("--remote-options", metavar="JSON",
+                                      help="the default bench: fsspec options of --remote, e.g. credentials")
     return p
-
-
-def _bench_parser(sub) -> None:
-    a = sub.add_parser("bench", help="time layerckpt against torch.save, safetensors and DCP")
-    a.add_argument("--preset", default="gpt2-small", choices=["gpt2-small", "tiny"])
-    a.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
-    a.add_argument("--reps", type=int, default=3)
-    a.add_argument("--json", action="store_true", help="print one JSON object")
-    a.add_argument("--config", help="a layerckpt YAML config")
-    a.add_argument("--chunk-bytes", type=int)
-    a.add_argument("--queue-depth", type=int)
-    a.add_argument("--only", nargs="+",
-                   choices=["layerckpt", "selective", "torch.save", "safetensors", "dcp", "tiers"])
-    a.add_argument("--remote", metavar="URL", help="the remote tier for 'tiers' (default: a folder beside --dir)")
-    a.add_argument("--policy", action="store_true",
-                   help="instead: the selection defaults on the workload family (bytes, loss after restore)")
-    a.add_argument("--workloads", nargs="+", help="with --policy: which workloads (default: all)")
-    a.add_argument("--plot", metavar="FILE", help="with --policy: the steps-lost frontiers as an image (matplotlib)")
-    a.add_argument("--sharded", action="store_true",
-                   help="instead: an FSDP2 model on --nproc processes (launches torchrun itself) against "
-                        "dcp.save, async_save and load")
-    a.add_argument("--lightning", action="store_true",
-                   help="instead: lightning_layerckpt.LayerCheckpointIO against Lightning's TorchCheckpointIO and "
-                        "AsyncCheckpointIO on a Trainer's checkpoint dict (time blocked, time to durable)")
-    a.add_argument("--restore", action="store_true",
-                   help="instead: resume time by checkpoint size (fresh process, warm and cold page cache) "
-                        "against torch.load + load_state_dict and dcp.load")
-    a.add_argument("--steps", action="store_true",
-                   help="instead: step time of a training loop with a checkpoint after every step: layerckpt "
-                        "against DCP async_save and TorchSnapshot async_take (with --size, --steps-n)")
-    a.add_argument("--steps-n", type=int, default=6, help="with --steps: steps measured")
-    a.add_argument("--cpu", action="store_true",
-                   help="instead: CPU time per checkpoint (all threads, until its background work ended) of "
-                        "torch.save and layerckpt's default, forced delta and off, selective and full, beside the "
-                        "floor of one copy and checksum of the state")
-    a.add_argument("--cpu-models", default="main,gpt2-small",
-                   help="with --cpu: comma-separated models, 'main' (the main job's) and/or 'gpt2-small'")
-    a.add_argument("--steps-every", type=int, default=1,
-                   help="with --steps: a full checkpoint every N steps instead, the default Config against "
-                        "encoding delta and off forced")
-    a.add_argument("--sizes", default="10MB,50MB,200MB,gpt2-small",
-                   help="with --restore: comma-separated state sizes (e.g. 10MB) and/or gpt2-small")
-    a.add_argument("--cache", default="warm,cold", help="with --restore: page-cache conditions, warm and/or cold")
-    a.add_argument("--size", default="gpt2-small", choices=["gpt2-small", "gpt2-mini", "tiny"],
-                   help="with --sharded, --lightning or --steps: the model")
-    a.add_argument("--nproc", type=int, default=2, help="with --sharded: processes")
-    a.add_argument("--mesh", help="with --sharded: DxT, FSDP2 over D x tensor parallel over T (D * T processes)")
-    a.add_argument("--encoding", choices=["auto", "delta", "compress", "off"],
-                   help="with --sharded: layerckpt's Config.encoding (default: Config's)")
-    a.set_defaults(fn=_bench)
-
-
-def _on_local_view(args) -> int:
-    """Run the command; a URL as DIR is read through a temporary local copy of what the command reads."""
-    from ._fetch import cli_options, local_view
-    from ._remote import is_url
-
-    if not is_url(getattr(args, "dir", None)) or getattr(args, "accelerate", False):
-        return args.fn(args)
-    what = {"inspect": "manifests", "plot": "manifests", "verify": "all"}.get(args.cmd, "one")
-    with local_view(args.dir, cli_options(args.remote_options), getattr(args, "step", None), what) as local:
-        args.url, args.dir = args.dir, local
-        return args.fn(args)
 
 
 if __name__ == "__main__":

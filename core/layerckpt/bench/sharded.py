@@ -544,7 +544,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--nproc", type=int, default=2, help="processes to launch (not under torchrun)")
     p.add_argument("--mesh", default=None, help="DxT: FSDP2 over D x tensor parallel over T (D * T processes)")
-    p.add_argument("--encoding", default=None, choices=["delta", "compress", "off"],
+    p.add_argument("--encoding", default=None, choices=["auto", "delta", "compress", "off"],
                    help="layerckpt's Config.encoding (default: Config's)")
     return p
 

@@ -1,0 +1,155 @@
+"""The options of ``layerckpt bench``: its parser, which benchmark (mode) runs, and the checks made before any
+work: one mode at most, no option that mode ignores, values the mode can use.
+
+Options a mode uses have no argparse default, so that one given to a mode that ignores it is seen and refused;
+:func:`check` fills the defaults of the mode that runs.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Dict, Tuple
+
+from ..errors import CheckpointError
+
+#: mode flag (the args attribute) -> the bench module that runs it; no flag: ``run``
+MODES: Dict[str, str] = {"sharded": "sharded", "lightning": "lightning_io", "policy": "policy",
+                         "restore": "restore", "steps": "steps", "cpu": "cpu"}
+DEFAULT = "run"
+
+#: bench module -> the options (args attributes) it reads beside --dir, --json and --quiet
+USES: Dict[str, Tuple[str, ...]] = {
+    "run": ("preset", "reps", "config", "chunk_bytes", "queue_depth", "only", "remote", "remote_options"),
+    "policy": ("config", "workloads", "plot"),
+    "sharded": ("size", "reps", "nproc", "mesh", "encoding"),
+    "lightning_io": ("size", "reps"),
+    "restore": ("sizes", "cache", "reps"),
+    "steps": ("size", "steps_n", "steps_every"),
+    "cpu": ("cpu_models",),
+}
+
+#: the defaults :func:`check` fills in for the mode that runs
+DEFAULTS = {"preset": "gpt2-small", "reps": 3, "size": "gpt2-small", "nproc": 2, "steps_n": 6, "steps_every": 1,
+            "sizes": "10MB,50MB,200MB,gpt2-small", "cache": "warm,cold", "cpu_models": "main,gpt2-small"}
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one, 1 or more") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is less than 1; give 1 or more")
+    return n
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    a = sub.add_parser("bench", help="time layerckpt against torch.save, safetensors and DCP (one benchmark: the "
+                                     "default, or one of --policy, --sharded, --lightning, --restore, --steps, --cpu)")
+    a.add_argument("--preset", choices=["gpt2-small", "tiny"],
+                   help="the default bench: the state to save (default: gpt2-small)")
+    a.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
+    a.add_argument("--reps", type=_positive,
+                   help="the default bench, --sharded, --lightning, --restore: timed repeats (default: 3)")
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+    a.add_argument("--config", metavar="YAML", help="the default bench, --policy: a layerckpt YAML config")
+    a.add_argument("--chunk-bytes", type=_positive, help="the default bench: Config.chunk_bytes")
+    a.add_argument("--queue-depth", type=_positive, help="the default bench: Config.queue_depth")
+    a.add_argument("--only", nargs="+", choices=["layerckpt", "selective", "torch.save", "safetensors", "dcp", "tiers"],
+                   help="the default bench: only these contenders (default: all)")
+    a.add_argument("--remote", metavar="URL",
+                   help="the default bench: the remote tier for 'tiers' (default: a folder beside --dir)")
+    a.add_argument("--policy", action="store_true",
+                   help="instead: the selection defaults on the workload family (bytes, loss after restore)")
+    a.add_argument("--workloads", nargs="+", help="with --policy: which workloads (default: all)")
+    a.add_argument("--plot", metavar="FILE",
+                   help="with --policy: the steps-lost frontiers as a .png, .svg or .pdf (needs matplotlib)")
+    a.add_argument("--sharded", action="store_true",
+                   help="instead: an FSDP2 model on --nproc processes (launches torchrun itself) against "
+                        "dcp.save, async_save and load")
+    a.add_argument("--lightning", action="store_true",
+                   help="instead: lightning_layerckpt.LayerCheckpointIO against Lightning's TorchCheckpointIO and "
+                        "AsyncCheckpointIO on a Trainer's checkpoint dict (time blocked, time to durable)")
+    a.add_argument("--restore", action="store_true",
+                   help="instead: resume time by checkpoint size (fresh process, warm and cold page cache) "
+                        "against torch.load + load_state_dict and dcp.load")
+    a.add_argument("--steps", action="store_true",
+                   help="instead: step time of a training loop with a checkpoint after every step: layerckpt "
+                        "against DCP async_save and TorchSnapshot async_take (with --size, --steps-n)")
+    a.add_argument("--steps-n", type=_positive, help="with --steps: steps measured (default: 6)")
+    a.add_argument("--cpu", action="store_true",
+                   help="instead: CPU time per checkpoint (all threads, until its background work ended) of "
+                        "torch.save and layerckpt's default, forced delta and off, selective and full, beside the "
+                        "floor of one copy and checksum of the state")
+    a.add_argument("--cpu-models",
+                   help="with --cpu: comma-separated models, 'main' (the main job's) and/or 'gpt2-small' "
+                        "(default: main,gpt2-small)")
+    a.add_argument("--steps-every", type=_positive,
+                   help="with --steps: a full checkpoint every N steps instead, the default Config against "
+                        "encoding delta and off forced (default: 1)")
+    a.add_argument("--sizes", help="with --restore: comma-separated state sizes (e.g. 10MB) and/or gpt2-small "
+                                   "(default: 10MB,50MB,200MB,gpt2-small)")
+    a.add_argument("--cache", help="with --restore: page-cache conditions, warm and/or cold (default: warm,cold)")
+    a.add_argument("--size", choices=["gpt2-small", "gpt2-mini", "tiny"],
+                   help="with --sharded, --lightning or --steps: the model (default: gpt2-small)")
+    a.add_argument("--nproc", type=_positive, help="with --sharded: processes (default: 2)")
+    a.add_argument("--mesh", help="with --sharded, instead of --nproc: DxT, FSDP2 over D x tensor parallel over T "
+                                  "(D * T processes)")
+    a.add_argument("--encoding", choices=["auto", "delta", "compress", "off"],
+                   help="with --sharded: layerckpt's Config.encoding (default: Config's)")
+    return a
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _mode_name(kind: str) -> str:
+    flag = next((f for f, k in MODES.items() if k == kind), None)
+    return f"bench {_flag(flag)}" if flag else "bench without a mode flag"
+
+
+def check(args) -> str:
+    """The bench module to run for ``args``, after refusing two modes at once, an option the mode ignores and
+    values it cannot use (all before any work); fills the mode's defaults into ``args``.  Raises CheckpointError
+    naming the option."""
+    given = [f for f in MODES if getattr(args, f, False)]
+    if len(given) > 1:
+        raise CheckpointError(f"{' and '.join(_flag(f) for f in given)} are different benchmarks: give one of them "
+                              f"(or none, for the default bench)")
+    kind = MODES[given[0]] if given else DEFAULT
+    for dest in _ALL:
+        if dest not in USES[kind] and getattr(args, dest, None) is not None:
+            users = [_mode_name(k) for k, uses in USES.items() if dest in uses]
+            raise CheckpointError(f"{_flag(dest)} does not apply to {_mode_name(kind)}: drop it ({_flag(dest)} is "
+                                  f"for {', '.join(users)})")
+    if kind == "sharded" and args.mesh is not None:
+        if args.nproc is not None:
+            raise CheckpointError(f"--nproc does not apply with --mesh {args.mesh}: the mesh sets the processes "
+                                  f"(D * T); drop --nproc")
+        from .sharded import parse_mesh
+
+        parse_mesh(args.mesh)  # a malformed mesh: its message, before torchrun starts
+    if kind == "policy":
+        _check_policy(args)
+    for dest, value in DEFAULTS.items():
+        if dest in USES[kind] and getattr(args, dest, None) is None:
+            setattr(args, dest, value)
+    return kind
+
+
+#: every mode's options, in the order of USES: the first one refused is named
+_ALL = list(dict.fromkeys(d for uses in USES.values() for d in uses))
+
+
+def _check_policy(args) -> None:
+    if args.workloads:
+        from .family import WORKLOADS
+
+        unknown = [w for w in args.workloads if w not in WORKLOADS]
+        if unknown:
+            raise CheckpointError(f"--workloads: no workload named {', '.join(unknown)}; name some of "
+                                  f"{', '.join(WORKLOADS)} (or drop --workloads for all)")
+    if args.plot:
+        from .._cli_run import figure_path
+
+        figure_path(args.plot, "--plot")  # where plot would write nothing, or fail after the whole run
