@@ -18,7 +18,7 @@ from ._cli_run import Parser, figure_path, run
 from ._manifest import MODEL, OPTIM, Manifest, load_manifest, model_name, piece_base
 from .config import Config
 from .errors import CheckpointError, CheckpointNotFoundError
-from .restore import read_tensors
+from .restore import check_state, read_tensors
 
 
 #: bytes (as stored) read per call while a progress bar runs: the bar moves at least this often
@@ -161,10 +161,11 @@ def cmd_verify(args) -> int:
 
 
 def _verify_one(root: str, name: str, m: Manifest, bar: _progress.Bar, failures: List[str], damaged: set) -> bool:
-    """Read every tensor of one committed checkpoint; a failure goes to ``failures`` (and its data file, when
-    named, to ``damaged``)."""
+    """Read every tensor of one committed checkpoint and decode what a restore decodes besides them (RNG states,
+    extra); a failure goes to ``failures`` (and its data file, when named, to ``damaged``)."""
     try:
-        _read_tensors(root, m, list(m.tensors), name, bar)
+        tensors = _read_tensors(root, m, list(m.tensors), name, bar)
+        check_state(m, tensors, os.path.join(root, _store.MANIFEST_DIR, name))
         return True
     except CheckpointError as e:
         failures.append(f"{name}: {e}")
