@@ -69,22 +69,21 @@ def rank_result(rank: int, fname: str, layout: Layout, crcs: Sequence[int], rng:
         return RankResult(rank, fname, layout.size, rng, error)
     if tensors is not None:
         return RankResult(rank, fname, layout.size if size is None else size, rng, tensors=tensors, coding=coding)
-    tensors = {it.key: _entry(it.key, DTYPES[it.tensor.dtype], list(it.tensor.shape), fname, it.offset, it.nbytes,
-                              crcs[i]) for i, it in enumerate(layout.items)}
+    tensors = {it.key: TensorEntry(file=fname, dtype=DTYPES[it.tensor.dtype], shape=list(it.tensor.shape),
+                                   offset=it.offset, nbytes=it.nbytes, crc=seal(checksum, it.key, crcs[i]))
+               for i, it in enumerate(layout.items)}  # each CRC sealed to its key (``_places``)
     return RankResult(rank, fname, layout.size, rng, tensors=tensors, coding=coding)
-
-
-def _entry(key: str, dtype: str, shape: List[int], fname: str, offset: int, nbytes: int, crc: int) -> TensorEntry:
-    """A raw tensor's entry, its CRC sealed to its key, dtype and shape (``_places``)."""
-    return TensorEntry(file=fname, dtype=dtype, shape=shape, offset=offset, nbytes=nbytes,
-                       crc=seal(checksum, key, dtype, shape, crc))
 
 
 def agree(group: Group, mine: RankResult, failed: Optional[BaseException], path: str) -> List[RankResult]:
     """Every rank's result, once every rank's data is durable (or failed).  If any rank failed, nothing
     is committed: this rank's file goes, and the error names every rank that failed and why."""
     # alone, nothing crosses a process: this rank's result as it is (no round trip through plain dicts)
-    ranks = [mine] if group.world == 1 else [RankResult.from_dict(d) for d in group.exchange(mine.to_dict())]
+    if group.world == 1:
+        ranks = [mine]
+    else:
+        ranks = [RankResult.from_dict(d) for d in group.exchange(
+            mine.to_dict(), what=f"the ranks' agreement that every file of this save (here {mine.fname}) is durable")]
     bad = [r for r in ranks if r.error is not None]
     if not bad:
         return ranks
@@ -105,7 +104,7 @@ def publish(group: Group, root: str, m: Manifest) -> str:
         except OSError as e:
             status = [e.errno or errno.EIO, getattr(e, "filename", None) or root]
     if group.world > 1:
-        status = group.exchange(status)[0]  # rank 0's word: committed or not
+        status = group.exchange(status, what=f"learning from rank 0 whether step {m.step} is committed (it may be)")[0]
     if status is not None:
         raise CheckpointWriteError(status[0], status[1], detail="the manifest could not be committed")
     return path

@@ -211,8 +211,8 @@ def _decode_many(tasks: List[Task]) -> None:
 
 
 def _verify(key: str, e: TensorEntry, dest: np.ndarray, check: Callable, root: str, mpath: str) -> None:
-    """The decoded bytes are the tensor's own: its CRC, sealed to its key, dtype and shape (``_places``), matches."""
-    if not sealed_ok(check, e.crc, key, e.dtype, e.shape, check(memoryview(dest), 0)):
+    """The decoded bytes are the tensor's own: its CRC, sealed to its key (``_places``), matches them."""
+    if not sealed_ok(check, e.crc, key, check(memoryview(dest), 0)):
         path = os.path.join(root, _store.DATA_DIR, e.file)
         ref = e.enc.get("ref")
         also = f" or its reference in {ref['file']}" if ref else ""

@@ -364,8 +364,8 @@ class EncodingLoop(WriteLoop):
         self.size += padded
 
     def entries(self, fname: str, crcs: List[int]) -> Dict[str, TensorEntry]:
-        """What the manifest says of each tensor written: raw checksum (sealed to the tensor's key, dtype and
-        shape: ``_places``), blocks, reference."""
+        """What the manifest says of each tensor written: raw checksum (sealed to the tensor's key: ``_places``),
+        blocks, reference."""
         out = {}
         for i, it in enumerate(self.layout.items):
             blocks = self._blocks[i]
@@ -373,10 +373,9 @@ class EncodingLoop(WriteLoop):
             # tensor's reference still, which the saves after this one may encode against, so every composite
             # lists its file and retention keeps it (a restore reads only the reference blocks a delta needs)
             enc = {"codec": _encode.CODEC, "blocks": blocks, "ref": self.plan.where.get(i)}
-            dtype, shape = DTYPES[it.tensor.dtype], list(it.tensor.shape)
-            out[it.key] = TensorEntry(file=fname, dtype=dtype, shape=shape,
+            out[it.key] = TensorEntry(file=fname, dtype=DTYPES[it.tensor.dtype], shape=list(it.tensor.shape),
                                       offset=blocks[0][0] if blocks else self.reserve, nbytes=it.nbytes,
-                                      crc=seal(checksum, it.key, dtype, shape, crcs[i]), enc=enc)
+                                      crc=seal(checksum, it.key, crcs[i]), enc=enc)
         return out
 
     def _abandon_encodes(self) -> None:

@@ -5,13 +5,11 @@ layer's newest persisted version, and for every tensor where its bytes are.
 On disk it is JSON (``manifests/step-N.json``).  Format version 2 adds ``enc`` to a tensor entry
 (how its bytes are encoded, ``_encode``); version 3 adds ``boxes`` (tensors stored as boxes of the whole
 tensor: DTensor shards of any layout), written only by a save that has such a tensor; version 1 and 2
-manifests read unchanged.  A tensor entry's ``crc`` with bit 32 set is sealed to the entry's key, dtype and shape
-(``_places``: every entry written since seals exist; an entry without it is a plain CRC, as written before).
+manifests read unchanged.  A tensor entry's ``crc`` with bit 32 set is sealed to the entry's key (``_places``:
+every entry written since seals exist; an entry without it is a plain CRC, as written before).
 
-``Manifest.from_dict`` is the one validator every field passes before anything is read or allocated: types and
-ranges, tensors' regions of their files (none overlapping another's, an encoded tensor's blocks in file order:
-``_places``), row blocks and boxes covering their tensor once, references to tensors that have entries, finite
-fidelity costs; any damage is a CheckpointCorruptError naming the file and the field.
+``Manifest.from_dict`` (``_validate``) is the one validator every field passes before anything is read or
+allocated; any damage is a CheckpointCorruptError naming the file and the field.
 
 Tensor keys in a checkpoint have fixed prefixes, named here and nowhere else:
 ``model/<state_dict name>``, ``optim/<parameter name>/<state key>``,
@@ -21,21 +19,16 @@ Tensor keys in a checkpoint have fixed prefixes, named here and nowhere else:
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 import contextvars
 import dataclasses
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from ._layout import CODES, ITEMSIZE
 from ._json import load_strict, loads_strict  # noqa: F401 - loads_strict: the JSON reader of every store file
-from ._places import CRC_MAX, check_block_order, check_regions, max_blocks
-from .errors import CheckpointCorruptError
 
 FORMAT_NAME = "layerckpt"
 FORMAT_VERSION = 3  # 2: tensors may be encoded (TensorEntry.enc); 3: tensors stored as boxes (Manifest.boxes)
@@ -129,8 +122,8 @@ class TensorEntry:
     shape: List[int]
     offset: int  # absolute offset in the file
     nbytes: int
-    #: CRC of the raw bytes (after decoding, for an encoded tensor); sealed to this entry's key, dtype and shape
-    #: where bit 32 is set (``_places``: every entry written since; a plain CRC in entries written before)
+    #: CRC of the raw bytes (after decoding, for an encoded tensor); sealed to this entry's key where bit 32 is
+    #: set (``_places``: every entry written since; a plain CRC in entries written before)
     crc: int
     #: how it is encoded (``_encode``): {"codec", "blocks": [[file offset, length, raw length, mode], ...],
     #: "ref": None or the reference's {"file", "step", "rank", "size", "crc", "blocks"}}; None: raw bytes at
@@ -290,22 +283,9 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, m: Any, path: str) -> "Manifest":
-        """Validate a parsed manifest; any damage is a CheckpointCorruptError naming the file and the field."""
-        _check_header(m, path)
-        files = {name: _file_entry(name, e, m["step"], path) for name, e in m["files"].items()}
-        tensors = {key: _tensor_entry(key, e, files, path) for key, e in m["tensors"].items()}
-        check_regions(tensors, path)
-        layers = {name: _layer_entry(name, e, path) for name, e in m["layers"].items()}
-        rest = {k: m[k] for k in _OTHER_FIELDS if k in m}
-        if rest.get("blocks") is not None:
-            rest["blocks"] = _read_blocks(rest["blocks"], tensors, path)
-        if rest.get("boxes") is not None:
-            rest["boxes"] = _read_boxes(rest["boxes"], tensors, set(rest.get("blocks") or {}), path)
-        known = set(tensors) | set(rest.get("blocks") or {}) | set(rest.get("boxes") or {})
-        _check_other(rest, path, known)
-        _check_model(m["model"], path, known)
-        return cls(step=m["step"], world_size=m["world_size"], files=files, tensors=tensors, layers=layers,
-                   model=m["model"], **rest)
+        """Validate a parsed manifest (``_validate``, the one validator of every field); any damage is a
+        CheckpointCorruptError naming the file and the field."""
+        return cls(**validated(m, path))
 
 
 _NAMES: Dict[type, Tuple[str, ...]] = {}
@@ -353,352 +333,6 @@ def plain(obj: Any) -> Any:
     if type(obj) in _NAMES or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
         return {k: plain(v) for k, v in fields_of(obj).items()}
     return obj
-
-
-_REQUIRED = {"format": str, "version": int, "step": int, "world_size": int, "files": dict,
-             "tensors": dict, "layers": dict, "model": dict}
-_TENSOR_FIELDS = [f.name for f in dataclasses.fields(TensorEntry)]
-if _TENSOR_FIELDS != ["file", "dtype", "shape", "offset", "nbytes", "crc", "enc"]:  # what _entry_json writes
-    raise RuntimeError(f"TensorEntry's fields changed ({_TENSOR_FIELDS}): update _manifest._entry_json")
-_LAYER_FIELDS = [f.name for f in dataclasses.fields(LayerEntry)]
-_OTHER_FIELDS = [f.name for f in dataclasses.fields(Manifest)
-                 if f.name not in ("step", "world_size", "files", "tensors", "layers", "model")]
-#: bounds of a manifest's counters: far above any real run, far below what breaks arithmetic on them
-MAX_STEP = (1 << 62) - 1
-MAX_WORLD = 1 << 24
-MAX_DIMS = 64
-#: bytes a tensor's shape may span, its empty dims counted as 1 (as torch sizes a tensor's storage): far above
-#: any real tensor, far below what overflows a torch size calculation (``[2**40, 2**40, 0]`` holds nothing but
-#: does not fit one)
-MAX_TENSOR_BYTES = 1 << 50
-_NAME_RE = re.compile(r"^step-(\d{8,})\.json$")
-_NUMBER = (int, float)
-
-
-def _corrupt(path: str, msg: str, tensor: Optional[str] = None) -> CheckpointCorruptError:
-    return CheckpointCorruptError(f"manifest {path}: {msg}", path=path, tensor=tensor)
-
-
-def _is_int(v: Any, lo: int = 0, hi: int = MAX_STEP) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
-
-
-def _check_header(m: Any, path: str) -> None:
-    """The top-level fields: present, of their types, in range; the step the file is named after."""
-    if not isinstance(m, dict):
-        raise CheckpointCorruptError(f"manifest {path} is not a JSON object", path=path)
-    for k, kind in _REQUIRED.items():
-        if not isinstance(m.get(k), kind) or isinstance(m.get(k), bool):
-            raise CheckpointCorruptError(f"manifest {path} lacks a valid {k!r} field", path=path)
-    if m["format"] != FORMAT_NAME:
-        raise CheckpointCorruptError(f"{path} is not a layerckpt manifest (format={m['format']!r})", path=path)
-    if m["version"] > FORMAT_VERSION:
-        raise CheckpointCorruptError(
-            f"manifest {path} has format version {m['version']}, newer than this layerckpt reads "
-            f"({FORMAT_VERSION}); upgrade layerckpt", path=path)
-    if m["version"] < 1:
-        raise _corrupt(path, f"'version' is {m['version']}; format versions start at 1")
-    if not _is_int(m["step"]):
-        raise _corrupt(path, f"'step' is {_short(m['step'])}, outside 0..{MAX_STEP}")
-    if not _is_int(m["world_size"], 1, MAX_WORLD):
-        raise _corrupt(path, f"'world_size' is {_short(m['world_size'])}, outside 1..{MAX_WORLD}")
-    named = _NAME_RE.match(os.path.basename(str(path)))
-    if named is not None and int(named.group(1)) != m["step"]:
-        raise _corrupt(path, f"'step' is {m['step']} but the file is named for step {int(named.group(1))}: "
-                             f"a manifest was renamed or edited")
-
-
-def _short(v: Any) -> str:
-    r = repr(v)
-    return r if len(r) <= 40 else r[:37] + "..."
-
-
-def _is_shape(shape: Any, dtype: Any) -> bool:
-    """A list of at most MAX_DIMS sizes of a known dtype, spanning at most MAX_TENSOR_BYTES."""
-    if not (isinstance(dtype, str) and dtype in CODES and isinstance(shape, list) and len(shape) <= MAX_DIMS
-            and all(_is_int(s) for s in shape)):
-        return False
-    return math.prod(max(s, 1) for s in shape) * ITEMSIZE[dtype] <= MAX_TENSOR_BYTES
-
-
-def _file_entry(name: str, e: Any, step: int, path: str) -> FileEntry:
-    if not (isinstance(e, dict) and all(_is_int(e.get(k, 0)) for k in ("step", "rank", "size"))
-            and e.get("rank", 0) < MAX_WORLD):
-        raise _corrupt(path, f"entry for file {name!r} is malformed (step, rank and size must be non-negative "
-                             f"integers)")
-    return FileEntry(step=e.get("step", step), rank=e.get("rank", 0), size=e.get("size", 0))
-
-
-def _tensor_entry(key: str, e: Any, files: Dict[str, FileEntry], path: str) -> TensorEntry:
-    if not (isinstance(e, dict) and isinstance(e.get("file"), str) and _is_shape(e.get("shape"), e.get("dtype"))
-            and _is_int(e.get("offset")) and _is_int(e.get("nbytes")) and _is_int(e.get("crc"), 0, CRC_MAX)):
-        raise _corrupt(path, f"entry for tensor {key!r} is malformed (file and dtype: strings, shape: a list of "
-                             f"sizes within {MAX_TENSOR_BYTES} bytes, offset, nbytes and crc: integers)", tensor=key)
-    if e["nbytes"] != math.prod(e["shape"]) * ITEMSIZE[e["dtype"]]:
-        raise _corrupt(path, f"tensor {key!r} has shape {_short(e['shape'])} and dtype {e['dtype']} but "
-                             f"{e['nbytes']} bytes", tensor=key)
-    f = files.get(e["file"])
-    if f is None:
-        raise _corrupt(path, f"tensor {key!r} points to file {e['file']!r} that the manifest does not list",
-                       tensor=key)
-    enc = e.get("enc")
-    if enc is not None:
-        _check_enc(key, enc, e["nbytes"], f.size, e["file"], files, path)
-    elif e["offset"] + e["nbytes"] > f.size:
-        raise _corrupt(path, f"tensor {key!r} claims bytes {e['offset']}..{e['offset'] + e['nbytes']} of file "
-                             f"{e['file']!r}, which the manifest says holds {f.size}", tensor=key)
-    return TensorEntry(**{k: e.get(k) for k in _TENSOR_FIELDS})
-
-
-def _check_enc(key: str, enc: Any, nbytes: int, size: int, fname: str, files: Dict[str, FileEntry],
-               path: str) -> None:
-    """An encoded tensor's record: a codec this reader knows, blocks inside the file covering the tensor's
-    bytes, and a reference (itself self-contained) inside a file the manifest lists."""
-    from ._encode import CODEC, MODES, reads_ref
-
-    if not (isinstance(enc, dict) and enc.get("codec") == CODEC and isinstance(enc.get("blocks"), list)):
-        raise _corrupt(path, f"tensor {key!r} has an encoding this layerckpt does not read "
-                             f"({_short(enc)}); upgrade layerckpt", tensor=key)
-    ref = enc.get("ref")
-    _check_blocks(key, enc["blocks"], nbytes, size, fname, MODES, path)
-    if ref is None:
-        if reads_ref(enc["blocks"]):
-            raise _corrupt(path, f"tensor {key!r} has delta blocks but no reference", tensor=key)
-        return
-    if not (isinstance(ref, dict) and isinstance(ref.get("file"), str) and ref["file"] in files
-            and _is_int(ref.get("crc"), 0, CRC_MAX) and isinstance(ref.get("blocks"), list)
-            and all(_is_int(ref.get(k)) for k in ("step", "rank", "size"))):
-        raise _corrupt(path, f"tensor {key!r} has a malformed reference (file: one the manifest lists; step, "
-                             f"rank, size and crc: integers; blocks: a list)", tensor=key)
-    _check_blocks(key, ref["blocks"], nbytes, files[ref["file"]].size, ref["file"], (0, 1), path, " (its reference)")
-
-
-def _check_blocks(key: str, blocks: list, nbytes: int, size: int, fname: str, modes, path: str,
-                  what: str = "") -> None:
-    """Each block [file offset, length, raw length, mode] well formed (raw length 1..BLOCK, or the length of a
-    raw block; stored length 0 for an unchanged block, at least 1 for any other) and inside the file; together
-    in file order, covering the tensor's bytes once (``_places``)."""
-    from ._encode import BLOCK, RAW, SAME
-
-    if len(blocks) > max_blocks(nbytes):  # before any is looked at: a long list costs no more than a short one
-        raise _corrupt(path, f"tensor {key!r}{what} has {len(blocks)} blocks in {fname!r}, more than the "
-                             f"{max_blocks(nbytes)} its {nbytes} bytes are cut into", tensor=key)
-    total = 0
-    for b in blocks:
-        if not (isinstance(b, list) and len(b) == 4 and all(_is_int(x) for x in b) and b[3] in modes and b[2] >= 1
-                and (b[1] == b[2] if b[3] == RAW else b[2] <= BLOCK and (b[1] == 0) == (b[3] == SAME))):
-            raise _corrupt(path, f"tensor {key!r}{what} has a malformed block {_short(b)}", tensor=key)
-        if b[0] + b[1] > size:
-            raise _corrupt(path, f"tensor {key!r} claims bytes {b[0]}..{b[0] + b[1]} of file {fname!r}, which "
-                                 f"the manifest says holds {size}", tensor=key)
-        total += b[2]
-    if total != nbytes:
-        raise _corrupt(path, f"tensor {key!r}'s blocks in {fname!r} cover {total} bytes, not its {nbytes}",
-                       tensor=key)
-    check_block_order(key, blocks, fname, path, what)
-
-
-_LAYER_TYPES = {"step": int, "file": (str, type(None)), "tensors": list, "nbytes": int, "rank": int, "age": int,
-                "reason": str, "drift": (int, float, type(None)), "frozen": bool,
-                "cost": (int, float, type(None)), "unchanged": bool}
-
-
-def _layer_entry(name: str, e: Any, path: str) -> LayerEntry:
-    bad = "not an object" if not isinstance(e, dict) else next(
-        (k for k, kind in _LAYER_TYPES.items() if k in e and not _typed(e[k], kind)), None)
-    if bad is None and not isinstance(e.get("step"), int):
-        bad = "step"
-    if bad is None and not (_is_int(e["step"]) and all(isinstance(t, str) for t in e.get("tensors", []))
-                            and all(_is_int(e.get(k, 0)) for k in ("nbytes", "rank", "age"))):
-        bad = "step, tensors, nbytes, rank or age"
-    if bad is None and not _is_cost(e.get("cost")):
-        bad = f"cost {_short(e['cost'])}: a finite number, at least 0"
-    if bad is not None:
-        raise _corrupt(path, f"entry for layer {name!r} is malformed ({bad})")
-    known = {k: e[k] for k in _LAYER_FIELDS if k in e}
-    known.setdefault("file", None)
-    known.setdefault("tensors", [])
-    known.setdefault("nbytes", 0)
-    return LayerEntry(**known)
-
-
-def _typed(v: Any, kind) -> bool:
-    """isinstance, where a bool is no int (JSON's true is not a step); an int passes for a float."""
-    if isinstance(v, bool) and kind is not bool:
-        return False
-    return isinstance(v, kind)
-
-
-_OTHER_TYPES = {"seq": int, "chain": int, "created": _NUMBER, "config": dict, "optimizer": (dict, type(None)),
-                "rng": (dict, type(None)), "rng_ranks": (dict, type(None)), "checksum": str,
-                "cost": _NUMBER + (type(None),), "progress": _NUMBER + (type(None),),
-                "loss": _NUMBER + (type(None),), "name": (str, type(None)), "format": str, "version": int,
-                "coding": (dict, type(None))}
-
-
-def _is_cost(v: Any) -> bool:
-    """A recorded fidelity cost: absent, or a finite number of at least 0 (an int passes, a bool does not)."""
-    return v is None or (_finite(v) and v >= 0)
-
-
-def _finite(v: Any) -> bool:
-    """A finite number (an int of any size passes; a bool does not)."""
-    return _typed(v, _NUMBER) and (isinstance(v, int) or math.isfinite(v))
-
-
-def _check_other(rest: Dict[str, Any], path: str, known: set) -> None:
-    """The optional fields: of their types; the optimizer's groups and state shaped as a restore reads them;
-    every tensor reference (in optimizer state, RNG, extra) a string."""
-    for k, kind in _OTHER_TYPES.items():
-        if k in rest and not _typed(rest[k], kind):
-            raise _corrupt(path, f"field {k!r} is {_short(rest[k])}, not of the type a manifest records")
-    for k in ("seq", "chain"):
-        if k in rest and not _is_int(rest[k]):
-            raise _corrupt(path, f"field {k!r} is {_short(rest[k])}, outside 0..{MAX_STEP}")
-    # what a restore's fidelity check compares: a NaN would pass any bound unnoticed (the writers record finite
-    # values: a save refuses a loss that is not, and a cost sums finite per-layer costs)
-    if not _is_cost(rest.get("cost")):
-        raise _corrupt(path, f"field 'cost' is {_short(rest['cost'])}, not a finite number of at least 0")
-    if rest.get("loss") is not None and not _finite(rest["loss"]):
-        raise _corrupt(path, f"field 'loss' is {_short(rest['loss'])}, not a finite number")
-    opt = rest.get("optimizer")
-    if opt is not None and not (
-            isinstance(opt.get("param_groups", []), list) and isinstance(opt.get("state", {}), dict)
-            and all(isinstance(g, dict) and isinstance(g.get("params"), list)
-                    and all(isinstance(p, str) for p in g["params"]) for g in opt.get("param_groups", []))
-            and all(isinstance(st, dict) for st in opt.get("state", {}).values())
-            and isinstance(opt.get("class", ""), (str, type(None)))):
-        raise _corrupt(path, "field 'optimizer' is malformed (param_groups: a list of objects with a 'params' "
-                             "list of names; state: an object of objects)")
-    for k in ("optimizer", "rng", "rng_ranks", "extra"):
-        _check_refs(rest.get(k), k, path, known)
-
-
-def _check_model(model: Dict[str, Any], path: str, known: set) -> None:
-    """``model.aliases`` maps tied names, which have no entry of their own, to a model tensor that has one;
-    ``model.other`` is an object whose tensor references have entries."""
-    aliases, other = model.get("aliases", {}), model.get("other")
-    if not (isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values())):
-        raise _corrupt(path, "field 'model.aliases' is not an object of names")
-    for alias, canon in aliases.items():
-        if model_key(canon) not in known:
-            raise _corrupt(path, f"field 'model.aliases' ties {alias!r} to {canon!r}, a model tensor the manifest "
-                                 f"has no entry for", tensor=model_key(canon))
-        if model_key(alias) in known:
-            raise _corrupt(path, f"field 'model.aliases' ties {alias!r} to {canon!r}, but {alias!r} has an entry "
-                                 f"of its own", tensor=model_key(alias))
-    if not isinstance(other, (dict, type(None))):
-        raise _corrupt(path, "field 'model.other' is not an object")
-    _check_refs(other, "model.other", path, known)
-
-
-def _check_refs(obj: Any, field_name: str, path: str, known: set) -> None:
-    """Every ``{"__tensor__": key}`` (or ``__ndarray__``) reference inside a field names, by a string, a tensor
-    the manifest has an entry for."""
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, list):
-            stack.extend(o)
-        elif isinstance(o, dict):
-            ref = next(iter(o.values())) if len(o) == 1 and next(iter(o)) in ("__tensor__", "__ndarray__") else None
-            if ref is not None and not (isinstance(ref, str) and ref in known):
-                raise _corrupt(path, f"field {field_name!r} refers to tensor {_short(ref)}, which the manifest has "
-                                     f"no entry for")
-            stack.extend(o.values())
-
-
-def _read_blocks(blocks: Any, tensors: Dict[str, TensorEntry], path: str) -> Dict[str, RowBlocks]:
-    """Each tensor stored in row blocks: its blocks cover its rows in order, each one listed with the
-    dtype and shape of those rows."""
-    if not isinstance(blocks, dict):
-        raise CheckpointCorruptError(f"manifest {path}: 'blocks' is not a mapping", path=path)
-    out = {}
-    for key, b in blocks.items():
-        ok = (isinstance(b, dict) and _is_shape(b.get("shape"), b.get("dtype")) and len(b["shape"]) >= 1
-              and isinstance(b.get("rows"), list) and len(b["rows"]) >= 1
-              and all(isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r) for r in b["rows"]))
-        edges = [0] + [x for r in (b["rows"] if ok else []) for x in r] + [b["shape"][0] if ok else 0]
-        if not ok or any(edges[i] != edges[i + 1] for i in range(0, len(edges), 2)) or any(
-                r[0] >= r[1] for r in b["rows"]):
-            raise _corrupt(path, f"the row blocks of tensor {key!r} are malformed (dtype: a known code; shape: sizes "
-                                 f"within {MAX_TENSOR_BYTES} bytes; rows: [first, end] pairs covering its rows in "
-                                 f"order, at least one)", tensor=key)
-        if key in tensors:
-            raise _corrupt(path, f"tensor {key!r} is stored in row blocks and also otherwise", tensor=key)
-        out[key] = RowBlocks(dtype=b["dtype"], shape=list(b["shape"]), rows=[list(r) for r in b["rows"]])
-        for pk, a, z in row_pieces(out, key):
-            e = tensors.get(pk)
-            if e is None or e.dtype != b["dtype"] or e.shape != [z - a] + b["shape"][1:]:
-                raise CheckpointCorruptError(
-                    f"manifest {path}: block {pk!r} of tensor {key!r} is missing or has the wrong dtype or shape",
-                    path=path, tensor=pk)
-    return out
-
-
-def _read_boxes(boxes: Any, tensors: Dict[str, TensorEntry], rows: set, path: str) -> Dict[str, Boxes]:
-    """Each tensor stored as boxes: its boxes lie inside its shape and cover it without overlap, each one
-    listed as a tensor entry of the dtype and the box's sizes."""
-    if not isinstance(boxes, dict):
-        raise _corrupt(path, "'boxes' is not a mapping")
-    out = {}
-    for key, b in boxes.items():
-        rec = _box_record(key, b, path)
-        if key in rows or key in tensors:
-            raise _corrupt(path, f"tensor {key!r} is stored as boxes and also otherwise", tensor=key)
-        _check_cover(key, rec, path)
-        for pk, _, sizes in shard_pieces(rec, key):
-            e = tensors.get(pk)
-            if e is None or e.dtype != rec.dtype or e.shape != sizes:
-                raise _corrupt(path, f"box {pk!r} of tensor {key!r} is missing or has the wrong dtype or shape",
-                               tensor=pk)
-        out[key] = rec
-    return out
-
-
-def _box_record(key: str, b: Any, path: str) -> Boxes:
-    """One ``boxes`` record, its fields of their types: every box [offsets, sizes] inside the shape."""
-    ok = (isinstance(b, dict) and _is_shape(b.get("shape"), b.get("dtype"))
-          and isinstance(b.get("boxes"), list) and len(b["boxes"]) <= MAX_WORLD)
-    nd = len(b["shape"]) if ok else 0
-    for box in b["boxes"] if ok else []:
-        ok = (isinstance(box, list) and len(box) == 2 and all(
-            isinstance(v, list) and len(v) == nd and all(_is_int(x) for x in v) for v in box)
-              and all(s >= 1 and o + s <= n for o, s, n in zip(box[0], box[1], b["shape"])))
-        if not ok:
-            raise _corrupt(path, f"tensor {key!r} has a malformed box {_short(box)} (offsets and sizes per dim, "
-                                 f"each box non-empty and inside the shape {_short(b['shape'])})", tensor=key)
-    if not ok:
-        raise _corrupt(path, f"the boxes of tensor {key!r} are malformed", tensor=key)
-    return Boxes(dtype=b["dtype"], shape=list(b["shape"]), boxes=[[list(o), list(s)] for o, s in b["boxes"]])
-
-
-#: cells of the grid a tensor's box edges cut it into that a manifest's boxes may make: far above any real layout
-#: (a grid partition makes as many cells as boxes), far below what checking them takes long for
-MAX_CELLS = 1 << 22
-
-
-def _check_cover(key: str, rec: Boxes, path: str) -> None:
-    """The boxes do not overlap and their volumes add up to the tensor's: together they cover it once.  Each box
-    is painted onto the grid of cells its edges cut the tensor into, refused where it meets a painted cell: work
-    bounded by the cells, whatever the boxes."""
-    import numpy as np
-
-    if sum(math.prod(s) for _, s in rec.boxes) != math.prod(rec.shape):
-        raise _corrupt(path, f"the boxes of tensor {key!r} do not add up to its shape {rec.shape}", tensor=key)
-    if len(rec.boxes) < 2 or not rec.shape:
-        return
-    edges = [sorted({x for o, s in rec.boxes for x in (o[d], o[d] + s[d])}) for d in range(len(rec.shape))]
-    cells = math.prod(len(e) - 1 for e in edges)
-    if cells > MAX_CELLS:
-        raise _corrupt(path, f"the {len(rec.boxes)} boxes of tensor {key!r} cut it into {cells} cells, more than "
-                             f"the {MAX_CELLS} a layout makes", tensor=key)
-    grid = np.zeros([len(e) - 1 for e in edges], dtype=bool)
-    for o, s in rec.boxes:
-        at = tuple(slice(bisect.bisect_left(e, o[d]), bisect.bisect_left(e, o[d] + s[d])) for d, e in enumerate(edges))
-        if grid[at].any():
-            raise _corrupt(path, f"the box {[o, s]} of tensor {key!r} overlaps another", tensor=key)
-        grid[at] = True
 
 
 _parsed: "contextvars.ContextVar[Optional[Dict[Tuple[str, int, int, int], Manifest]]]" = contextvars.ContextVar(
@@ -751,3 +385,7 @@ def load_manifest(path: str) -> Manifest:
     if memo is not None and key is not None:
         memo[key] = out
     return out
+
+
+# the validator, which takes the types above (imported last: it imports them); ``_check_cover`` for its tests
+from ._validate import _check_cover, validated  # noqa: E402,F401

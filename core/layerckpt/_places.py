@@ -5,7 +5,7 @@ span of its blocks for an encoded tensor (``_encode``).  The writers lay tensors
 encoded tensor's blocks in the order of its bytes, each after the one before (``_encwrite`` writes the encoded
 buffers in image order, ``_transcode`` a tensor's blocks one after another); blocks are cut where the file
 image's ``BLOCK`` and staging-chunk boundaries fall, multiples of ``ALIGN``.  So the manifest's validator
-(``_manifest.Manifest.from_dict``) refuses, before anything is read or allocated:
+(``_validate``, ``Manifest.from_dict``) refuses, before anything is read or allocated:
 
 - two tensors of one file whose regions overlap (each stored byte belongs to one tensor);
 - a tensor whose blocks (or its reference's) go back in the file or overlap the one before;
@@ -17,40 +17,38 @@ from the region the tensor owns; a manifest cannot make one stored block decode 
 Seals.  A CRC over a tensor's bytes does not say which tensor they are: another tensor's blocks and CRC copied
 onto an entry, or two boxes swapped with their CRCs, would read back as sound.  A tensor entry written by this
 layerckpt records its ``crc`` sealed: bit 32 (``SEALED``) set, and in the low 32 bits the CRC of its raw bytes
-continued over the entry's identity (its key, which names the row block or box of a tensor stored in pieces;
-its dtype; its shape), in the manifest's checksum.  A reader takes the CRC of the bytes it read (decoded) as
-before and continues it over the identity of the entry it reads them for: bytes that belong to another tensor,
-or to another place of the same tensor, do not match.  Clearing the bit does not help an edit: the sealed value
-is then compared as a plain CRC, which it is not.  An entry without the bit (written before seals existed) is
-compared as a plain CRC, as it always was.
+continued over the entry's key (which names the tensor, and the row block or box of a tensor stored in pieces),
+in the manifest's checksum.  A reader takes the CRC of the bytes it read (decoded) as before and continues it
+over the key of the entry it reads them for: bytes that belong to another tensor, or to another piece of the
+same tensor, do not match.  Clearing the bit does not help an edit: the sealed value is then compared as a plain
+CRC, which it is not.  An entry without the bit (written before seals existed) is compared as a plain CRC, as it
+always was, and a reader that predates seals reports a sealed entry as a checksum mismatch.  The key is all a seal
+binds (the smallest binding that tells pieces apart: a box's or row block's key names its place); the references
+to tensors in the optimizer state, RNG and extra are bound to their place by the validator, each naming the key
+the writer gives its place (``_validate._check_places``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._units import ALIGN
 from .errors import CheckpointCorruptError
 
-SEALED = 1 << 32  # set in a tensor entry's crc: the CRC is sealed to the entry's identity
+SEALED = 1 << 32  # set in a tensor entry's crc: the CRC is sealed to the entry's key
 CRC_MAX = (SEALED << 1) - 1  # a crc is a 32-bit CRC, sealed or not: nothing above bit 32
 
 Check = Callable[..., int]  # check(buffer, seed) -> CRC, the manifest's checksum (``_backend.checksum_function``)
 
 
-def identity(key: str, dtype: str, shape: Sequence[int]) -> bytes:
-    """What a sealed CRC is continued over: the entry's key, dtype code and shape."""
-    return f"{key}\0{dtype}\0{','.join(map(str, shape))}".encode("utf-8", "surrogatepass")
+def seal(check: Check, key: str, crc: int) -> int:
+    """The crc a tensor entry records for raw bytes whose CRC is ``crc``: sealed to its key."""
+    return SEALED | (check(key.encode("utf-8", "surrogatepass"), crc) & 0xFFFFFFFF)
 
 
-def seal(check: Check, key: str, dtype: str, shape: Sequence[int], crc: int) -> int:
-    """The crc a tensor entry records for raw bytes whose CRC is ``crc``: sealed to its key, dtype and shape."""
-    return SEALED | (check(identity(key, dtype, shape), crc) & 0xFFFFFFFF)
-
-
-def sealed_ok(check: Check, recorded: int, key: str, dtype: str, shape: Sequence[int], crc: int) -> bool:
-    """Whether bytes whose CRC is ``crc``, read for the entry (key, dtype, shape), match its ``recorded`` crc."""
+def sealed_ok(check: Check, recorded: int, key: str, crc: int) -> bool:
+    """Whether bytes whose CRC is ``crc``, read for the entry ``key``, match its ``recorded`` crc."""
     if recorded & SEALED:
-        return recorded == seal(check, key, dtype, shape, crc)
+        return recorded == seal(check, key, crc)
     return recorded == crc
 
 

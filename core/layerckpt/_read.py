@@ -19,7 +19,7 @@ import torch
 
 from . import _backend
 from ._backend import open_file
-from ._layout import CODES, DTYPES, align_up
+from ._layout import CODES, align_up
 from ._manifest import TensorEntry
 from ._places import sealed_ok
 from .config import ALIGN
@@ -342,9 +342,9 @@ def _drain_quietly(backend) -> None:
 
 
 def _verify(check: Optional[Callable], crc: int, w: Want, path: str) -> None:
-    """The bytes read for ``w`` (CRC ``crc``) are its own: the entry's CRC, sealed to its key, dtype and shape
-    (``_places``), matches them."""
-    if check is not None and not sealed_ok(check, w.crc, w.key, DTYPES[w.dtype], w.shape, crc):
+    """The bytes read for ``w`` (CRC ``crc``) are its own: the entry's CRC, sealed to its key (``_places``),
+    matches them."""
+    if check is not None and not sealed_ok(check, w.crc, w.key, crc):
         raise CheckpointCorruptError(
             f"checksum mismatch in tensor {w.key!r} of {path} (bytes {w.offset}..{w.offset + w.nbytes}); "
             f"the file is damaged, or the manifest gives the tensor another's bytes: run `layerckpt verify`, or "
