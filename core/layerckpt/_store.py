@@ -16,7 +16,7 @@ import re
 import stat
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from ._json import read_regular
+from ._json import open_dir, read_regular
 from ._manifest import Manifest, load_manifest
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
@@ -47,14 +47,33 @@ def is_data_name(name: str) -> bool:
     return _DATA_RE.match(name) is not None
 
 
+NAME_MAX = 255  # the longest file name (in bytes) the file systems layerckpt writes to take
+
+
 def safe_join(root: str, sub: str, name: Any, what: str) -> str:
-    """Join a file name from a manifest under root/sub, refusing anything that could escape it."""
+    """Join a file name from a manifest under root/sub, refusing anything that could escape it: a name that is
+    not a plain one, or longer than a file name may be, or that is a symbolic link (each open refuses links
+    too, see ``_json.open_regular``: this check keeps a stat of the path from following one)."""
+    folder = os.path.join(root, sub)
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
         raise CheckpointCorruptError(
-            f"{what} names {name!r}, which is not a plain file name inside {os.path.join(root, sub)}; refused",
-            path=os.path.join(root, sub),
-        )
-    return os.path.join(root, sub, name)
+            f"{what} names {name!r}, which is not a plain file name inside {folder}; refused", path=folder)
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        raise CheckpointCorruptError(
+            f"{what} names a file of {len(name)} characters ({name[:40]}...), longer than a file name may be "
+            f"({NAME_MAX} bytes): not a file layerckpt wrote, the manifest is damaged", path=folder)
+    path = os.path.join(folder, name)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path  # the reader says what is missing
+    except OSError as e:  # a folder on the way that is a file, a loop of links
+        raise CheckpointCorruptError(f"{what} names {path}, which cannot be reached: "
+                                     f"{os.strerror(e.errno or errno.EIO)}; the store is damaged", path=path) from None
+    if stat.S_ISLNK(mode):
+        raise CheckpointCorruptError(f"{what} names {path}, which is a symbolic link; layerckpt reads the files it "
+                                     f"wrote itself, never through a link: the store is damaged", path=path)
+    return path
 
 
 def create(path: str) -> int:
@@ -87,8 +106,21 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def check_layout(root: str) -> None:
+    """Refuse a store whose ``data`` or ``manifests`` is a symbolic link (a read would leave the store through
+    it) or anything but a directory, naming it; either may be missing.  The root itself may be a link."""
+    if not os.path.isdir(root):
+        return
+    for sub in (DATA_DIR, MANIFEST_DIR):
+        try:
+            os.close(open_dir(root, sub, "store folder"))
+        except CheckpointNotFoundError:
+            pass
+
+
 def list_manifests(root: str) -> List[Tuple[int, str]]:
     """Committed manifests as (step, name), oldest step first."""
+    check_layout(root)
     d = os.path.join(root, MANIFEST_DIR)
     try:
         names = os.listdir(d)
@@ -169,7 +201,7 @@ def store_id(root: str) -> Optional[str]:
     exist); never read through a link."""
     path = os.path.join(root, STORE_ID)
     try:
-        raw = read_regular(path, "store identity", cap=4096, follow=False)
+        raw = read_regular(path, "store identity", cap=4096, follow=False, under=root)
     except CheckpointNotFoundError:
         return None
     return parse_store_id(raw, path)
@@ -209,6 +241,7 @@ def local_path(path: Union[str, "os.PathLike[str]"], what: str = "checkpoint dir
 
 
 def ensure_layout(root: str) -> None:
+    check_layout(root)
     for sub in (DATA_DIR, MANIFEST_DIR):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
 
@@ -247,6 +280,7 @@ def resolve(root: str, step: Optional[int] = None) -> str:
     root = local_path(root)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
+    check_layout(root)
     if not os.path.isdir(os.path.join(root, MANIFEST_DIR)):
         raise CheckpointNotFoundError(
             f"{root} is not a layerckpt directory (no {MANIFEST_DIR}/); point at the dirpath given to Checkpointer"
