@@ -25,6 +25,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from . import _store
 from ._flush import wait_for_saves
+from ._json import loads_strict
 from ._manifest import Manifest, load_manifest
 from ._memtier import memory_path, refusal
 from ._remote import DATA, MANIFESTS, FsspecStore, is_url
@@ -55,8 +56,7 @@ def pick(store, step: Optional[int]) -> Tuple[str, Manifest]:
         if name in good:
             return name, good[name]
         if name in bad:
-            raise CheckpointCorruptError(f"manifest {store.where(MANIFESTS, name)} is damaged",
-                                         path=store.where(MANIFESTS, name))
+            raise damage(store, name, "")
         have = sorted(m.step for m in good.values())
         raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {store.url}; committed steps: {have}")
     name = _store.newest(good)
@@ -65,10 +65,21 @@ def pick(store, step: Optional[int]) -> Tuple[str, Manifest]:
         raise CheckpointNotFoundError(f"no committed checkpoint in {store.url}{hint}")
     newer = [b for b in bad if _store.manifest_step(b) > good[name].step]
     if newer:  # never fall back silently past a newer checkpoint that was committed and then damaged
-        raise CheckpointCorruptError(f"manifest {store.where(MANIFESTS, newer[-1])} is truncated or malformed; it "
-                                     f"is newer than the newest readable one ({name})",
-                                     path=store.where(MANIFESTS, newer[-1]))
+        raise damage(store, newer[-1], f"; it is newer than the newest readable one ({name})")
     return name, good[name]
+
+
+def damage(store, name: str, more: str) -> CheckpointCorruptError:
+    """What is wrong with the tier's manifest ``name``, which ``read_all`` could not read, ``more`` added."""
+    where = store.where(MANIFESTS, name)
+    why = f"manifest {where} is truncated or malformed"
+    try:
+        Manifest.from_dict(loads_strict(store.read(MANIFESTS, name), where), where)
+    except CheckpointCorruptError as e:
+        why = str(e)
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        why = f"manifest {where} cannot be read ({type(e).__name__}: {e})"
+    return CheckpointCorruptError(why + more, path=where)
 
 
 def download(store, manifests: Mapping[str, Manifest], dest: str, data: bool = True, strict: bool = True) -> None:
@@ -77,7 +88,7 @@ def download(store, manifests: Mapping[str, Manifest], dest: str, data: bool = T
     _store.ensure_layout(dest)
     files: Dict[str, int] = {}
     for name, m in manifests.items():
-        with open(os.path.join(dest, _store.MANIFEST_DIR, name), "wb") as f:
+        with os.fdopen(_store.create(os.path.join(dest, _store.MANIFEST_DIR, name)), "wb") as f:
             f.write(store.read(MANIFESTS, name))
         for fname, fe in m.files.items():
             _store.safe_join(dest, _store.DATA_DIR, fname, f"manifest {store.where(MANIFESTS, name)}")
@@ -87,8 +98,8 @@ def download(store, manifests: Mapping[str, Manifest], dest: str, data: bool = T
 
     def get(fname: str) -> None:
         dst = os.path.join(dest, _store.DATA_DIR, fname)
-        try:
-            store.get_file(DATA, fname, dst)
+        try:  # never more than the manifest records: a bigger file is refused, not copied whole
+            store.get_file(DATA, fname, dst, files[fname])
         except FileNotFoundError:
             if not strict:
                 return
@@ -284,8 +295,8 @@ def local_view(url: str, options: Optional[Mapping[str, Any]], step: Optional[in
     good, bad = read_all(store)
     with tempfile.TemporaryDirectory(prefix="layerckpt-view-") as tmp:
         download(store, good, tmp, data=what == "all", strict=False)
-        for n in bad:
-            with open(os.path.join(tmp, _store.MANIFEST_DIR, n), "wb") as f:
+        for n in bad:  # for the command to report; one that cannot even be read (a FIFO, too big) raises here
+            with os.fdopen(_store.create(os.path.join(tmp, _store.MANIFEST_DIR, n)), "wb") as f:
                 f.write(store.read(MANIFESTS, n))
         if what == "one":
             name, m = pick(store, located if step is None else step)

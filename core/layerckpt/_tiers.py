@@ -59,21 +59,31 @@ def read_all(store) -> Tuple[Dict[str, Manifest], List[str]]:
 
 
 BAD_ID = "unreadable"  # a tier's identity file that is damaged: it matches no store
+ID_BYTES = 4096  # the most bytes an identity file may hold (it holds 33)
 
 
 def tier_id(store) -> Optional[str]:
-    """The store identity a tier carries (copied there by the writer that created it), None without one."""
+    """The store identity a tier carries (copied there by the writer that created it), None without one,
+    ``BAD_ID`` where it cannot be read (logged, with why)."""
+    found, why = _tier_id(store)
+    if why is not None:
+        log.warning("layerckpt: the store identity of the tier %s cannot be read: %s", store.url, why)
+    return found
+
+
+def _tier_id(store) -> Tuple[Optional[str], Optional[str]]:
+    """(the tier's identity, None, or BAD_ID; why it cannot be read, or None)."""
+    where = store.where("", _store.STORE_ID)
     try:
-        raw = store.read("", _store.STORE_ID)
+        raw = store.read("", _store.STORE_ID, "store identity", ID_BYTES)
     except (FileNotFoundError, CheckpointNotFoundError):
-        return None
+        return None, None
     except (OSError, CheckpointCorruptError) as e:
-        log.warning("layerckpt: the store identity of the tier %s cannot be read: %s", store.url, e)
-        return BAD_ID
+        return BAD_ID, str(e)
     try:
-        return _store.parse_store_id(raw, store.where("", _store.STORE_ID))
-    except CheckpointCorruptError:
-        return BAD_ID
+        return _store.parse_store_id(raw, where), None
+    except CheckpointCorruptError as e:
+        return BAD_ID, str(e)
 
 
 def same_store(local: Optional[str], tier: Optional[str], local_empty: bool = False) -> bool:
@@ -330,9 +340,14 @@ class Tier:
             make_private(self.store.root)
 
     def _claim(self, identity: str) -> None:
-        found = tier_id(self.store)
+        found, why = _tier_id(self.store)
         if found is None:
             self.store.put_bytes("", _store.STORE_ID, (identity + "\n").encode())
+        elif found == BAD_ID:
+            raise CheckpointError(
+                f"the {self.kind} tier {self.store.url} has a store identity that cannot be read ({why}); if the "
+                f"tier is this store's, replace the file by a copy of {os.path.join(self.root, _store.STORE_ID)}, "
+                f"else name a remote of this store's own")
         elif found != identity:
             raise CheckpointError(
                 f"the {self.kind} tier {self.store.url} holds the checkpoints of another store (identity {found}, "

@@ -3,7 +3,7 @@ implements it.  A leaf (fsspec is imported only when a URL is checked), so the C
 stores."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 from .errors import ConfigError
 
@@ -46,3 +46,22 @@ def check_config(remote: Any, options: Any) -> None:
     except ImportError as e:
         raise ConfigError(f"Config.remote {remote!r} needs the package that implements {proto}:// ({e})") from None
 
+
+
+#: what a request to S3 may wait, in seconds, where ``Config.remote_options`` names no bound of its own: to
+#: connect, and for the next bytes of an answer (botocore's own defaults are a minute each; recent s3fs versions
+#: set these values themselves, set here whatever the version)
+S3_CONNECT_TIMEOUT, S3_READ_TIMEOUT = 5, 15
+
+
+def bounded(url: str, options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The file system's keyword arguments for ``url``: ``options`` (``Config.remote_options``), with a bound on
+    how long a request may wait wherever the file system takes one and the caller gave none (S3: botocore's
+    connect and read timeouts), so that no remote read waits forever on a server that stopped answering."""
+    out = dict(options or {})
+    if url.split("://", 1)[0] in ("s3", "s3a"):
+        kw = dict(out.get("config_kwargs") or {})
+        kw.setdefault("connect_timeout", S3_CONNECT_TIMEOUT)
+        kw.setdefault("read_timeout", S3_READ_TIMEOUT)
+        out["config_kwargs"] = kw
+    return out

@@ -210,6 +210,7 @@ class RemoteFiles:
         return self._tier.names(sub)
 
     def read(self, sub: str, name: str) -> bytes:
+        """The bytes of the small file ``<url>/<sub>/<name>`` (a pointer), refused past 256 MiB."""
         return self._tier.read(sub, name)
 
     def upload(self, src: str, sub: str, name: str) -> None:
@@ -240,8 +241,10 @@ class RemoteFiles:
         got = []
         for path in self._tier.fs.find(base):
             rel = path[len(base):].lstrip("/")
+            folder, _, name = rel.rpartition("/")
             os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
-            self._tier.fs.get_file(path, os.path.join(dest, rel))
+            # as a tier's files are read: never through a link, never more than the size asked first
+            self._tier.get_file("/".join(p for p in (sub, folder) if p), name, os.path.join(dest, rel))
             got.append(rel)
         return got
 
