@@ -1,6 +1,7 @@
 """Fine-tune a small transformer with Lightning + layerckpt on CPU, kill it, resume it, print what it cost.
 
     python examples/lightning_finetune.py [--dir DIR] [--every 4] [--crash-at 170]
+        [--finetune 240] [--pretrain 60] [--n-layer 6] [--n-embd 128]   (smaller: a quick check, not the figures)
 
 1. reference: pre-train on one synthetic task, then fine-tune on another with a Lightning Trainer
    and its own ModelCheckpoint (every --every steps, save_last="link"), uninterrupted;
@@ -109,14 +110,16 @@ def trainer(root: str, steps: int, callbacks) -> L.Trainer:
                      enable_model_summary=False, callbacks=callbacks, default_root_dir=root)
 
 
-def model(seed: int = 0) -> FineTuneModule:
-    return FineTuneModule(seed=seed).pretrain()
+def model(args: argparse.Namespace, seed: int = 0) -> FineTuneModule:
+    return FineTuneModule(seed=seed, n_layer=args.n_layer, n_embd=args.n_embd).pretrain(args.pretrain)
 
 
-def child(root: str, every: int, crash_at: int) -> None:
-    ck = LayerCheckpoint(dirpath=os.path.join(root, "layerckpt"), every_n_train_steps=every)
+def child(args: argparse.Namespace) -> None:
+    root = args.dir
+    ck = LayerCheckpoint(dirpath=os.path.join(root, "layerckpt"), every_n_train_steps=args.every)
     steps = StepTimer()  # first: its batch start comes before the kill
-    trainer(root, FINETUNE, [steps, ck, KillAt(crash_at, os.path.join(root, "stats.json"), ck, steps)]).fit(model())
+    kill = KillAt(args.crash_at, os.path.join(root, "stats.json"), ck, steps)
+    trainer(root, args.finetune, [steps, ck, kill]).fit(model(args))
 
 
 def main() -> int:
@@ -124,63 +127,73 @@ def main() -> int:
     ap.add_argument("--dir", help="working directory (default: a temporary one, removed afterwards)")
     ap.add_argument("--every", type=int, default=4, help="checkpoint every N fine-tuning steps")
     ap.add_argument("--crash-at", type=int, default=170, help="fine-tuning step at which the run is killed")
+    ap.add_argument("--finetune", type=int, default=FINETUNE, help="fine-tuning steps of every run")
+    ap.add_argument("--pretrain", type=int, default=60, help="pre-training steps of the model every run starts from")
+    ap.add_argument("--n-layer", type=int, default=6, help="transformer blocks of the model")
+    ap.add_argument("--n-embd", type=int, default=128, help="width of the model")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if not 0 < args.every < args.crash_at < args.finetune:
+        ap.error(f"need 0 < --every ({args.every}) < --crash-at ({args.crash_at}) < --finetune ({args.finetune}): "
+                 f"a checkpoint before the kill, and steps after it to resume")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
     if args.child:
-        child(args.dir, args.every, args.crash_at)
+        child(args)
         return 0
-    root = args.dir or tempfile.mkdtemp(prefix="layerckpt-lightning-")
+    root, keep = args.dir or tempfile.mkdtemp(prefix="layerckpt-lightning-"), bool(args.dir)
     os.makedirs(root, exist_ok=True)
     for sub in ("layerckpt", "lightning"):
         shutil.rmtree(os.path.join(root, sub), ignore_errors=True)
     try:
-        ref, ref_ck, ref_steps = reference(root, args.every)
-        stats = killed_run(root, args.every, args.crash_at)
+        args.dir = root
+        ref, ref_ck, ref_steps = reference(args)
+        stats = killed_run(args)
         if stats is None:
             return 1
-        resumed, start, timer = resume(root, args.every)
-        plain_timer = resume_plain(root, start)
-        bare = no_checkpoints(root, args.crash_at)
+        resumed, start, timer = resume(args)
+        plain_timer = resume_plain(args, start)
+        bare = no_checkpoints(args)
         report(args.crash_at, ref_ck, ref_steps.seconds, stats, bare.seconds, (plain_timer, timer),
                resumed.losses, ref.losses[start:])
         return 0
     finally:
-        if not args.dir:
+        if not keep:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def reference(root: str, every: int):
+def reference(args: argparse.Namespace):
     """The uninterrupted run with Lightning's own ModelCheckpoint."""
-    print(f"reference: {FINETUNE} fine-tuning steps after pre-training, Lightning's ModelCheckpoint every "
-          f"{every} steps")
-    ref_ck = TimedModelCheckpoint(dirpath=os.path.join(root, "lightning"), every_n_train_steps=every,
+    print(f"reference: {args.finetune} fine-tuning steps after pre-training, Lightning's ModelCheckpoint every "
+          f"{args.every} steps")
+    ref_ck = TimedModelCheckpoint(dirpath=os.path.join(args.dir, "lightning"), every_n_train_steps=args.every,
                                   save_top_k=-1, save_last="link")
-    ref, steps = model(), StepTimer()
-    trainer(root, FINETUNE, [steps, ref_ck]).fit(ref)
+    ref, steps = model(args), StepTimer()
+    trainer(args.dir, args.finetune, [steps, ref_ck]).fit(ref)
     return ref, ref_ck, steps
 
 
-def killed_run(root: str, every: int, crash_at: int):
-    """The LayerCheckpoint run in a child process, SIGKILLed at ``crash_at``; what it paid, or None."""
-    print(f"LayerCheckpoint run, killed with SIGKILL at step {crash_at} ...")
-    r = subprocess.run([sys.executable, __file__, "--child", "--dir", root, "--every", str(every),
-                        "--crash-at", str(crash_at)])
+def killed_run(args: argparse.Namespace):
+    """The LayerCheckpoint run in a child process, SIGKILLed at ``--crash-at``; what it paid, or None."""
+    print(f"LayerCheckpoint run, killed with SIGKILL at step {args.crash_at} ...")
+    cmd = [sys.executable, __file__, "--child", "--dir", args.dir]
+    for k in ("every", "crash_at", "finetune", "pretrain", "n_layer", "n_embd"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    r = subprocess.run(cmd)
     if r.returncode != -signal.SIGKILL:
         print(f"the run was meant to be killed, it exited {r.returncode}", file=sys.stderr)
         return None
-    with open(os.path.join(root, "stats.json")) as f:
+    with open(os.path.join(args.dir, "stats.json")) as f:
         return json.load(f)
 
 
-def resume(root: str, every: int):
+def resume(args: argparse.Namespace):
     """What a new process would do: a new Trainer, fit(ckpt_path="last")."""
-    resumed = model(seed=1)
-    ck = LayerCheckpoint(dirpath=os.path.join(root, "layerckpt"), every_n_train_steps=every)
+    resumed = model(args, seed=1)
+    ck = LayerCheckpoint(dirpath=os.path.join(args.dir, "layerckpt"), every_n_train_steps=args.every)
     timer = ResumeTimer()
-    trainer(root, FINETUNE, [ck, timer]).fit(resumed, ckpt_path="last")
+    trainer(args.dir, args.finetune, [ck, timer]).fit(resumed, ckpt_path="last")
     info = ck.restored
     steps = sorted(set(info["layers"].values()))
     print(f"resumed from the composite of step {info['step']}: layers persisted at steps {steps}, "
@@ -188,22 +201,23 @@ def resume(root: str, every: int):
     return resumed, info["step"], timer
 
 
-def resume_plain(root: str, start: int) -> ResumeTimer:
+def resume_plain(args: argparse.Namespace, start: int) -> ResumeTimer:
     """ModelCheckpoint's checkpoint of the same step, resumed the same way (timed, then stopped)."""
-    plain = os.path.join(root, "lightning", f"epoch=0-step={start}.ckpt")
+    plain = os.path.join(args.dir, "lightning", f"epoch=0-step={start}.ckpt")
     timer = ResumeTimer(stop=True)
     try:
-        trainer(root, FINETUNE, [timer]).fit(model(seed=1), ckpt_path=plain)
+        trainer(args.dir, args.finetune, [timer]).fit(model(args, seed=1), ckpt_path=plain)
     except _Stop:
         pass
     return timer
 
 
-def no_checkpoints(root: str, steps: int) -> StepTimer:
+def no_checkpoints(args: argparse.Namespace) -> StepTimer:
     """The same fine-tuning steps without checkpointing: the step time the others are measured against."""
+    steps = args.crash_at
     print(f"the same {steps} steps without checkpointing, for the step-time overhead ...")
     timer = StepTimer()
-    trainer(root, steps + 1, [timer]).fit(model())
+    trainer(args.dir, steps + 1, [timer]).fit(model(args))
     return timer
 
 

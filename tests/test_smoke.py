@@ -1,0 +1,78 @@
+"""The README's commands run end to end, small: the main job (examples/lightning_finetune.py), `layerckpt bench
+--steps` and `layerckpt bench --policy --plot`.  Each in a new process, as a user runs it: exit 0 and the lines
+that carry its figures (a smoke test, not a measurement)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MAIN_JOB = os.path.join(HERE, os.pardir, "examples", "lightning_finetune.py")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(cmd, timeout: int = 300) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def _lines(out: str, *starts: str) -> None:
+    """Every one of ``starts`` begins a line of ``out`` (leading blanks aside)."""
+    lines = [line.strip() for line in out.splitlines()]
+    for s in starts:
+        assert any(line.startswith(s) for line in lines), (s, out)
+
+
+def test_main_job_runs_small(tmp_path):
+    """Pre-train, fine-tune with ModelCheckpoint, the same with LayerCheckpoint killed by SIGKILL, resume, report:
+    a 2-block model, 5 pre-training and 12 fine-tuning steps, a checkpoint every 3, the kill at step 7."""
+    out = _run([sys.executable, MAIN_JOB, "--dir", str(tmp_path), "--finetune", "12", "--crash-at", "7", "--every",
+                "3", "--pretrain", "5", "--n-layer", "2", "--n-embd", "32"])
+    _lines(out, "reference: 12 fine-tuning steps after pre-training, Lightning's ModelCheckpoint every 3 steps",
+           "LayerCheckpoint run, killed with SIGKILL at step 7 ...",
+           "the same 7 steps without checkpointing, for the step-time overhead ...",
+           "over the 2 checkpoints before the kill", "bytes written", "save() returned after",
+           "= training blocked by the saves", "step-time overhead vs no checkpoints",
+           "resume (Trainer setup to first step)", "loss after resume vs uninterrupted")
+    # the newest composite committed before the kill: step 6, or step 3 where 6's flush was still running
+    start = int(re.search(r"^resumed from the composite of step (\d+): ", out, re.M).group(1))
+    assert start in (3, 6), out
+    assert f"mean over the {12 - start} steps after the resume within " in out
+    # the resumed run went on to the end, saving as it went (the default keep_last=2)
+    assert sorted(os.listdir(tmp_path / "layerckpt" / "manifests")) == ["step-00000009.json", "step-00000012.json"]
+
+
+def test_bench_steps_runs_small(tmp_path):
+    out = _run([sys.executable, "-m", "layerckpt.cli", "bench", "--steps", "--size", "tiny", "--steps-n", "1",
+                "--dir", str(tmp_path)])
+    _lines(out, "layerckpt bench --steps: tiny + AdamW, a checkpoint after every step, 1 steps measured after",
+           "checkpointing", "none ", "layerckpt ", "dcp async_save ", "torchsnapshot async_take ")
+    assert not list(tmp_path.iterdir())  # the bench cleans up after itself
+
+
+# the policy bench has no option for a workload's length: the command's own entry point, run on one workload
+# shortened to 20 steps (4 saves) in the process that runs it
+POLICY = """
+import sys
+from layerckpt import cli
+from layerckpt.bench.family import WORKLOADS
+WORKLOADS["cnn"].steps = 20
+sys.exit(cli.main(["bench", "--policy", "--workloads", "cnn", "--plot", sys.argv[1], "--dir", sys.argv[2]]))
+"""
+
+
+def test_bench_policy_plot_runs_small(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot, work = tmp_path / "frontier.png", tmp_path / "work"
+    work.mkdir()
+    out = _run([sys.executable, "-c", POLICY, str(plot), str(work)])
+    _lines(out, "selection: fidelity=", "steps lost per crash")
+    assert re.search(r"^cnn +4 +[0-9.]+x +[0-9.]+x ", out, re.M), out  # 4 saves; raw and written ratios
+    assert re.search(r"^cnn .* k1 [0-9.]+M/[0-9.]+ +k2 [0-9.]+M/[0-9.]+ +k4 [0-9.]+M/[0-9.]+", out, re.M), out
+    with open(plot, "rb") as f:
+        head = f.read(len(PNG))
+    assert head == PNG and plot.stat().st_size > 1000, plot.stat().st_size
+    assert not list(work.iterdir())  # each workload's store is removed after its row
