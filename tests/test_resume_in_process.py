@@ -120,7 +120,7 @@ def test_fabric_handle_takes_over_from_an_older_one_of_this_process(tmp_path, dr
 
 def test_fabric_takeover_while_the_older_handle_has_a_save_in_flight(tmp_path):
     root = str(tmp_path / "store")
-    go, held = threading.Event(), threading.Event()
+    go, held, begun = threading.Event(), threading.Event(), threading.Event()
 
     def hold():  # the first handle's save is durable on disk, its manifest not written yet
         if not held.is_set():
@@ -128,6 +128,7 @@ def test_fabric_takeover_while_the_older_handle_has_a_save_in_flight(tmp_path):
             assert go.wait(60)
 
     _faults.install("flush.written", hold)
+    _faults.install("takeover.begun", begun.set)
     try:
         first, m1, o1, old = _fabric_saves(root, 0, [1])
         want = snapshot(m1, o1.optimizer)
@@ -137,13 +138,15 @@ def test_fabric_takeover_while_the_older_handle_has_a_save_in_flight(tmp_path):
         saver = threading.Thread(target=lambda: done.append(
             fabric.save(root, {"model": model, "optimizer": opt, "step": 2})))
         saver.start()
-        saver.join(0.5)
-        assert saver.is_alive() and not done  # the takeover waits for the save in flight
+        assert begun.wait(60)  # the takeover began ...
+        saver.join(0.2)
+        assert saver.is_alive() and not done  # ... and waits for the save in flight
         go.set()
         saver.join(60)
         assert done == [None]
     finally:
         _faults.remove("flush.written")
+        _faults.remove("takeover.begun")
         go.set()
     assert old.last_save.done() and old.last_save.error is None  # nothing in flight was lost
     new.close()

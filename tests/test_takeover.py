@@ -71,9 +71,19 @@ def test_a_new_checkpointer_takes_over_from_an_older_one_of_this_process(tmp_pat
     root = tmp_path / "ck"
     model, opt = trained(0)
     before = _flushers()
+    begun, held = threading.Event(), threading.Event()
+    if first != "collected":  # its commit waits until the new one takes over; a collected one finished it
+        def hold():
+            held.set()
+            assert begun.wait(60)
+
+        _faults.install("commit.before", hold)
+        _faults.install("takeover.begun", begun.set)
     old = layerckpt.Checkpointer(root, model, opt, config=CFG)
-    p1 = old.save(1)  # still flushing when the new one comes, in most runs
+    p1 = old.save(1)
     want1 = _snapshot(model, opt)
+    if first != "collected":
+        assert held.wait(60) and not p1.done()  # still flushing when the new one comes
     if first == "unreachable":  # garbage not collected yet: only the registry still reaches it
         gc.disable()
         old._cycle = old
@@ -87,6 +97,9 @@ def test_a_new_checkpointer_takes_over_from_an_older_one_of_this_process(tmp_pat
         new = layerckpt.Checkpointer(root, model, opt, config=CFG)
     finally:
         gc.enable()
+        begun.set()
+        _faults.remove("commit.before")
+        _faults.remove("takeover.begun")
     assert p1.done() and p1.error is None and p1.manifest_path is not None
     assert len(_flushers() - before) == 0  # the old flusher thread ended
     assert len(opt._optimizer_step_pre_hooks) == (1 if CFG.lazy_staging else 0)  # the new one's guard only
@@ -105,7 +118,7 @@ def test_a_new_checkpointer_takes_over_from_an_older_one_of_this_process(tmp_pat
 def test_a_takeover_waits_for_the_older_ones_save_in_flight(tmp_path):
     root = tmp_path / "ck"
     model, opt = trained(0)
-    go, held = threading.Event(), threading.Event()
+    go, held, begun = threading.Event(), threading.Event(), threading.Event()
 
     def hold():  # the first save's data is durable, its manifest not written yet
         held.set()
@@ -113,6 +126,7 @@ def test_a_takeover_waits_for_the_older_ones_save_in_flight(tmp_path):
 
     old = layerckpt.Checkpointer(root, model, opt, config=CFG)
     _faults.install("flush.written", hold)
+    _faults.install("takeover.begun", begun.set)
     try:
         p1 = old.save(1)
         want1 = _snapshot(model, opt)
@@ -122,8 +136,9 @@ def test_a_takeover_waits_for_the_older_ones_save_in_flight(tmp_path):
         made = []
         opener = threading.Thread(target=lambda: made.append(layerckpt.Checkpointer(root, model, opt, config=CFG)))
         opener.start()
-        opener.join(0.5)
-        assert opener.is_alive() and not made  # it waits for the save in flight ...
+        assert begun.wait(60)  # the takeover began ...
+        opener.join(0.2)
+        assert opener.is_alive() and not made  # ... and waits for the save in flight ...
         assert sorted(os.listdir(root / "data")) == in_flight  # ... and its cleanup has not run
         _faults.remove("flush.written")
         go.set()
@@ -131,6 +146,7 @@ def test_a_takeover_waits_for_the_older_ones_save_in_flight(tmp_path):
         assert not opener.is_alive() and len(made) == 1
     finally:
         _faults.remove("flush.written")
+        _faults.remove("takeover.begun")
         go.set()
     new = made[0]
     assert p1.done() and p1.error is None  # the first save committed
@@ -150,15 +166,21 @@ def test_a_failed_save_of_the_older_one_keeps_its_error_and_the_takeover_goes_on
     old = layerckpt.Checkpointer(root, model, config=CFG)
     old.save(1).wait()
 
-    def boom():
+    begun = threading.Event()
+
+    def boom():  # fails once the new one is taking over
+        assert begun.wait(60)
         raise OSError(5, "injected write failure")
 
     _faults.install("flush.written", boom)
+    _faults.install("takeover.begun", begun.set)
     try:
         p2 = old.save(2)
         new = layerckpt.Checkpointer(root, model, config=CFG)
     finally:
+        begun.set()
         _faults.remove("flush.written")
+        _faults.remove("takeover.begun")
     assert p2.done()
     with pytest.raises(layerckpt.CheckpointWriteError, match=r"Input/output error .*step-00000002\.rank0"):
         p2.wait()  # the error stays with its PendingSave

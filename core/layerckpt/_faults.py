@@ -6,8 +6,9 @@ installed a hook for that name (in its own process) with :func:`install`.
 Points: ``"stage.copied"`` (every tensor of a save copied into the staging buffers, before the image is
 declared complete; on the stager thread under lazy staging), ``"stage.step-waits"`` (an optimizer step begins
 waiting for a save's copies still running under lazy staging, its wait's clock started; on the training
-thread), ``"takeover.begun"`` (a newer Checkpointer of this process takes over an older one: the older one
-saves no more, its saves in flight are not waited for yet; on the newer one's thread),
+thread), ``"takeover.begun"`` (a newer Checkpointer of this process takes over the store of an older one, or a
+newer adapter object that of an older one (``adapters.hold``): before the older one's saves in flight are
+waited for; on the newer one's thread),
 ``"flush.checksum"`` (before each chunk is checksummed),
 ``"flush.written"`` (this rank's data file is durable, before the ranks agree),
 ``"commit.before"`` (before the manifest is written), ``"retain.manifests-dropped"``

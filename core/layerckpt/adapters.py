@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional,
 
 import torch
 
-from . import store
+from . import _faults, store
 from .config import Config
 from .errors import CheckpointError, ConfigError
 
@@ -200,6 +200,7 @@ def hold(root: str, on_taken: Callable[[str], None]) -> None:
         _held[root] = weakref.WeakMethod(on_taken)
     older = before() if before is not None else None
     if older is not None and older != on_taken:  # bound methods compare by object and function
+        _faults.point("takeover.begun")
         older(root)
 
 

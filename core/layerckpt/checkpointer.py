@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from . import _cost, _dist, _policy, _registry, _retain, _store, _tiers
+from . import _cost, _dist, _faults, _policy, _registry, _retain, _store, _tiers
 from ._backend import make_backend
 from ._flush import FlushJob, Flusher, FlushThread, PendingSave
 from ._blocks import split, table_names
@@ -305,6 +305,7 @@ class Checkpointer:
             self._replaced = True
             self._closed = True
             self._stager.wait()
+        _faults.point("takeover.begun")
         self._release()
 
     def _check_replaced(self, what: str) -> None:
