@@ -333,12 +333,14 @@ def test_a_save_that_waits_for_the_previous_one_stops_its_encoding(tmp_path):
 
     from layerckpt import _encwrite
 
-    gate = threading.Event()
     real = _encwrite.encode_chunk
+    holding = [True]
 
-    def slow(*args, **kwargs):
-        gate.wait(30)  # the encoder is slow: the next save() arrives while the first is still encoding
-        return real(*args, **kwargs)
+    def slow(s, blocks, layout, plan, hurry=None):
+        if holding[0]:  # the encoder is slow: the first save encodes nothing until the next save() waits for it
+            assert hurry.wait(30)
+            holding[0] = False
+        return real(s, blocks, layout, plan, hurry)
 
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
     config = layerckpt.Config(encoding="delta", full=True, keep_last=0, chunk_bytes=64 * 1024, lazy_staging=False)
@@ -347,7 +349,6 @@ def test_a_save_that_waits_for_the_previous_one_stops_its_encoding(tmp_path):
         try:
             first = ck.save(1)
             want1 = copy.deepcopy(model.state_dict())
-            threading.Timer(0.5, gate.set).start()  # released only once save(2) waits
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)

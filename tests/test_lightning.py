@@ -225,27 +225,40 @@ def test_stats_reach_the_loggers(tmp_path):
 
 def test_stall_ms_counts_the_wait_in_the_next_step(tmp_path):
     """Under lazy staging the step after a save waits for its copies: the logged stall includes that wait
-    (made long here by a slow copy), save_return_ms does not."""
+    (made long here: the copies are let go ``HELD`` seconds after that step begins waiting), save_return_ms
+    does not."""
     from layerckpt import _faults
     torch.manual_seed(7)
     logger = CSVLogger(str(tmp_path), name="logs")
     cb = LayerCheckpoint(dirpath=str(tmp_path / "run"), every_n_train_steps=4, keep_last=0)
     t = trainer(10, [cb], str(tmp_path), logger=logger, log_every_n_steps=1)
-    _faults.install("stage.copied", lambda: time.sleep(0.4))
+    HELD, waiting, copies = 0.2, threading.Event(), []
+
+    def copied():  # the saves at steps 4 and 8 (a step follows each) hold their copies until that step waits
+        copies.append(1)
+        if len(copies) <= 2:
+            assert waiting.wait(30)
+            waiting.clear()
+            time.sleep(HELD)
+
+    _faults.install("stage.copied", copied)
+    _faults.install("stage.step-waits", waiting.set)
     try:
         t.fit(Tiny())
     finally:
         _faults.remove("stage.copied")
+        _faults.remove("stage.step-waits")
     rows = list(csv.DictReader(open(os.path.join(logger.log_dir, "metrics.csv"))))
     logged = {int(r["step"]): r for r in rows if r.get("layerckpt/stall_ms")}
     assert sorted(logged) == [4, 8, 10]
     for step in (4, 8):  # a step follows each: it waited for the rest of the copies
         r = logged[step]
         wait, ret = float(r["layerckpt/step_wait_ms"]), float(r["layerckpt/save_return_ms"])
-        assert 100 < wait < 1000 and ret < 400, (step, wait, ret)
+        assert wait >= HELD * 1e3, (step, wait)  # at least from the step's wait to the copies let go
         assert float(r["layerckpt/stall_ms"]) == pytest.approx(wait + ret, rel=1e-6)
         p = next(p for p in cb.saves if p.step == step)
         assert wait == pytest.approx(p.step_wait_s * 1e3, rel=1e-6)
+        assert ret == pytest.approx(p.save_return_s * 1e3, rel=1e-6)  # save() returned before the copies ended
     assert float(logged[10]["layerckpt/step_wait_ms"]) == 0.0  # the last save: no step after it
 
 
