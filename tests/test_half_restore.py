@@ -106,3 +106,17 @@ def test_verify_reports_what_restore_refuses(genuine, tmp_path):
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "FAIL step-00000001.json" in bad.stdout and VARIANTS["python"][1] in bad.stdout
     assert "Traceback" not in bad.stdout + bad.stderr
+
+
+def test_a_malformed_optimizer_record_is_refused_by_restore_read_and_verify(genuine, tmp_path):
+    d = _damaged(genuine, tmp_path, lambda j: j.__setitem__("optimizer", {}))
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointCorruptError, match="the optimizer state is malformed"):
+        layerckpt.restore(d, model, opt)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and len(opt.state) == 0
+    with pytest.raises(CheckpointCorruptError, match="the optimizer state is malformed"):
+        layerckpt.read_checkpoint(d)
+    bad = _verify(d)
+    assert bad.returncode == 1 and "the optimizer state is malformed" in bad.stdout, bad.stdout + bad.stderr

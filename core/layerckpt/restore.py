@@ -113,7 +113,8 @@ def _restore_from(r: Reader, model: torch.nn.Module, optimizer: Optional[torch.o
     """restore() of the composite ``r`` reads: match, check, read what the model does not hold, then the model."""
     m = r.m
     plan = _ModelPlan(model, m, strict)  # names, shapes and dtypes: every difference before anything is read
-    opt_keys = _optimizer_keys(optimizer, model, m, strict) if optimizer is not None else []
+    with _malformed(r.mpath, "the optimizer state"):
+        opt_keys = _optimizer_keys(optimizer, model, m, strict) if optimizer is not None else []
     rng = m.rng_for(_dist.rank()) if r.cfg.restore_rng else None
     other_keys = set(opt_keys) | _state_keys(m, rng, with_optimizer=optimizer is not None)
     _check_staleness(m, bound, strict)
@@ -247,14 +248,31 @@ def state_refs(m: Manifest) -> List[str]:
     return sorted(refs)
 
 
+class _Described(dict):
+    """``tensors``, and for any other key the manifest describes (a sharded tensor stored in pieces) an empty
+    stand-in: the optimizer state's structure decodes without its tensors assembled."""
+
+    def __init__(self, m: Manifest, tensors: Dict[str, torch.Tensor]):
+        super().__init__(tensors)
+        self.m = m
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        if self.m.describe(key) is None:
+            raise KeyError(key)
+        return torch.empty(0)
+
+
 def check_state(m: Manifest, tensors: Dict[str, torch.Tensor], where: str) -> None:
     """What a restore decodes besides the model's and optimizer's tensors (every rank's RNG states, the extra,
-    the non-tensor model state; ``tensors``: at least :func:`state_refs`), checked as restore checks them:
+    the non-tensor model state, the optimizer state's structure; ``tensors``: at least :func:`state_refs`),
+    checked as restore checks them:
     ``verify``'s test of a composite whose tensors read back."""
     with _malformed(where, "the non-tensor model state"):
         decode(m.model_other, tensors)
     with _malformed(where, "the extra"):
         decode(m.extra or {}, tensors)
+    with _malformed(where, "the optimizer state"):
+        _saved_optimizer_state(m, _Described(m, tensors))
     for rank_rng in [m.rng, *(m.rng_ranks or {}).values()]:
         if rank_rng:
             rng_values(rank_rng, tensors, where)
