@@ -1,4 +1,4 @@
-"""Named points in the save and retention paths where tests inject faults.
+"""Named points in the save, retention and read paths where tests inject faults.
 
 Product code only calls :func:`point`; nothing happens unless a test has
 installed a hook for that name (in its own process) with :func:`install`.
@@ -14,7 +14,8 @@ waited for; on the newer one's thread),
 ``"commit.before"`` (before the manifest is written), ``"retain.manifests-dropped"``
 (old manifests deleted and made durable, their data files not yet).  Tier copies (``_tiers``):
 ``"tier.file-copied"`` (after each data file), ``"tier.data-copied"`` (the composite's data is on the
-tier, its manifest not yet), ``"tier.committed"``, ``"tier.manifests-dropped"``.
+tier, its manifest not yet), ``"tier.committed"``, ``"tier.manifests-dropped"``.  Reads:
+``"read.manifest-loaded"`` (a reader picked a composite and holds its manifest, nothing of it read yet).
 """
 from __future__ import annotations
 
