@@ -113,6 +113,9 @@ class Group:
         """The error of a failed collective: the ranks that had not begun it, as the rendezvous store says."""
         cause = str(e).split("\n", 1)[0]
         fix = "restart the job; restore() picks the newest committed checkpoint"
+        if self._roll is None:
+            return CheckpointError(f"layerckpt: rank {self.rank}: {what} failed (a peer rank is gone or stuck); "
+                                   f"{fix} [{type(e).__name__}: {cause}]")
         try:
             absent = [r for r in range(self.world) if r != self.rank and self._reached(r) < self._begun]
         except Exception as store_error:  # noqa: BLE001 - its host (often rank 0's process) is gone too
@@ -124,7 +127,7 @@ class Group:
         if absent:
             who = f"rank {absent[0]}" if len(absent) == 1 else "ranks " + ", ".join(map(str, absent))
             return CheckpointError(
-                f"layerckpt: rank {self.rank}: {what} failed: {who} had not reached it (dead, or stuck before it); "
+                f"layerckpt: rank {self.rank}: {what} failed: {who} had not reached it (dead, or not there yet); "
                 f"{fix} [{type(e).__name__}: {cause}]")
         return CheckpointError(
             f"layerckpt: rank {self.rank}: {what} failed: every rank had reached it, so a rank died inside it; "
