@@ -102,12 +102,14 @@ def _terabyte(encoded):
     return change
 
 
-def _older_entry(d, root):
-    """model/b.weight given model/a.weight's entry of step 3 (its file listed too): values copied as they are."""
-    with open(hs.manifest_path(root, 3)) as f:
-        old = json.load(f)
-    _t(d)[B] = _t(old)[A]
-    d["files"].update(old["files"])
+def _older_entry(src):
+    """model/b.weight given ``src``'s entry of step 3 (its file listed too): values copied as they are."""
+    def change(d, root):
+        with open(hs.manifest_path(root, 3)) as f:
+            old = json.load(f)
+        _t(d)[B] = _t(old)[src]
+        d["files"].update(old["files"])
+    return change
 
 
 def _unseal(d, root):
@@ -150,7 +152,7 @@ VARIANTS = {
                                                             r"'model/a.weight'"),
     "blocks and checksums swapped": ("delta", 4, _swap(A, B), MISMATCH.format(r"model/[ab]\.weight")),
     "references swapped": ("delta", 4, _swap_refs, MISMATCH.format(r"model/[ab]\.weight")),
-    "an entry of another step": ("delta", 4, _older_entry, MISMATCH.format(r"model/b\.weight")),
+    "another tensor's entry of another step": ("delta", 4, _older_entry(A), MISMATCH.format(r"model/b\.weight")),
     "a seal cleared": ("delta", 4, _unseal, MISMATCH.format(r"model/a\.weight")),
     "row block copied": ("rows", 4, _copy(ROW0, ROW1, ("file", "offset", "crc")),
                          r"tensor '.*#rows=.*' \(bytes .*\) overlaps tensor '.*#rows="),
