@@ -29,10 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ._json import load_strict, loads_strict  # noqa: F401 - loads_strict: the JSON reader of every store file
+from ._places import SEALED
 
 FORMAT_NAME = "layerckpt"
-FORMAT_VERSION = 3  # 2: tensors may be encoded (TensorEntry.enc); 3: tensors stored as boxes (Manifest.boxes)
-_BOXES_VERSION = 3  # the version a manifest with boxes is written as; without, 2
+#: 2: tensors may be encoded (TensorEntry.enc); 3: tensors stored as boxes (Manifest.boxes); 4: checksums sealed to
+#: their entry's key (``_places.SEALED``), which a reader of 3 or less would take for damage
+FORMAT_VERSION = 4
+_BOXES_VERSION = 3  # the version a manifest with boxes is written as; without, 2 (either way 4 once sealed)
+_SEALED_VERSION = 4
 
 MODEL = "model/"
 OPTIM = "optim/"
@@ -266,6 +270,8 @@ class Manifest:
             d["version"] = min(d["version"], _BOXES_VERSION - 1)
         else:  # a reader that does not know boxes refuses it instead of reading its pieces as tensors
             d["version"] = max(d["version"], _BOXES_VERSION)
+        if any(e.crc & SEALED for e in d["tensors"].values()):  # an older reader says "upgrade", not "damaged"
+            d["version"] = max(d["version"], _SEALED_VERSION)
         return d
 
     def to_dict(self) -> Dict[str, Any]:
