@@ -120,3 +120,14 @@ def test_a_malformed_optimizer_record_is_refused_by_restore_read_and_verify(genu
         layerckpt.read_checkpoint(d)
     bad = _verify(d)
     assert bad.returncode == 1 and "the optimizer state is malformed" in bad.stdout, bad.stdout + bad.stderr
+
+
+def test_a_deleted_tensor_entry_is_refused_not_read_as_a_smaller_model(genuine, tmp_path):
+    d = _damaged(genuine, tmp_path, lambda j: j["tensors"].pop("model/weight"))
+    words = "layer 'weight' lists tensor 'model/weight', which the manifest has no entry for"
+    with pytest.raises(layerckpt.errors.CheckpointError, match="1 damaged manifest"):
+        layerckpt.read_checkpoint(d)
+    with pytest.raises(CheckpointCorruptError, match=words):
+        layerckpt.read_checkpoint(os.path.join(d, MANIFEST))
+    bad = _verify(d)
+    assert bad.returncode == 1 and words in bad.stdout, bad.stdout + bad.stderr

@@ -41,6 +41,11 @@ def validated(m: Any, path: str) -> Dict[str, Any]:
     if rest.get("boxes") is not None:
         rest["boxes"] = _read_boxes(rest["boxes"], tensors, set(rest.get("blocks") or {}), path)
     known = set(tensors) | set(rest.get("blocks") or {}) | set(rest.get("boxes") or {})
+    for name, layer in layers.items():  # a deleted entry would otherwise read back as a model without it
+        lost = next((k for k in layer.tensors if k not in known), None)
+        if lost is not None:
+            raise _corrupt(path, f"layer {name!r} lists tensor {lost!r}, which the manifest has no entry for",
+                           tensor=lost)
     _check_other(rest, path, known)
     _check_model(m["model"], path, known)
     _check_all_places(rest, m["model"].get("other"), path)
