@@ -6,16 +6,13 @@ On disk it is JSON (``manifests/step-N.json``).  Format version 2 adds ``enc`` t
 (how its bytes are encoded, ``_encode``); version 3 adds ``boxes`` (tensors stored as boxes of the whole
 tensor: DTensor shards of any layout), written only by a save that has such a tensor; version 1 and 2
 manifests read unchanged.  A tensor entry's ``crc`` with bit 32 set is sealed to the entry's key (``_places``:
-every entry written since seals exist; an entry without it is a plain CRC, as written before).
+every entry written since seals exist; an entry without it is a plain CRC, as written before); a manifest
+holding a sealed entry is written as version 4, which a reader of an older format refuses as too new.
 
 ``Manifest.from_dict`` (``_validate``) is the one validator every field passes before anything is read or
 allocated; any damage is a CheckpointCorruptError naming the file and the field.
 
-Tensor keys in a checkpoint have fixed prefixes, named here and nowhere else:
-``model/<state_dict name>``, ``optim/<parameter name>/<state key>``,
-``optim_groups/<i>/...``, ``rng/...`` (``rng.rankN/...`` for other ranks),
-``extra/...`` and ``model_other/...``; ``<key>#rows=<a>:<b>`` is a row block of a tensor
-(see ``_blocks``), ``<key>#box=<o0>,<o1>,...:<s0>,<s1>,...`` the box at offsets ``o`` with sizes ``s``.
+The tensor keys' prefixes and the entry types are ``_entries``' (imported from here too).
 """
 from __future__ import annotations
 
@@ -24,158 +21,14 @@ import contextvars
 import dataclasses
 import json
 import os
-import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 from ._json import load_strict, loads_strict  # noqa: F401 - loads_strict: the JSON reader of every store file
 from ._places import SEALED
-
-FORMAT_NAME = "layerckpt"
-#: 2: tensors may be encoded (TensorEntry.enc); 3: tensors stored as boxes (Manifest.boxes); 4: checksums sealed to
-#: their entry's key (``_places.SEALED``), which a reader of 3 or less would take for damage
-FORMAT_VERSION = 4
-_BOXES_VERSION = 3  # the version a manifest with boxes is written as; without, 2 (either way 4 once sealed)
-_SEALED_VERSION = 4
-
-MODEL = "model/"
-OPTIM = "optim/"
-OPTIM_GROUPS = "optim_groups"
-RNG = "rng"
-EXTRA = "extra"
-MODEL_OTHER = "model_other"
-ROWS = "#rows="  # <key>#rows=<a>:<b>: rows [a, b) of a tensor stored in row blocks
-_PIECE = re.compile(r"^(.*)#rows=(\d+):(\d+)$")
-BOX = "#box="  # <key>#box=<offsets>:<sizes>: the box of a tensor stored in boxes
-_BOX = re.compile(r"^(.*)#box=(\d*(?:,\d+)*):(\d*(?:,\d+)*)$")
-
-
-def model_key(name: str) -> str:
-    return MODEL + name
-
-
-def model_name(key: str) -> Optional[str]:
-    """The state_dict name of a model tensor key, else None."""
-    return key[len(MODEL):] if key.startswith(MODEL) else None
-
-
-def param_of(key: str) -> Optional[str]:
-    """The parameter a model or optimizer-state key belongs to, else None."""
-    if key.startswith(MODEL):
-        return key[len(MODEL):]
-    if key.startswith(OPTIM):
-        parts = key.split("/", 2)
-        if len(parts) == 3:
-            return parts[1]
-    return None
-
-
-def piece_key(key: str, a: int, b: int) -> str:
-    """The key of rows [a, b) of a tensor stored in row blocks."""
-    return f"{key}{ROWS}{a}:{b}"
-
-
-def split_piece(key: str) -> Tuple[str, Optional[Tuple[int, int]]]:
-    """(the whole tensor's key, (first row, end row)) of a row-block key; (key, None) for any other key."""
-    m = _PIECE.match(key)
-    if m is None:
-        return key, None
-    return m.group(1), (int(m.group(2)), int(m.group(3)))
-
-
-def box_key(key: str, offsets: List[int], sizes: List[int]) -> str:
-    """The key of the box of a tensor at ``offsets`` with ``sizes`` (one of each per dim)."""
-    return f"{key}{BOX}{','.join(map(str, offsets))}:{','.join(map(str, sizes))}"
-
-
-def piece_base(key: str) -> Tuple[str, str]:
-    """(the whole tensor's key, the piece suffix) of a row-block or box key; (key, "") for any other key."""
-    for pattern in (_PIECE, _BOX):
-        m = pattern.match(key)
-        if m is not None:
-            return m.group(1), key[len(m.group(1)):]
-    return key, ""
-
-
-def shard_pieces(rec: "Union[RowBlocks, Boxes]", key: str) -> List[Tuple[str, List[int], List[int]]]:
-    """(piece key, offsets, sizes) of every stored piece of a tensor held as row blocks or as boxes."""
-    if isinstance(rec, Boxes):
-        return [(box_key(key, o, s), list(o), list(s)) for o, s in rec.boxes]
-    rest = list(rec.shape[1:])
-    return [(piece_key(key, a, b), [a] + [0] * len(rest), [b - a] + rest) for a, b in rec.rows]
-
-
-def row_pieces(blocks: Dict[str, "RowBlocks"], key: str) -> List[Tuple[str, int, int]]:
-    """(block key, first row, end row) of every block of a tensor stored in row blocks."""
-    return [(piece_key(key, a, b), a, b) for a, b in blocks[key].rows]
-
-
-def is_rng(key: str) -> bool:
-    return key.startswith(RNG)
-
-
-def rng_prefix(rank: int) -> str:
-    """Key prefix of a rank's RNG states: each rank keeps its own."""
-    return RNG if rank == 0 else f"{RNG}.rank{rank}"
-
-
-@dataclass
-class TensorEntry:
-    file: str
-    dtype: str  # safetensors dtype code
-    shape: List[int]
-    offset: int  # absolute offset in the file
-    nbytes: int
-    #: CRC of the raw bytes (after decoding, for an encoded tensor); sealed to this entry's key where bit 32 is
-    #: set (``_places``: every entry written since; a plain CRC in entries written before)
-    crc: int
-    #: how it is encoded (``_encode``): {"codec", "blocks": [[file offset, length, raw length, mode], ...],
-    #: "ref": None or the reference's {"file", "step", "rank", "size", "crc", "blocks"}}; None: raw bytes at
-    #: ``offset`` (format version 1's only kind)
-    enc: Optional[Dict[str, Any]] = None
-
-
-@dataclass
-class FileEntry:
-    step: int
-    rank: int
-    size: int
-
-
-@dataclass
-class LayerEntry:
-    """Where a layer's newest version lives, and why this save wrote or skipped it."""
-    step: int  # the step it was persisted at
-    file: Optional[str]  # None until the ranks' results are merged
-    tensors: List[str]
-    nbytes: int
-    rank: int = 0
-    age: int = 0  # checkpoints since it was persisted
-    reason: str = ""
-    drift: Optional[float] = None
-    frozen: bool = False
-    cost: Optional[float] = None  # first-order loss the composite gives up by holding this version
-    #: this save proved the layer bit-identical to that version (every byte fingerprinted, see _exact): it is
-    #: current however old; False where not proven, or written before the proof existed
-    unchanged: bool = False
-
-
-@dataclass
-class RowBlocks:
-    """A tensor stored as row blocks: each block ``[a, b)`` is the tensor entry ``<key>#rows=<a>:<b>``."""
-    dtype: str  # safetensors dtype code
-    shape: List[int]  # the whole tensor's
-    rows: List[List[int]]  # [first row, end row] of every block, in order, covering every row
-
-
-@dataclass
-class Boxes:
-    """A tensor stored as boxes (a DTensor's shards, any layout): each box, ``[offsets, sizes]`` (one of each
-    per dim), is the tensor entry ``<key>#box=<offsets>:<sizes>``; the boxes cover the tensor without overlap."""
-    dtype: str  # safetensors dtype code
-    shape: List[int]  # the whole tensor's
-    boxes: List[List[List[int]]]
-
+from ._entries import (  # noqa: F401 - the entry types and key helpers, imported from here by the rest
+    BOX, Boxes, EXTRA, FORMAT_NAME, FORMAT_VERSION, FileEntry, LayerEntry, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, ROWS, RowBlocks, TensorEntry, _BOX, _BOXES_VERSION, _PIECE, _SEALED_VERSION, box_key, is_rng, model_key, model_name, param_of, piece_base, piece_key, rng_prefix, row_pieces, shard_pieces, split_piece)
+from ._validate import _check_cover, validated  # noqa: F401 - _check_cover: for its tests
 
 @dataclass
 class Manifest:
@@ -291,7 +144,7 @@ class Manifest:
     def from_dict(cls, m: Any, path: str) -> "Manifest":
         """Validate a parsed manifest (``_validate``, the one validator of every field); any damage is a
         CheckpointCorruptError naming the file and the field."""
-        return cls(**validated(m, path))
+        return cls(**validated(m, path, _OTHER_FIELDS))
 
 
 _NAMES: Dict[type, Tuple[str, ...]] = {}
@@ -315,6 +168,10 @@ def _entry_json(key: str, e: "TensorEntry") -> str:
         _ENTRY_JSON.clear()
     _ENTRY_JSON[id(e)] = (e, key, member)
     return member
+
+
+_OTHER_FIELDS = [f.name for f in dataclasses.fields(Manifest)
+                 if f.name not in ("step", "world_size", "files", "tensors", "layers", "model")]
 
 
 def fields_of(obj: Any) -> Dict[str, Any]:
@@ -392,6 +249,3 @@ def load_manifest(path: str) -> Manifest:
         memo[key] = out
     return out
 
-
-# the validator, which takes the types above (imported last: it imports them); ``_check_cover`` for its tests
-from ._validate import _check_cover, validated  # noqa: E402,F401

@@ -19,23 +19,24 @@ import dataclasses
 import math
 import os
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from ._layout import CODES, ITEMSIZE
-from ._manifest import (EXTRA, FORMAT_NAME, FORMAT_VERSION, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, Boxes, FileEntry,
-                        LayerEntry, Manifest, RowBlocks, TensorEntry, model_key, row_pieces, shard_pieces)
+from ._entries import (EXTRA, FORMAT_NAME, FORMAT_VERSION, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, Boxes, FileEntry,
+                       LayerEntry, RowBlocks, TensorEntry, model_key, row_pieces, shard_pieces)
 from ._places import CRC_MAX, check_block_order, check_regions, max_blocks
 from .errors import CheckpointCorruptError
 
 
-def validated(m: Any, path: str) -> Dict[str, Any]:
-    """The fields of a :class:`Manifest` from the parsed manifest ``m`` at ``path``, every one checked."""
+def validated(m: Any, path: str, other_fields: Sequence[str]) -> Dict[str, Any]:
+    """The fields of a :class:`~layerckpt._manifest.Manifest` from the parsed manifest ``m`` at ``path``, every one
+    checked; ``other_fields``: its fields besides step, world_size, files, tensors, layers and model."""
     _check_header(m, path)
     files = {name: _file_entry(name, e, m["step"], path) for name, e in m["files"].items()}
     tensors = {key: _tensor_entry(key, e, files, path) for key, e in m["tensors"].items()}
     check_regions(tensors, path)
     layers = {name: _layer_entry(name, e, path) for name, e in m["layers"].items()}
-    rest = {k: m[k] for k in _OTHER_FIELDS if k in m}
+    rest = {k: m[k] for k in other_fields if k in m}
     if rest.get("blocks") is not None:
         rest["blocks"] = _read_blocks(rest["blocks"], tensors, path)
     if rest.get("boxes") is not None:
@@ -59,8 +60,6 @@ _TENSOR_FIELDS = [f.name for f in dataclasses.fields(TensorEntry)]
 if _TENSOR_FIELDS != ["file", "dtype", "shape", "offset", "nbytes", "crc", "enc"]:  # what _entry_json writes
     raise RuntimeError(f"TensorEntry's fields changed ({_TENSOR_FIELDS}): update _manifest._entry_json")
 _LAYER_FIELDS = [f.name for f in dataclasses.fields(LayerEntry)]
-_OTHER_FIELDS = [f.name for f in dataclasses.fields(Manifest)
-                 if f.name not in ("step", "world_size", "files", "tensors", "layers", "model")]
 #: bounds of a manifest's counters: far above any real run, far below what breaks arithmetic on them
 MAX_STEP = (1 << 62) - 1
 MAX_WORLD = 1 << 24
