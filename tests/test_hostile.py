@@ -68,10 +68,11 @@ def in_time(fn, *args, timeout=TIMEOUT, **kwargs):
     return box["out"]
 
 
-def verify(root) -> tuple:
+def verify(root, *extra, timeout=TIMEOUT) -> tuple:
+    """``layerckpt verify ROOT [extra...]`` in this process, bounded: (exit code, its output)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = in_time(cli.main, ["verify", str(root)])
+        rc = in_time(cli.main, ["verify", str(root), *extra], timeout=timeout)
     return rc, out.getvalue() + err.getvalue()
 
 

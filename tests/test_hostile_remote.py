@@ -4,45 +4,29 @@ loopback S3 server) gets, planted: a FIFO among the remote's manifests or as its
 manifest, a remote data file far bigger than its manifest says, ``data/`` and ``manifests/`` linked to a folder
 elsewhere (local store and remote), a file that is a link to itself, a 300-character file name, ``data`` a
 plain file."""
-import contextlib
+import functools
 import io
 import json
 import os
 import shutil
-import threading
+import sys
 import tracemalloc
 
 import pytest
 import torch
 
 import layerckpt
-from layerckpt import cli
 from layerckpt._remote import FsspecStore
 from layerckpt.errors import CheckpointCorruptError, CheckpointError
 
 pytest.importorskip("fsspec")
+sys.path.insert(0, os.path.dirname(__file__))
+import test_hostile as hostile  # noqa: E402
+from test_hostile import expected, fill, tiny  # noqa: E402
 
 TIMEOUT = 30.0
 STEP2 = "step-00000002.json"
 HUGE = 600 << 20  # a sparse file: no disk is spent on it
-
-
-def tiny() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-
-
-def fill(model: torch.nn.Module, step: int) -> None:
-    """Values that name the step and the parameter: a restore is compared bit for bit."""
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.copy_(torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * 0.001 + step + 100 * i)
-
-
-def expected(step: int) -> dict:
-    m = tiny()
-    fill(m, step)
-    return m.state_dict()
 
 
 def save_two(root, config: layerckpt.Config) -> None:
@@ -53,30 +37,12 @@ def save_two(root, config: layerckpt.Config) -> None:
             ck.save(step).wait()
 
 
-def in_time(fn, *args, timeout=TIMEOUT, **kwargs):
-    """fn(*args) on a thread: its result, or its exception raised here; a hang fails the test."""
-    box = {}
-
-    def run():
-        try:
-            box["out"] = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["err"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} hung for {timeout}s"
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
+# the hostile-store helpers of test_hostile, with this file's longer bound (a remote read takes more steps)
+in_time = functools.partial(hostile.in_time, timeout=TIMEOUT)
 
 
 def verify(target, *extra) -> tuple:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = in_time(cli.main, ["verify", str(target), *extra])
-    return rc, out.getvalue() + err.getvalue()
+    return hostile.verify(target, *extra, timeout=TIMEOUT)
 
 
 class Store:
