@@ -240,14 +240,6 @@ def _malformed(where: str, what: str) -> Iterator[None]:
                                      f"manifest was edited or damaged: restore another step", path=where) from None
 
 
-def state_refs(m: Manifest) -> List[str]:
-    """The tensors :func:`check_state` decodes: every rank's RNG states, the extra, the non-tensor model state."""
-    refs = set(tensor_refs(m.extra or {})) | set(tensor_refs(m.model_other))
-    for rank_rng in [m.rng, *(m.rng_ranks or {}).values()]:
-        refs |= set(tensor_refs(rank_rng or {}))
-    return sorted(refs)
-
-
 class _Described(dict):
     """``tensors``, and for any other key the manifest describes (a sharded tensor stored in pieces) an empty
     stand-in: the optimizer state's structure decodes without its tensors assembled."""
@@ -264,18 +256,17 @@ class _Described(dict):
 
 def check_state(m: Manifest, tensors: Dict[str, torch.Tensor], where: str) -> None:
     """What a restore decodes besides the model's and optimizer's tensors (every rank's RNG states, the extra,
-    the non-tensor model state, the optimizer state's structure; ``tensors``: at least :func:`state_refs`),
+    the non-tensor model state, the optimizer state's structure; ``tensors``: the composite's, as stored),
     checked as restore checks them:
     ``verify``'s test of a composite whose tensors read back."""
-    with _malformed(where, "the non-tensor model state"):
-        decode(m.model_other, tensors)
-    with _malformed(where, "the extra"):
-        decode(m.extra or {}, tensors)
-    with _malformed(where, "the optimizer state"):
-        _saved_optimizer_state(m, _Described(m, tensors))
-    for rank_rng in [m.rng, *(m.rng_ranks or {}).values()]:
-        if rank_rng:
-            rng_values(rank_rng, tensors, where)
+    _State.decoded(None, None, m, _Described(m, tensors), None, where)
+    for rank_rng in _every_rng(m):
+        rng_values(rank_rng, tensors, where)
+
+
+def _every_rng(m: Manifest) -> List[Dict[str, Any]]:
+    """Every rank's saved RNG states."""
+    return [r for r in [m.rng, *(m.rng_ranks or {}).values()] if r]
 
 
 def _layer_bytes(m: Manifest, read: Set[str]) -> Dict[str, int]:
