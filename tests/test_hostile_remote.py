@@ -3,7 +3,7 @@ or the library's own error naming what is wrong.  A genuine store with a ``file:
 loopback S3 server) gets, planted: a FIFO among the remote's manifests or as its ``.store-id``, a huge sparse
 manifest, a remote data file far bigger than its manifest says, ``data/`` and ``manifests/`` linked to a folder
 elsewhere (local store and remote), a file that is a link to itself, a 300-character file name, ``data`` a
-plain file."""
+plain file, a tensor's entry rolled back to an older step's (local store and remote)."""
 import functools
 import io
 import json
@@ -287,6 +287,35 @@ def test_data_as_a_plain_file_is_refused(st):
     (st.remote / "data").write_bytes(b"not a folder")
     st.without_local()
     refused(lambda: st.restore(st.url), str(st.remote / "data"), "is a regular file, not a directory")
+
+
+# -- 3: another version's bytes, silently ------------------------------------------------------------------------
+
+def _rolled_back(manifests) -> str:
+    """The step-2 manifest in ``manifests`` given one model tensor's own entry of step 1 (its file listed too), its
+    sealed checksum matching the bytes it reads, while the manifest still records that tensor's layer at step 2."""
+    old = json.loads((manifests / "step-00000001.json").read_text())
+    d = json.loads((manifests / STEP2).read_text())
+    key = next(k for k in d["tensors"] if k.startswith("model/"))
+    d["tensors"][key] = old["tensors"][key]
+    d["files"].update(old["files"])
+    (manifests / STEP2).write_text(json.dumps(d))
+    return key
+
+
+def test_a_tensor_rolled_back_to_an_older_step_is_refused_on_every_tier(st):
+    key = _rolled_back(st.root / "manifests")
+    needles = (STEP2, f"tensor {key!r} of layer", "which the manifest records at step 2", "of step 1")
+    refused(lambda: st.restore(step=2), *needles)
+    rc, text = verify(st.root)
+    assert rc == 1 and all(n in text for n in needles) and "Traceback" not in text, text
+    assert _rolled_back(st.remote / "manifests") == key
+    st.without_local()
+    for target in (st.root, st.url):
+        refused(lambda: st.restore(target, step=2), *needles)
+    same(st.restore(st.url, step=1)[1], 1)  # the other composite is whole
+    rc, text = verify(st.url)
+    assert rc == 1 and all(n in text for n in needles) and "Traceback" not in text, text
 
 
 # -- the same bounds on S3 -------------------------------------------------------------------------------------

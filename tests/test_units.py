@@ -144,7 +144,7 @@ def test_layout_is_a_4k_aligned_safetensors_image_ordered_by_element_size():
 
 def _manifest_dict():
     return {"format": "layerckpt", "version": 1, "step": 7, "world_size": 1, "model": {"aliases": {}},
-            "files": {"f": {"step": 7, "rank": 0, "size": 8192}},
+            "files": {"f": {"step": 5, "rank": 0, "size": 8192}},  # the file the layer's version of step 5 is in
             "tensors": {"model/w": {"file": "f", "dtype": "F32", "shape": [2, 3], "offset": 4096, "nbytes": 24,
                                     "crc": 1}},
             "layers": {"w": {"step": 5, "file": "f", "tensors": ["model/w"], "nbytes": 24, "age": 1}}}
@@ -167,6 +167,11 @@ def test_manifest_validates_in_one_place_and_round_trips():
     bad = _manifest_dict()
     bad["tensors"]["model/w"]["file"] = "g"
     with pytest.raises(CheckpointCorruptError, match="points to file 'g' that the manifest does not list"):
+        Manifest.from_dict(bad, "m.json")
+    bad = _manifest_dict()
+    bad["layers"]["w"]["step"] = 7  # the layer said current, its bytes in the file of step 5
+    with pytest.raises(CheckpointCorruptError, match=r"tensor 'model/w' of layer 'w', which the manifest records at "
+                                                     r"step 7, is in file 'f' of step 5"):
         Manifest.from_dict(bad, "m.json")
     bad = _manifest_dict()
     bad["version"] = 99

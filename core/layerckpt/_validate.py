@@ -8,6 +8,9 @@ reads).  Any damage is a CheckpointCorruptError naming the file and the field (n
   tensor's blocks well formed, in file order, covering its bytes once, its reference in a listed file; no two
   tensors of one file owning overlapping bytes (``_places``);
 - row blocks and boxes: covering their tensor once, each piece an entry of the piece's dtype and shape;
+- versions: a data file's entry of the step and rank its name carries; a layer's tensors in files of the step the
+  layer records, every other tensor in files of the manifest's step, a reference's step its file's (an entry of
+  an older step copied whole, checksum and all, would otherwise read back as the newer version);
 - aliases to model tensors that have entries (and none over one that has its own); tensor references in the
   optimizer state, RNG, extra and non-tensor model state to tensors that have entries, each naming its own place;
 - the fidelity bookkeeping a restore compares (costs, loss): finite.
@@ -22,8 +25,8 @@ import re
 from typing import Any, Dict, Optional, Sequence
 
 from ._layout import CODES, ITEMSIZE
-from ._entries import (EXTRA, FORMAT_NAME, FORMAT_VERSION, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, Boxes, FileEntry,
-                       LayerEntry, RowBlocks, TensorEntry, model_key, row_pieces, shard_pieces)
+from ._entries import (DATA_NAME, EXTRA, FORMAT_NAME, FORMAT_VERSION, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, Boxes,
+                       FileEntry, LayerEntry, RowBlocks, TensorEntry, model_key, row_pieces, shard_pieces)
 from ._places import CRC_MAX, check_block_order, check_regions, max_blocks
 from .errors import CheckpointCorruptError
 
@@ -47,6 +50,8 @@ def validated(m: Any, path: str, other_fields: Sequence[str]) -> Dict[str, Any]:
         if lost is not None:
             raise _corrupt(path, f"layer {name!r} lists tensor {lost!r}, which the manifest has no entry for",
                            tensor=lost)
+    _check_versions(m["step"], files, tensors, layers, {**(rest.get("blocks") or {}), **(rest.get("boxes") or {})},
+                    path)
     _check_other(rest, path, known)
     _check_model(m["model"], path, known)
     _check_all_places(rest, m["model"].get("other"), path)
@@ -119,11 +124,52 @@ def _is_shape(shape: Any, dtype: Any) -> bool:
 
 
 def _file_entry(name: str, e: Any, step: int, path: str) -> FileEntry:
+    """A data file's entry: its step and rank those its name carries, where it has a data file's name
+    (``_store.data_name``; a tier's copy keeps them).  (A later step's file may be listed: a step saved again
+    after a later one references that one's bytes.)"""
     if not (isinstance(e, dict) and all(_is_int(e.get(k, 0)) for k in ("step", "rank", "size"))
             and e.get("rank", 0) < MAX_WORLD):
         raise _corrupt(path, f"entry for file {name!r} is malformed (step, rank and size must be non-negative "
                              f"integers)")
-    return FileEntry(step=e.get("step", step), rank=e.get("rank", 0), size=e.get("size", 0))
+    named = DATA_NAME.match(name)
+    if "step" not in e and named is not None:
+        e = {**e, "step": int(named.group(1))}
+    out = FileEntry(step=e.get("step", step), rank=e.get("rank", 0), size=e.get("size", 0))
+    if named is not None and (int(named.group(1)), int(named.group(3))) != (out.step, out.rank):
+        raise _corrupt(path, f"file {name!r} is named for step {int(named.group(1))} and rank {int(named.group(3))}, "
+                             f"but its entry records step {out.step} and rank {out.rank}: a file's entry was edited")
+    return out
+
+
+def _check_versions(step: int, files: Dict[str, FileEntry], tensors: Dict[str, TensorEntry],
+                    layers: Dict[str, LayerEntry], stored: Dict[str, Any], path: str) -> None:
+    """Each tensor's bytes are the version the manifest says it holds: a layer's tensors (each piece of one stored
+    in row blocks or boxes) lie in data files of the step the layer records, every other tensor (RNG, extra,
+    optimizer groups, non-tensor model state: written by every save) in files of the manifest's own step.  A seal
+    binds a checksum to its tensor's key, not to its step: an entry of an older step, copied whole (its blocks,
+    its reference and its checksum), reads back sound, and only this says the layer's bytes are an older
+    version than the one the manifest reports.  (A delta against an older step's file is another thing: its
+    reference, ``enc.ref``, names the older file; the entry's own file is of its layer's step.)"""
+    owned = set()
+    for name, layer in layers.items():
+        for k in layer.tensors:
+            rec = stored.get(k)
+            for pk in [p for p, _, _ in shard_pieces(rec, k)] if rec is not None else [k]:
+                owned.add(pk)
+                fstep = files[tensors[pk].file].step
+                if fstep != layer.step:
+                    raise _corrupt(path, f"tensor {pk!r} of layer {name!r}, which the manifest records at step "
+                                         f"{layer.step}, is in file {tensors[pk].file!r} of step {fstep}: its bytes "
+                                         f"are another version than the one the manifest reports", tensor=pk)
+    for k, e in tensors.items():
+        if k not in owned and files[e.file].step != step:
+            raise _corrupt(path, f"tensor {k!r}, which no layer lists, is in file {e.file!r} of step "
+                                 f"{files[e.file].step}, not the manifest's step {step}: every save writes it anew",
+                           tensor=k)
+        ref = e.enc.get("ref") if e.enc else None
+        if ref is not None and ref["step"] != files[ref["file"]].step:
+            raise _corrupt(path, f"tensor {k!r}'s reference names step {ref['step']}, but its file "
+                                 f"{ref['file']!r} is of step {files[ref['file']].step}", tensor=k)
 
 
 def _tensor_entry(key: str, e: Any, files: Dict[str, FileEntry], path: str) -> TensorEntry:
