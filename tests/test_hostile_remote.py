@@ -150,6 +150,35 @@ def test_a_fifo_as_the_remote_store_id_is_refused_without_hanging(st, caplog):
     same(st.restore(st.url)[1], 2)  # a URL restore asks no identity
 
 
+def test_verify_of_a_url_reports_each_unreadable_manifest_and_checks_the_others(st):
+    """Like a local store's verify: every damaged manifest named with what is wrong, every other one checked."""
+    manifests = st.remote / "manifests"
+    os.mkfifo(manifests / "step-00000003.json")
+    with open(manifests / "step-00000004.json", "wb") as f:
+        f.truncate(HUGE)
+    (manifests / "step-00000005.json").write_text('{"format": "layerckpt", "version"')  # truncated JSON
+    rc, text = verify(st.url)
+    assert rc == 1 and "Traceback" not in text, text
+    fails = [line for line in text.splitlines() if line.startswith("FAIL ")]
+    assert len(fails) == 3, text
+    assert "step-00000003.json" in fails[0] and "not a regular file (a FIFO)" in fails[0], text
+    assert "step-00000004.json" in fails[1] and f"holds {HUGE} bytes" in fails[1], text
+    assert "step-00000005.json" in fails[2], text
+    assert "2 of 5 checkpoint(s) verified, 3 failed" in text, text
+    rc, text = verify(st.root)  # the local store: the same checks, none of them damaged
+    assert rc == 0 and "2 of 2 checkpoint(s) verified" in text, text
+
+
+def test_verify_of_a_url_checks_the_others_past_a_damaged_data_file(st):
+    name = st.remote_file(2)
+    with open(st.remote / "data" / name, "r+b") as f:
+        f.seek(os.path.getsize(st.remote / "data" / name) - 8)
+        f.write(b"\xff" * 8)
+    rc, text = verify(st.url)
+    assert rc == 1 and "Traceback" not in text and "1 of 2 checkpoint(s) verified, 1 failed" in text, text
+    assert f"FAIL {STEP2}" in text and name in text, text
+
+
 # -- 2: reads bounded in size ----------------------------------------------------------------------------------
 
 def test_a_huge_remote_manifest_is_refused_by_its_size_before_any_of_it_is_read(st):

@@ -295,13 +295,38 @@ def local_view(url: str, options: Optional[Mapping[str, Any]], step: Optional[in
     good, bad = read_all(store)
     with tempfile.TemporaryDirectory(prefix="layerckpt-view-") as tmp:
         download(store, good, tmp, data=what == "all", strict=False)
-        for n in bad:  # for the command to report; one that cannot even be read (a FIFO, too big) raises here
+        unreadable: Dict[str, str] = {}
+        for n in bad:  # for the command to report; one that cannot even be read (a FIFO, too big) raises here,
+            try:       # but for verify, which reports it (:func:`unreadable_in`) and checks every other one
+                raw = store.read(MANIFESTS, n)
+            except FileNotFoundError:  # retention removed it since the listing
+                continue
+            except (CheckpointError, OSError) as e:
+                if what != "all":
+                    raise
+                unreadable[n] = str(e) if isinstance(e, CheckpointError) else \
+                    f"manifest {store.where(MANIFESTS, n)} cannot be read ({type(e).__name__}: {e})"
+                continue
             with os.fdopen(_store.create(os.path.join(tmp, _store.MANIFEST_DIR, n)), "wb") as f:
-                f.write(store.read(MANIFESTS, n))
+                f.write(raw)
         if what == "one":
             name, m = pick(store, located if step is None else step)
             download(store, {name: m}, tmp)
-        yield tmp if located is None else os.path.join(tmp, _store.MANIFEST_DIR, _store.manifest_name(located))
+        _UNREADABLE[os.path.realpath(tmp)] = unreadable
+        try:
+            yield tmp if located is None else os.path.join(tmp, _store.MANIFEST_DIR, _store.manifest_name(located))
+        finally:
+            _UNREADABLE.pop(os.path.realpath(tmp), None)
+
+
+#: local view (its real path) -> the tier's manifests it could not copy, by name: why each cannot be read
+_UNREADABLE: Dict[str, Dict[str, str]] = {}
+
+
+def unreadable_in(root: str) -> Dict[str, str]:
+    """The manifests of the tier a :func:`local_view` at ``root`` copies that could not be read at all (a FIFO, a
+    link, past the size cap), by name: why each cannot be read; {} for any other directory."""
+    return dict(_UNREADABLE.get(os.path.realpath(root), {}))
 
 
 def cli_options(text: Optional[str]) -> Dict[str, Any]:

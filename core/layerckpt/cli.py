@@ -15,6 +15,7 @@ import torch
 from . import _progress, _store
 from ._backend import checksum_function, make_backend
 from ._cli_run import Parser, figure_path, run
+from ._fetch import unreadable_in
 from ._manifest import MODEL, OPTIM, Manifest, load_manifest, model_name, piece_base
 from .config import Config
 from .errors import CheckpointError, CheckpointNotFoundError
@@ -145,9 +146,11 @@ def _by_kind(m: Manifest, stored: Dict[str, int]) -> Dict[str, tuple]:
 def cmd_verify(args) -> int:
     root, _ = _store.locate(args.dir)  # a missing directory, or one that is no checkpoint, is an error
     good, bad = _store.read_all(root)
-    if not good and not bad:
+    unreadable = unreadable_in(root)  # a URL's manifests its local copy could not hold (a FIFO, too big)
+    if not good and not bad and not unreadable:
         raise CheckpointNotFoundError(f"no committed checkpoint in {root}: nothing to verify")
-    failures = [f"{n}: damaged manifest: {_damage(root, n)}" for n in bad]
+    damaged_manifests = {**{n: _damage(root, n) for n in bad}, **unreadable}
+    failures = [f"{n}: damaged manifest: {why}" for n, why in sorted(damaged_manifests.items())]
     damaged: set = set()
     shown = _progress.wanted(getattr(args, "quiet", False))
     with _progress.Bar(sum(_stored_total(m) for m in good.values()), "verify", shown) as bar:
@@ -156,7 +159,7 @@ def cmd_verify(args) -> int:
         print(f"FAIL {f}")
     for line in _dependents(good, damaged):
         print(line)
-    print(f"{checked} of {len(good) + len(bad)} checkpoint(s) verified" + ("" if not failures else f", {len(failures)} failed"))
+    print(f"{checked} of {len(good) + len(damaged_manifests)} checkpoint(s) verified" + ("" if not failures else f", {len(failures)} failed"))
     return 1 if failures else 0
 
 
