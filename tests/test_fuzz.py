@@ -2,8 +2,9 @@
 nesting, special files, truncation, flipped bytes, another store's files) and read back.  Every case ends,
 within a timeout, in a result or one of the library's errors (a CheckpointError); a result holds exactly
 the bytes the step it reports saved; ``layerckpt verify`` never crashes, exits 1 where a read refuses the
-store as damaged and 0 where every checkpoint reads back as saved.  The short run is part of the suite;
-``-m slow`` runs the long one."""
+store as damaged and 0 where every checkpoint reads back as saved.  The same cases run over the store read as a
+``file://`` remote tier.  The short runs are part of the suite; ``-m slow`` runs the long ones
+(``LAYERCKPT_FUZZ_CASES`` cases each)."""
 import contextlib
 import io
 import json
@@ -261,24 +262,32 @@ def _expected_verify(root, err, ours, where: str) -> int:
     return 1 if damaged else 0
 
 
-def run_case(seed, stores, tmp_path):
+def _target(root, remote: bool):
+    """What a read is given: the store's directory, or the same directory as a ``file://`` remote tier (read
+    through fsspec into a local view, as any URL)."""
+    return "file://" + str(root) if remote else root
+
+
+def run_case(seed, stores, tmp_path, remote: bool = False):
     ours_src, ours, other, _ = stores
     rng = random.Random(seed)
     root = tmp_path / f"case{seed}"
     shutil.copytree(ours_src, root, symlinks=True, ignore=shutil.ignore_patterns(".writer.lock"))
     mutation = MUTATIONS[seed % len(MUTATIONS)]
     mutation(rng, root, other)
-    where = f"seed {seed} ({mutation.__name__})"
-    loaded, err = _bounded(layerckpt.read_checkpoint, root)
+    where = f"seed {seed} ({mutation.__name__}{', remote' if remote else ''})"
+    target = _target(root, remote)
+    loaded, err = _bounded(layerckpt.read_checkpoint, target)
     assert err is None or isinstance(err, CheckpointError), f"{where}: {type(err).__name__}: {err}"
     if err is None:
         _check_result(loaded, ours, where)
-    _, rerr = _bounded(lambda: layerckpt.restore(root, tiny(), torch.optim.SGD(tiny().parameters(), lr=0.1)))
+    _, rerr = _bounded(lambda: layerckpt.restore(target, tiny(), torch.optim.SGD(tiny().parameters(), lr=0.1)))
     assert rerr is None or isinstance(rerr, CheckpointError), f"{where}: restore: {type(rerr).__name__}: {rerr}"
-    out, verr = _bounded(_verify, root)
+    out, verr = _bounded(_verify, target)
     assert verr is None, f"{where}: verify raised {type(verr).__name__}: {verr}"
     rc, text = out
-    want = _expected_verify(root, err, ours, where)
+    assert "Traceback" not in text, f"{where}:\n{text}"
+    want = _expected_verify(target, err, ours, where)
     assert rc == want, f"{where}: verify exited {rc}, expected {want} (newest read: {err!r}):\n{text}"
 
 
@@ -395,7 +404,7 @@ def _linked_copy(src, dst) -> None:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".writer.lock"), copy_function=copy)
 
 
-def run_piece_case(seed, piece_stores, tmp_path):
+def run_piece_case(seed, piece_stores, tmp_path, remote: bool = False):
     import hostile_stores as hs
 
     rng = random.Random(seed)
@@ -407,18 +416,19 @@ def run_piece_case(seed, piece_stores, tmp_path):
     d = json.loads(p.read_text())
     mutation(rng, d)
     p.write_text(json.dumps(d))
-    where = f"seed {seed} ({store}, {mutation.__name__} of {p.name})"
-    loaded, err = _bounded(layerckpt.read_checkpoint, root)
+    where = f"seed {seed} ({store}, {mutation.__name__} of {p.name}{', remote' if remote else ''})"
+    target = _target(root, remote)
+    loaded, err = _bounded(layerckpt.read_checkpoint, target)
     assert err is None or isinstance(err, CheckpointError), f"{where}: {type(err).__name__}: {err}"
     if err is None:
         _check_result(loaded, ours, where)
-    _, rerr = _bounded(lambda: layerckpt.restore(root, *hs.model_and_optimizer()))
+    _, rerr = _bounded(lambda: layerckpt.restore(target, *hs.model_and_optimizer()))
     assert rerr is None or isinstance(rerr, CheckpointError), f"{where}: restore: {type(rerr).__name__}: {rerr}"
-    out, verr = _bounded(_verify, root)
+    out, verr = _bounded(_verify, target)
     assert verr is None, f"{where}: verify raised {type(verr).__name__}: {verr}"
     rc, text = out
     assert "Traceback" not in text, f"{where}:\n{text}"
-    want = _expected_verify(root, err, ours, where)
+    want = _expected_verify(target, err, ours, where)
     assert rc == want, f"{where}: verify exited {rc}, expected {want} (newest read: {err!r}):\n{text}"
 
 
@@ -431,4 +441,36 @@ def test_fuzz_enc_and_boxes_short(piece_stores, tmp_path):
 def test_fuzz_enc_and_boxes_long(piece_stores, tmp_path):
     for seed in range(PIECE_SHORT, PIECE_SHORT + LONG):
         run_piece_case(seed, piece_stores, tmp_path)
+        shutil.rmtree(tmp_path / f"pieces{seed}", ignore_errors=True)
+
+
+# -- the same over a file:// remote tier: the store's directory read as a URL (fsspec, a local view) ------------
+
+#: seeds of the remote runs: apart from the local ones, and in the short run each mutation once
+REMOTE_SEEDS = 1000
+REMOTE_SHORT = len(MUTATIONS)
+PIECE_REMOTE_SHORT = len(PIECE_MUTATIONS)
+
+
+def test_fuzz_remote_short(stores, tmp_path):
+    for seed in range(REMOTE_SEEDS, REMOTE_SEEDS + REMOTE_SHORT):
+        run_case(seed, stores, tmp_path, remote=True)
+
+
+def test_fuzz_enc_and_boxes_remote_short(piece_stores, tmp_path):
+    for seed in range(REMOTE_SEEDS, REMOTE_SEEDS + PIECE_REMOTE_SHORT):
+        run_piece_case(seed, piece_stores, tmp_path, remote=True)
+
+
+@pytest.mark.slow
+def test_fuzz_remote_long(stores, tmp_path):
+    for seed in range(REMOTE_SEEDS + REMOTE_SHORT, REMOTE_SEEDS + REMOTE_SHORT + LONG):
+        run_case(seed, stores, tmp_path, remote=True)
+        shutil.rmtree(tmp_path / f"case{seed}", ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_fuzz_enc_and_boxes_remote_long(piece_stores, tmp_path):
+    for seed in range(REMOTE_SEEDS + PIECE_REMOTE_SHORT, REMOTE_SEEDS + PIECE_REMOTE_SHORT + LONG):
+        run_piece_case(seed, piece_stores, tmp_path, remote=True)
         shutil.rmtree(tmp_path / f"pieces{seed}", ignore_errors=True)
