@@ -30,9 +30,6 @@ ROWS = "#rows="  # <key>#rows=<a>:<b>: rows [a, b) of a tensor stored in row blo
 _PIECE = re.compile(r"^(.*)#rows=(\d+):(\d+)$")
 BOX = "#box="  # <key>#box=<offsets>:<sizes>: the box of a tensor stored in boxes
 _BOX = re.compile(r"^(.*)#box=(\d*(?:,\d+)*):(\d*(?:,\d+)*)$")
-#: a data file's name (``_store.data_name``): ``step-<step>[.v<n>].rank<rank>.safetensors``, the step and rank of
-#: the save that wrote it (a tier's copy under another name, ``.v<n>``, keeps them)
-DATA_NAME = re.compile(r"^step-(\d{8,})(?:\.v(\d+))?\.rank(\d+)\.safetensors$")
 
 
 def model_key(name: str) -> str:

@@ -17,7 +17,6 @@ import stat
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ._json import open_dir, read_regular
-from ._entries import DATA_NAME
 from ._manifest import Manifest, load_manifest
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
@@ -27,7 +26,7 @@ DATA_DIR = "data"
 MANIFEST_DIR = "manifests"
 LATEST = "latest"
 _MANIFEST_RE = re.compile(r"^step-(\d{8,})\.json$")
-_DATA_RE = DATA_NAME
+_DATA_RE = re.compile(r"^step-(\d{8,})(?:\.v(\d+))?\.rank(\d+)\.safetensors$")
 
 
 def manifest_name(step: int) -> str:

@@ -8,9 +8,9 @@ reads).  Any damage is a CheckpointCorruptError naming the file and the field (n
   tensor's blocks well formed, in file order, covering its bytes once, its reference in a listed file; no two
   tensors of one file owning overlapping bytes (``_places``);
 - row blocks and boxes: covering their tensor once, each piece an entry of the piece's dtype and shape;
-- versions: a data file's entry of the step and rank its name carries; a layer's tensors in files of the step the
-  layer records, every other tensor in files of the manifest's step, a reference's step its file's (an entry of
-  an older step copied whole, checksum and all, would otherwise read back as the newer version);
+- versions: a layer's tensors in files of the step the layer records, every other tensor in files of the
+  manifest's step, a reference's step its file's (an entry of an older step copied whole, checksum and all,
+  would otherwise read back as the newer version);
 - aliases to model tensors that have entries (and none over one that has its own); tensor references in the
   optimizer state, RNG, extra and non-tensor model state to tensors that have entries, each naming its own place;
 - the fidelity bookkeeping a restore compares (costs, loss): finite.
@@ -25,7 +25,7 @@ import re
 from typing import Any, Dict, Optional, Sequence
 
 from ._layout import CODES, ITEMSIZE
-from ._entries import (DATA_NAME, EXTRA, FORMAT_NAME, FORMAT_VERSION, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, Boxes,
+from ._entries import (EXTRA, FORMAT_NAME, FORMAT_VERSION, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, Boxes,
                        FileEntry, LayerEntry, RowBlocks, TensorEntry, model_key, row_pieces, shard_pieces)
 from ._places import CRC_MAX, check_block_order, check_regions, max_blocks
 from .errors import CheckpointCorruptError
@@ -124,21 +124,11 @@ def _is_shape(shape: Any, dtype: Any) -> bool:
 
 
 def _file_entry(name: str, e: Any, step: int, path: str) -> FileEntry:
-    """A data file's entry: its step and rank those its name carries, where it has a data file's name
-    (``_store.data_name``; a tier's copy keeps them).  (A later step's file may be listed: a step saved again
-    after a later one references that one's bytes.)"""
     if not (isinstance(e, dict) and all(_is_int(e.get(k, 0)) for k in ("step", "rank", "size"))
             and e.get("rank", 0) < MAX_WORLD):
         raise _corrupt(path, f"entry for file {name!r} is malformed (step, rank and size must be non-negative "
                              f"integers)")
-    named = DATA_NAME.match(name)
-    if "step" not in e and named is not None:
-        e = {**e, "step": int(named.group(1))}
-    out = FileEntry(step=e.get("step", step), rank=e.get("rank", 0), size=e.get("size", 0))
-    if named is not None and (int(named.group(1)), int(named.group(3))) != (out.step, out.rank):
-        raise _corrupt(path, f"file {name!r} is named for step {int(named.group(1))} and rank {int(named.group(3))}, "
-                             f"but its entry records step {out.step} and rank {out.rank}: a file's entry was edited")
-    return out
+    return FileEntry(step=e.get("step", step), rank=e.get("rank", 0), size=e.get("size", 0))
 
 
 def _check_versions(step: int, files: Dict[str, FileEntry], tensors: Dict[str, TensorEntry],
