@@ -25,6 +25,7 @@ from ._backend import checksum_function, make_backend
 from ._fetch import View
 from ._flush import wait_for_saves
 from ._gather import layout_boxes, shard_rows, shards_dim
+from ._json import _kind
 from ._layout import CODES
 from ._manifest import Manifest, load_manifest
 from ._encode import reads_ref
@@ -210,13 +211,14 @@ def check_claims(root: str, m: Manifest, mpath: str, keys: List[str]) -> None:
     for fname, held in sorted(by_file.items()):
         path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
         try:
-            st = os.stat(path)
+            st = os.lstat(path)  # the file itself: a link is refused, as the read's own open refuses it
         except FileNotFoundError:
             raise MissingDataError(f"data file {path} is missing (it holds tensor {held[0][1]!r})",
                                    path=path) from None
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointCorruptError(f"data file {path} is not a regular file (mode {stat.filemode(st.st_mode)});"
-                                         f" the store is damaged: restore another step", path=path)
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else _kind(st.st_mode)
+            raise CheckpointCorruptError(f"data file {path} is not a regular file ({kind}); the store is damaged: "
+                                         f"restore another step", path=path)
         if st.st_size < m.files[fname].size:
             lost = next((k for end, k in sorted(held) if end > st.st_size), None)
             raise CheckpointCorruptError(
