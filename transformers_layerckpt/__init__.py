@@ -9,7 +9,8 @@ Each ``checkpoint-<step>`` folder keeps what Trainer writes there (``trainer_sta
 ``rng_state.pth``, ``training_args.bin``, the model's ``config.json``) and a ``layerckpt.json`` pointer to the
 composite holding the model's weights and the optimizer's state, in the store ``<output_dir>/layerckpt``
 beside the folders (``save_total_limit`` deletes whole folders; a composite stays while a folder points at
-it).  The selection's loss is Trainer's training loss, the step ``state.global_step``.
+it).  The selection's loss is Trainer's mean training loss since the last save, put in the unit of the
+clipped gradients where Trainer clips (``max_grad_norm``), the step ``state.global_step``.
 ``TRANSFORMERS_LAYERCKPT=0`` or ``LAYERCKPT_ENABLED=0`` leaves the Trainer as it is.  Which Trainer methods
 are wrapped, and why: :mod:`transformers_layerckpt.attach`.
 """

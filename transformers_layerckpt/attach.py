@@ -3,7 +3,8 @@
 Every Trainer method this adapter replaces is replaced here, on the one instance it is given (a subclass's
 overrides are what get wrapped), and nowhere else.  Public, overridable methods: ``train`` (resolve
 ``resume_from_checkpoint=True`` to the newest folder whose composite committed; wait for the saves when it
-returns), ``training_step`` (the loss), ``save_model`` (a checkpoint folder's weights go to the store).  Trainer
+returns), ``training_step`` (the loss), ``save_model`` (a checkpoint folder's weights go to the store); and the
+public ``clip_grad_norm_`` of the Trainer's Accelerator (the gradient norms Trainer clips).  Trainer
 has no hook for the rest, so four private methods are wrapped, each falling through to Trainer's own for a
 folder without a layerckpt pointer (transformers 4.50 to 5.x, the range the ``transformers`` extra pins):
 
@@ -189,10 +190,31 @@ def _train(orig: Callable[..., Any], att: Attached) -> Callable[..., Any]:
 
 def _training_step(orig: Callable[..., Any], att: Attached) -> Callable[..., Any]:
     def training_step(*args: Any, **kwargs: Any) -> Any:
+        _watch_clipping(att)
         loss = orig(*args, **kwargs)
         att.micro_batch(loss)
         return loss
     return training_step
+
+
+def _watch_clipping(att: Attached) -> None:
+    """Have the Trainer's Accelerator tell ``att`` each gradient clipping (``max_grad_norm``): its public
+    ``clip_grad_norm_(parameters, max_norm, norm_type=2)``, through which Trainer clips (4.50 to 5.x), is
+    replaced on that one instance by a call of it that also hands ``att`` the norm it returns, before
+    clipping.  Checked at each micro-batch: Trainer may make a new Accelerator (a hyperparameter search)."""
+    acc = getattr(att.trainer, "accelerator", None)
+    clip = getattr(acc, "clip_grad_norm_", None)
+    if clip is None or getattr(clip, "_layerckpt", None) is att:
+        return
+
+    @functools.wraps(clip)
+    def clip_grad_norm_(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
+        norm = clip(parameters, max_norm, *args, **kwargs)
+        att.clipped(norm, max_norm)
+        return norm
+
+    clip_grad_norm_._layerckpt = att  # type: ignore[attr-defined]
+    acc.clip_grad_norm_ = clip_grad_norm_
 
 
 def _save_model(orig: Callable[..., Any], att: Attached) -> Callable[..., Any]:
@@ -240,7 +262,8 @@ def _load_best_model(orig: Callable[..., Any], att: Attached) -> Callable[..., A
 
 
 class _StepEnd(TrainerCallback):
-    """Trainer's public callback: the end of an optimizer step closes the loss the next save is scaled by."""
+    """Trainer's public callback: the end of an optimizer step adds its loss and gradient clipping to those the
+    next save is scaled by."""
 
     def __init__(self, att: Attached):
         self.att = att
