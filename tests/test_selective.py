@@ -349,3 +349,35 @@ def test_adopting_a_restored_composite_keeps_the_next_save_selective(tmp_path):
     with layerckpt.Checkpointer(other, model2, opt2, config=cfg) as ck:
         with pytest.raises(layerckpt.CheckpointError, match="not to this Checkpointer"):
             ck.adopt(report)
+
+
+def test_a_long_run_keeps_no_more_manifest_entries_alive_than_a_short_one(tmp_path):
+    """What a save keeps in memory for the next ones is bounded by the few composites in flight, not the run's
+    length: entries of old manifests held on (by a serialisation cache, say) grow memory and the collector's
+    work with every save."""
+    import gc
+
+    from layerckpt._entries import TensorEntry
+
+    torch.manual_seed(0)
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ck = layerckpt.Checkpointer(str(tmp_path / "ck"), model, opt, layerckpt.Config(keep_last=2))
+
+    def alive() -> int:
+        gc.collect()
+        return sum(isinstance(o, TensorEntry) for o in gc.get_objects())
+
+    counts = []
+    try:
+        for step in range(1, 61):
+            sum(p.square().sum() for p in model.parameters()).backward()
+            opt.step()
+            opt.zero_grad()
+            ck.save(step).wait()
+            if step in (20, 60):
+                counts.append(alive())
+    finally:
+        ck.close()
+    assert counts[0] > 0
+    assert counts[1] <= counts[0] * 1.2, f"entries alive after 20 saves: {counts[0]}, after 60: {counts[1]}"

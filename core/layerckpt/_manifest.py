@@ -148,25 +148,22 @@ class Manifest:
 
 
 _NAMES: Dict[type, Tuple[str, ...]] = {}
-#: id of a tensor entry -> (the entry, its key, its JSON member): composites carry the same entry objects from
-#: one manifest to the next (entries are never changed once made), so each is serialised once
-_ENTRY_JSON: Dict[int, Tuple["TensorEntry", str, str]] = {}
-_ENTRY_JSON_MAX = 1 << 16
 _quote = json.encoder.encode_basestring_ascii  # a JSON string, as json.dumps writes it
 
 
 def _entry_json(key: str, e: "TensorEntry") -> str:
-    """``"key":{...}``, the JSON member of one tensor entry (cached while the entry object lives)."""
-    hit = _ENTRY_JSON.get(id(e))
-    if hit is not None and hit[0] is e and hit[1] == key:
-        return hit[2]
+    """``"key":{...}``, the JSON member of one tensor entry.  Composites carry the same entry objects from one
+    manifest to the next (entries are never changed once made), so each is serialised once: the member is kept
+    on the entry itself, and goes with it (a cache beside the entries would keep every entry of every manifest
+    alive, and the collector walking them)."""
+    hit = e.__dict__.get("_json")
+    if hit is not None and hit[0] == key:
+        return hit[1]
     # the fields in TensorEntry's order, as json.dumps would write them (one call per entry costs more)
     enc = "null" if e.enc is None else json.dumps(e.enc, separators=(",", ":"), allow_nan=True)
     member = (f'{_quote(key)}:{{"file":{_quote(e.file)},"dtype":{_quote(e.dtype)},"shape":'
               f'[{",".join(map(str, e.shape))}],"offset":{e.offset},"nbytes":{e.nbytes},"crc":{e.crc},"enc":{enc}}}')
-    if len(_ENTRY_JSON) >= _ENTRY_JSON_MAX:
-        _ENTRY_JSON.clear()
-    _ENTRY_JSON[id(e)] = (e, key, member)
+    e.__dict__["_json"] = (key, member)
     return member
 
 
