@@ -87,8 +87,8 @@ def test_example_defaults_stay_within_half_a_percent(tmp_path):
     s = json.loads(out.read_text())
     print("\n" + r.stdout)
     assert s["resumed_at"] in (124, 128)  # the newest folder whose composite committed before the kill
-    # README: 1.3x fewer bytes than accelerate's own on the default run; this small run measures 465.9 MB over
-    # 365.6 MB (1.27x, the same on repeated runs), so 1.2 catches a regression
+    # docs/accelerate.md (Example): 1.3x fewer bytes than accelerate's own on the default run; this small run
+    # measures 465.9 MB over 365.6 MB (1.27x, the same on repeated runs), so 1.2 catches a regression
     assert s["bytes"]["ratio"] >= 1.2, s["bytes"]
     assert s["loss"]["mean_rel"] <= 0.005
 

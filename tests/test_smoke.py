@@ -1,6 +1,7 @@
-"""The README's commands run end to end, small: the main job (examples/lightning_finetune.py), `layerckpt bench
---steps` and `layerckpt bench --policy --plot`.  Each in a new process, as a user runs it: exit 0 and the lines
-that carry its figures (a smoke test, not a measurement)."""
+"""The documented commands run end to end, small: the README's main job (examples/lightning_finetune.py),
+`layerckpt bench --steps` (docs/performance.md) and `layerckpt bench --policy --plot` (docs/selection.md).  Each
+in a new process, as a user runs it: exit 0 and the lines that carry its figures (a smoke test, not a
+measurement)."""
 import os
 import re
 import subprocess
