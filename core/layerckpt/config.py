@@ -343,7 +343,7 @@ GROUPS: Dict[str, Tuple[str, ...]] = {
     "tiers": ("keep_last", "memory_tier", "remote", "remote_options", "remote_every", "remote_bandwidth"),
     "restore": ("verify_checksums", "restore_rng"),
 }
-"""Every Config field, once, by what it governs (the README's Config table follows it)."""
+"""Every Config field, once, by what it governs (docs/configuration.md's Config table follows it)."""
 
 
 #: the most bytes a YAML config file may hold

@@ -38,7 +38,7 @@ from .family import WORKLOADS, Workload
 from .frontier import INTERVALS, crash_points, format_frontier, frontier_at, lag_steps, mean_steps_since, plot, steps_since
 
 CRASHES = (0.25, 0.5, 0.75)
-# the bytes each workload must save at least (README, issue targets).  The others (training from scratch, the
+# the bytes each workload must save at least (docs/selection.md, issue targets).  The others (training from scratch, the
 # CNN: every layer carries the loss's progress) have the loss target only: a selective save writes a subset of a
 # full one, so "never more than full" would be a target no run can miss.
 BYTES_TARGET = {**{f"{kind}-{lr}": 10.0 for kind in ("classify", "finetune") for lr in ("1e-5", "3e-5", "1e-4")},

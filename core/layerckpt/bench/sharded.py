@@ -529,7 +529,7 @@ def main(args) -> int:
     if res is not None:
         print(json.dumps(res) if as_json else format_table(res), flush=True)
     # a rank under torchrun ends here, everything closed and printed: leave without the interpreter's
-    # finalization, during which torch's gloo threads now and then abort the process (see README, failure
+    # finalization, during which torch's gloo threads now and then abort the process (see docs/failure-semantics.md, failure
     # semantics: "terminate called without an active exception")
     sys.stderr.flush()
     os._exit(0)
