@@ -5,7 +5,8 @@
 - ``rows``: selective saves of a model with an embedding table stored in row blocks (``Config.row_block_bytes``),
   raw bytes;
 - ``boxes``: the ``rows`` store with its tables recorded as boxes (``Manifest.boxes``, the record a save of a
-  DTensor layout writes), each box the same bytes as the row block it replaces, its checksum sealed to the box.
+  DTensor layout writes), each box the same bytes as the row block it replaces, its checksum sealed to the box
+  (and to its file's step, as the writers seal every entry).
 
 Each builder returns {step: the state read back right after that step was committed}.
 """
@@ -82,7 +83,7 @@ def edit(root, step: int, change) -> None:
 def rows_to_boxes(src, dst) -> None:
     """A copy of the row-block store ``src`` whose row blocks are recorded as boxes: block ``[a, b)`` of a table
     of width ``n`` becomes the box at offsets ``[a, 0]`` with sizes ``[b - a, n]``, its entry's checksum sealed
-    to its new key (computed over its raw bytes in the data file)."""
+    to its new key and its file's step (computed over its raw bytes in the data file)."""
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".writer.lock"))
     for name in sorted(os.listdir(os.path.join(dst, "manifests"))):
         edit(dst, int(name[5:13]), lambda d: _as_boxes(dst, d))
@@ -103,10 +104,10 @@ def _as_boxes(root, d) -> None:
             with open(os.path.join(root, "data", e["file"]), "rb") as f:
                 f.seek(e["offset"])
                 raw = f.read(e["nbytes"])
-            e["crc"] = seal(check, new, check(raw, 0))
+            e["crc"] = seal(check, new, check(raw, 0), d["files"][e["file"]]["step"])
             d["tensors"][new] = e
             renamed[old] = new
     for layer in d["layers"].values():
         layer["tensors"] = [renamed.get(k, k) for k in layer["tensors"]]
-    d["version"] = 3
+    d["version"] = max(d["version"], 3)  # boxes (3), and the writers' seals (5)
     assert not any(split_piece(k)[1] for k in d["tensors"])  # every row block became a box

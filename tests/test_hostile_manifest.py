@@ -8,7 +8,9 @@ boxes: tests/hostile_stores.py), one variant per way a few bytes of JSON could t
   optimizer state referring to another parameter's;
 - an older version's bytes: a tensor's own entry of an older step (or a whole layer's, or an RNG state's) copied
   with its checksum while the manifest records its layer at the newer step, a layer claiming a newer step than
-  its bytes;
+  its bytes, an older file's entry relabelled with the newer step, an entry of the newer step whose delta blocks
+  all say "unchanged" against an older reference, with that version's checksum (each checksum is sealed to its
+  file's step);
 - raw exceptions: a list or object where a dtype belongs, an alias to a tensor that has no entry, an empty list
   of row blocks, NaN costs.
 
@@ -38,6 +40,7 @@ A, B, EMB = "model/a.weight", "model/b.weight", "model/emb.weight"
 ROW0, ROW1 = f"{EMB}#rows=0:256", f"{EMB}#rows=256:512"
 BOX0, BOX1 = f"{EMB}#box=0,0:256,64", f"{EMB}#box=256,0:256,64"
 MISMATCH = r"checksum mismatch in tensor '{}'"
+SEAL_KIND = r"tensor '{}' in file .* has a checksum not sealed to its step, where the file's other entries are"
 OLDER = (r"tensor '{0}' of layer '{1}', which the manifest records at step 4, is in file "
          r"'step-0000000{2}\.rank0\.safetensors' of step {2}")
 
@@ -132,6 +135,16 @@ def _rolled_back(*keys, file_step=None):
     return change
 
 
+def _same_as_older(d, root):
+    """model/b.weight's delta blocks all 'unchanged' against its reference of step 1, with step 1's checksum."""
+    with open(hs.manifest_path(root, 1)) as f:
+        old = json.load(f)
+    e = _t(d)[B]
+    assert e["enc"]["ref"]["step"] == 1
+    e["enc"]["blocks"] = [[b[0], 0, b[2], 3] for b in e["enc"]["blocks"]]  # SAME: the reference's bytes
+    e["crc"] = _t(old)[B]["crc"]
+
+
 def _layer_claims_step(layer, step):
     def change(d, root):
         d["layers"][layer].update(step=step, age=0)
@@ -140,6 +153,19 @@ def _layer_claims_step(layer, step):
 
 def _unseal(d, root):
     _t(d)[A]["crc"] &= 0xFFFFFFFF
+
+
+def _unstep(d, root):
+    """model/a.weight's (raw) seal without its step: the key-only seal format version 4 wrote (what an edit could
+    copy from an entry written before step seals), beside the step-sealed entries of its file."""
+    from layerckpt._backend import checksum_function
+    from layerckpt._places import seal
+
+    check = checksum_function(d["checksum"])
+    e = _t(d)[A]
+    with open(os.path.join(root, "data", e["file"]), "rb") as f:
+        f.seek(e["offset"])
+        e["crc"] = seal(check, A, check(f.read(e["nbytes"]), 0))
 
 
 def _set(path, value):
@@ -189,7 +215,12 @@ VARIANTS = {
     "an RNG state of an older step": ("delta", 4, _rolled_back("rng/torch"),
                                       r"tensor 'rng/torch', which no layer lists, is in file "
                                       r"'step-00000003\.rank0\.safetensors' of step 3, not the manifest's step 4"),
-    "a seal cleared": ("delta", 4, _unseal, MISMATCH.format(r"model/a\.weight")),
+    "a delta of unchanged blocks with an older checksum": ("delta", 4, _same_as_older,
+                                                           MISMATCH.format(r"model/b\.weight")),
+    "an older file's entry claiming this step": ("delta", 4, _rolled_back(B, file_step=4),
+                                                 MISMATCH.format(r"model/b\.weight")),
+    "a seal cleared": ("delta", 4, _unseal, SEAL_KIND.format(r"model/a\.weight")),
+    "a seal's step cleared": ("rows", 4, _unstep, SEAL_KIND.format(r"model/a\.weight")),
     "row block copied": ("rows", 4, _copy(ROW0, ROW1, ("file", "offset", "crc")),
                          r"tensor '.*#rows=.*' \(bytes .*\) overlaps tensor '.*#rows="),
     "row blocks swapped": ("rows", 4, _swap(ROW0, ROW1, ("file", "offset", "crc")),
@@ -296,8 +327,8 @@ def test_the_boxes_store_is_the_rows_store_recorded_as_boxes(stores):
     from layerckpt._manifest import load_manifest
 
     m = load_manifest(hs.manifest_path(roots["boxes"], 4))
-    assert m.blocks is None and m.boxes[EMB].boxes[1] == [[256, 0], [256, 64]] and m.version == 3
-    assert m.tensors[BOX1].crc >> 32 == 1  # sealed to the box
+    assert m.blocks is None and m.boxes[EMB].boxes[1] == [[256, 0], [256, 64]] and m.version == 5
+    assert m.tensors[BOX1].crc >> 32 == 3  # sealed to the box and its file's step
     boxes, rows = (layerckpt.read_checkpoint(roots[s], 4) for s in ("boxes", "rows"))
     assert _same(boxes.model, rows.model) and boxes.model.keys() == states["rows"][4].keys()
     st = rows.optimizer["state"]
@@ -305,19 +336,29 @@ def test_the_boxes_store_is_the_rows_store_recorded_as_boxes(stores):
 
 
 def test_entries_are_sealed_to_their_place_and_blocks_lie_in_order(stores):
-    """What the writers record: every crc sealed (bit 32) to its own key; an encoded tensor's blocks in file
-    order, several per tensor where its bytes span chunks; no two tensors of a file overlapping."""
+    """What the writers record: every crc sealed (bits 32 and 33) to its own key and its file's step; an encoded
+    tensor's blocks in file order, several per tensor where its bytes span chunks; no two tensors of a file
+    overlapping."""
     roots, _, _ = stores
     from layerckpt._backend import checksum_function
     from layerckpt._manifest import load_manifest
-    from layerckpt._places import region, sealed_ok
+    from layerckpt._places import region, seal, sealed_ok
 
     for store in ("delta", "rows"):
         m = load_manifest(hs.manifest_path(roots[store], 4))
-        assert all(e.crc >> 32 == 1 for e in m.tensors.values())
+        assert m.version == 5 and all(e.crc >> 32 == 3 for e in m.tensors.values())
         e = m.tensors[A]
         check = checksum_function(m.checksum)
-        assert not sealed_ok(check, e.crc, B, 0)  # another key: another seal
+        assert not sealed_ok(check, e.crc, B, 0, 4)  # another key: another seal
+    m = load_manifest(hs.manifest_path(roots["rows"], 4))
+    e, check = m.tensors[A], checksum_function(m.checksum)
+    with open(os.path.join(roots["rows"], "data", e.file), "rb") as f:
+        f.seek(e.offset)
+        crc = check(f.read(e.nbytes), 0)
+    step = m.files[e.file].step
+    assert e.crc == seal(check, A, crc, step) and sealed_ok(check, e.crc, A, crc, step)
+    assert not sealed_ok(check, e.crc, A, crc, step - 1)  # another step: another seal
+    assert sealed_ok(check, seal(check, A, crc), A, crc, step - 1)  # format 4's key-only seal: read as it was
     m = load_manifest(hs.manifest_path(roots["delta"], 4))
     blocks = m.tensors[EMB].enc["blocks"]
     assert len(blocks) >= 4 and all(b[0] + b[1] <= c[0] for b, c in zip(blocks, blocks[1:]))
@@ -326,25 +367,12 @@ def test_entries_are_sealed_to_their_place_and_blocks_lie_in_order(stores):
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
-def _same_as_older(d, root):
-    """model/b.weight's delta blocks all 'unchanged' against its reference of step 1, with step 1's checksum."""
-    with open(hs.manifest_path(root, 1)) as f:
-        old = json.load(f)
-    e = _t(d)[B]
-    assert e["enc"]["ref"]["step"] == 1
-    e["enc"]["blocks"] = [[b[0], 0, b[2], 3] for b in e["enc"]["blocks"]]  # SAME: the reference's bytes
-    e["crc"] = _t(old)[B]["crc"]
-
-
-@pytest.mark.xfail(strict=True, reason="a seal binds a checksum to its tensor's key, not to its step, and a tier "
-                                        "may serve a file of a newer step from one of an older step's name that "
-                                        "holds the same bytes (_tiers.place), so a file's recorded step is not "
-                                        "bound to it either; closing these needs the writers to seal the step too "
-                                        "(a format change)")
 @pytest.mark.parametrize("change", [_same_as_older, _rolled_back(B, file_step=4)],
                          ids=["a delta of unchanged blocks with an older checksum",
                               "an older file's entry claiming this step"])
 def test_an_older_version_under_the_newer_step_is_refused(stores, tmp_path, change):
+    """Each checksum is sealed to its file's step: the older version's checksum does not match under the newer
+    step, whether its bytes come through unchanged delta blocks or from the older file relabelled."""
     import layerckpt
     from layerckpt.errors import CheckpointCorruptError
 
@@ -352,7 +380,44 @@ def test_an_older_version_under_the_newer_step_is_refused(stores, tmp_path, chan
     d = str(tmp_path / "same")
     shutil.copytree(roots["delta"], d, ignore=shutil.ignore_patterns(".writer.lock"))
     hs.edit(d, 4, lambda m: change(m, d))
-    with pytest.raises(CheckpointCorruptError):
+    with pytest.raises(CheckpointCorruptError, match=MISMATCH.format(r"model/b\.weight")) as e:
+        layerckpt.read_checkpoint(d, 4)
+    assert e.value.tensor == B
+    v = _cli("verify", d)
+    assert v["rc"] == 1 and re.search(MISMATCH.format(r"model/b\.weight"), v["out"]), v["out"]
+
+
+def _as_format_4(d, root):
+    """Every seal as format version 4 wrote it: to the key only (recomputed over the raw bytes)."""
+    from layerckpt._backend import checksum_function
+    from layerckpt._places import seal
+
+    check = checksum_function(d["checksum"])
+    for k, e in _t(d).items():
+        with open(os.path.join(root, "data", e["file"]), "rb") as f:
+            f.seek(e["offset"])
+            e["crc"] = seal(check, k, check(f.read(e["nbytes"]), 0))
+    d["version"] = 4
+
+
+def test_a_format_4_store_still_reads_its_key_only_seals(stores, tmp_path):
+    """A store written before steps were sealed (its entries sealed to their keys only, version 4) reads and
+    verifies as before; its seals still tell tensors apart."""
+    import layerckpt
+    from layerckpt.errors import CheckpointCorruptError
+
+    roots, _, _ = stores
+    d = str(tmp_path / "v4")
+    shutil.copytree(roots["rows"], d, ignore=shutil.ignore_patterns(".writer.lock"))
+    for step in range(1, 5):
+        hs.edit(d, step, lambda m: _as_format_4(m, d))
+    for step in range(1, 5):
+        got = layerckpt.read_checkpoint(d, step)
+        assert _same(got.model, layerckpt.read_checkpoint(roots["rows"], step).model)
+    v = _cli("verify", d)
+    assert v["rc"] == 0, v["out"]
+    hs.edit(d, 4, lambda m: _swap(ROW0, ROW1, ("file", "offset", "crc"))(m, d))
+    with pytest.raises(CheckpointCorruptError, match=MISMATCH.format(r"model/emb\.weight#rows=(0:256|256:512)")):
         layerckpt.read_checkpoint(d, 4)
 
 

@@ -6,6 +6,7 @@ as a hint for readers; it never decides what is committed.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -14,7 +15,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from . import _faults
 from ._dist import Group
-from ._backend import checksum
+from ._backend import checksum_function
 from ._layout import DTYPES, Layout
 from ._manifest import FileEntry, Manifest, TensorEntry, plain
 from ._places import seal
@@ -35,7 +36,8 @@ class RankFailure(NamedTuple):
 @dataclass(frozen=True)
 class RankResult:
     """What one rank tells the others about its file: where each tensor landed, or why it failed.  Crosses
-    between ranks as a plain JSON dict (:meth:`to_dict`, :meth:`from_dict`), nowhere else."""
+    between ranks as a plain JSON dict (:meth:`to_dict`, :meth:`from_dict`), nowhere else.  Its entries' ``crc``
+    is the plain CRC of each tensor's raw bytes: :func:`merge`, which records the file's step, seals it."""
 
     rank: int
     fname: str
@@ -70,8 +72,8 @@ def rank_result(rank: int, fname: str, layout: Layout, crcs: Sequence[int], rng:
     if tensors is not None:
         return RankResult(rank, fname, layout.size if size is None else size, rng, tensors=tensors, coding=coding)
     tensors = {it.key: TensorEntry(file=fname, dtype=DTYPES[it.tensor.dtype], shape=list(it.tensor.shape),
-                                   offset=it.offset, nbytes=it.nbytes, crc=seal(checksum, it.key, crcs[i]))
-               for i, it in enumerate(layout.items)}  # each CRC sealed to its key (``_places``)
+                                   offset=it.offset, nbytes=it.nbytes, crc=crcs[i])
+               for i, it in enumerate(layout.items)}  # plain CRCs: merge seals them to key and step (``_places``)
     return RankResult(rank, fname, layout.size, rng, tensors=tensors, coding=coding)
 
 
@@ -118,13 +120,17 @@ def unlink_quietly(path: str) -> None:
 
 
 def merge(m: Manifest, ranks: List[RankResult], checksum: str) -> None:
-    """Fold every rank's file and tensors into ``m`` (the same result on every rank)."""
+    """Fold every rank's file and tensors into ``m`` (the same result on every rank).  Each file is recorded at
+    this save's step, and each of its tensors' CRCs sealed to the tensor's key and that step (``_places``): the
+    step every later composite and tier copy records for the file, which a reader seals what it reads with."""
     m.checksum = checksum
+    check = checksum_function(checksum)
     fname = {}
     for r in ranks:
         fname[r.rank] = r.fname
         m.files[r.fname] = FileEntry(step=m.step, rank=r.rank, size=r.size)
-        m.tensors.update(r.tensors)
+        m.tensors.update({k: dataclasses.replace(e, crc=seal(check, k, e.crc, m.step))
+                          for k, e in r.tensors.items()})
         if r.coding:
             m.coding = {**(m.coding or {}), r.fname: r.coding}
     for info in m.layers.values():

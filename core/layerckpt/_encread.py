@@ -67,7 +67,7 @@ def read_encoded(root: str, m: Manifest, mpath: str, keys: List[str], sinks: Dic
         decoder.finish()
     if check is not None:
         for k in keys:
-            _verify(k, m.tensors[k], dests[k], check, root, mpath)
+            _verify(k, m.tensors[k], m.files[m.tensors[k].file].step, dests[k], check, root, mpath)
     return out, total
 
 
@@ -210,9 +210,10 @@ def _decode_many(tasks: List[Task]) -> None:
             raise CheckpointCorruptError(str(e), path=path, tensor=key) from None
 
 
-def _verify(key: str, e: TensorEntry, dest: np.ndarray, check: Callable, root: str, mpath: str) -> None:
-    """The decoded bytes are the tensor's own: its CRC, sealed to its key (``_places``), matches them."""
-    if not sealed_ok(check, e.crc, key, check(memoryview(dest), 0)):
+def _verify(key: str, e: TensorEntry, step: int, dest: np.ndarray, check: Callable, root: str, mpath: str) -> None:
+    """The decoded bytes are the tensor's own: its CRC, sealed to its key and its file's ``step`` (``_places``),
+    matches them (a delta's reference, of an older step, is not sealed apart: what is checked is the tensor)."""
+    if not sealed_ok(check, e.crc, key, check(memoryview(dest), 0), step):
         path = os.path.join(root, _store.DATA_DIR, e.file)
         ref = e.enc.get("ref")
         also = f" or its reference in {ref['file']}" if ref else ""

@@ -30,7 +30,6 @@ from . import _encode, _faults
 from ._backend import checksum
 from ._layout import DTYPES, Layout, align_up
 from ._manifest import FileEntry, TensorEntry
-from ._places import seal
 from ._stage import StagedChunk, anon_buffer
 from ._units import KiB
 from ._writeloop import WriteLoop
@@ -364,8 +363,8 @@ class EncodingLoop(WriteLoop):
         self.size += padded
 
     def entries(self, fname: str, crcs: List[int]) -> Dict[str, TensorEntry]:
-        """What the manifest says of each tensor written: raw checksum (sealed to the tensor's key: ``_places``),
-        blocks, reference."""
+        """What the manifest says of each tensor written: raw checksum (plain: ``_commit.merge`` seals it to the
+        tensor's key and the save's step, ``_places``), blocks, reference."""
         out = {}
         for i, it in enumerate(self.layout.items):
             blocks = self._blocks[i]
@@ -375,7 +374,7 @@ class EncodingLoop(WriteLoop):
             enc = {"codec": _encode.CODEC, "blocks": blocks, "ref": self.plan.where.get(i)}
             out[it.key] = TensorEntry(file=fname, dtype=DTYPES[it.tensor.dtype], shape=list(it.tensor.shape),
                                       offset=blocks[0][0] if blocks else self.reserve, nbytes=it.nbytes,
-                                      crc=seal(checksum, it.key, crcs[i]), enc=enc)
+                                      crc=crcs[i], enc=enc)
         return out
 
     def _abandon_encodes(self) -> None:

@@ -15,10 +15,12 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 FORMAT_NAME = "layerckpt"
 #: 2: tensors may be encoded (TensorEntry.enc); 3: tensors stored as boxes (Manifest.boxes); 4: checksums sealed to
-#: their entry's key (``_places.SEALED``), which a reader of 3 or less would take for damage
-FORMAT_VERSION = 4
-_BOXES_VERSION = 3  # the version a manifest with boxes is written as; without, 2 (either way 4 once sealed)
+#: their entry's key (``_places.SEALED``), which a reader of 3 or less would take for damage; 5: checksums sealed to
+#: their entry's key and its file's step (``_places.STEPPED``), which a reader of 4 or less would take for damage
+FORMAT_VERSION = 5
+_BOXES_VERSION = 3  # the version a manifest with boxes is written as; without, 2 (4 once sealed, 5 once stepped)
 _SEALED_VERSION = 4
+_STEPPED_VERSION = 5
 
 MODEL = "model/"
 OPTIM = "optim/"
@@ -108,8 +110,9 @@ class TensorEntry:
     shape: List[int]
     offset: int  # absolute offset in the file
     nbytes: int
-    #: CRC of the raw bytes (after decoding, for an encoded tensor); sealed to this entry's key where bit 32 is
-    #: set (``_places``: every entry written since; a plain CRC in entries written before)
+    #: CRC of the raw bytes (after decoding, for an encoded tensor); sealed to this entry's key and its file's step
+    #: where bits 32 and 33 are set (``_places``: every entry written since format version 5), to its key only
+    #: where bit 32 alone is (entries written as version 4), a plain CRC in entries written before
     crc: int
     #: how it is encoded (``_encode``): {"codec", "blocks": [[file offset, length, raw length, mode], ...],
     #: "ref": None or the reference's {"file", "step", "rank", "size", "crc", "blocks"}}; None: raw bytes at

@@ -5,9 +5,11 @@ layer's newest persisted version, and for every tensor where its bytes are.
 On disk it is JSON (``manifests/step-N.json``).  Format version 2 adds ``enc`` to a tensor entry
 (how its bytes are encoded, ``_encode``); version 3 adds ``boxes`` (tensors stored as boxes of the whole
 tensor: DTensor shards of any layout), written only by a save that has such a tensor; version 1 and 2
-manifests read unchanged.  A tensor entry's ``crc`` with bit 32 set is sealed to the entry's key (``_places``:
-every entry written since seals exist; an entry without it is a plain CRC, as written before); a manifest
-holding a sealed entry is written as version 4, which a reader of an older format refuses as too new.
+manifests read unchanged.  A tensor entry's ``crc`` with bits 32 and 33 set is sealed to the entry's key and
+to the step its file records (``_places``: every entry written since format version 5); bit 32 alone, sealed to
+the key only (entries written as version 4, read as before); neither, a plain CRC, as written before that.  A
+manifest holding a step-sealed entry is written as version 5, one holding a key-sealed one (and none sealed to
+its step) as version 4: a reader of an older format refuses them as too new instead of reporting damage.
 
 ``Manifest.from_dict`` (``_validate``) is the one validator every field passes before anything is read or
 allocated; any damage is a CheckpointCorruptError naming the file and the field.
@@ -25,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ._json import load_strict, loads_strict  # noqa: F401 - loads_strict: the JSON reader of every store file
-from ._places import SEALED
+from ._places import SEALED, STEPPED
 from ._entries import (  # noqa: F401 - the entry types and key helpers, imported from here by the rest
-    BOX, Boxes, EXTRA, FORMAT_NAME, FORMAT_VERSION, FileEntry, LayerEntry, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, ROWS, RowBlocks, TensorEntry, _BOX, _BOXES_VERSION, _PIECE, _SEALED_VERSION, box_key, is_rng, model_key, model_name, param_of, piece_base, piece_key, rng_prefix, row_pieces, shard_pieces, split_piece)
+    BOX, Boxes, EXTRA, FORMAT_NAME, FORMAT_VERSION, FileEntry, LayerEntry, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, ROWS, RowBlocks, TensorEntry, _BOX, _BOXES_VERSION, _PIECE, _SEALED_VERSION, _STEPPED_VERSION, box_key, is_rng, model_key, model_name, param_of, piece_base, piece_key, rng_prefix, row_pieces, shard_pieces, split_piece)
 from ._validate import _check_cover, validated  # noqa: F401 - _check_cover: for its tests
 
 @dataclass
@@ -123,7 +125,11 @@ class Manifest:
             d["version"] = min(d["version"], _BOXES_VERSION - 1)
         else:  # a reader that does not know boxes refuses it instead of reading its pieces as tensors
             d["version"] = max(d["version"], _BOXES_VERSION)
-        if any(e.crc & SEALED for e in d["tensors"].values()):  # an older reader says "upgrade", not "damaged"
+        # the newest seal held sets the version: an older reader says "upgrade", not "damaged"
+        seals = {e.crc & (SEALED | STEPPED) for e in d["tensors"].values()}
+        if any(s & STEPPED for s in seals):
+            d["version"] = max(d["version"], _STEPPED_VERSION)
+        elif any(seals):
             d["version"] = max(d["version"], _SEALED_VERSION)
         return d
 

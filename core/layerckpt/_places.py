@@ -14,18 +14,32 @@ image's ``BLOCK`` and staging-chunk boundaries fall, multiples of ``ALIGN``.  So
 Decoding is then bounded by what the tensor needs: its blocks cover its bytes once, in order, each read once
 from the region the tensor owns; a manifest cannot make one stored block decode many times.
 
-Seals.  A CRC over a tensor's bytes does not say which tensor they are: another tensor's blocks and CRC copied
-onto an entry, or two boxes swapped with their CRCs, would read back as sound.  A tensor entry written by this
-layerckpt records its ``crc`` sealed: bit 32 (``SEALED``) set, and in the low 32 bits the CRC of its raw bytes
-continued over the entry's key (which names the tensor, and the row block or box of a tensor stored in pieces),
-in the manifest's checksum.  A reader takes the CRC of the bytes it read (decoded) as before and continues it
-over the key of the entry it reads them for: bytes that belong to another tensor, or to another piece of the
-same tensor, do not match.  Clearing the bit does not help an edit: the sealed value is then compared as a plain
-CRC, which it is not.  An entry without the bit (written before seals existed) is compared as a plain CRC, as it
-always was, and a reader that predates seals reports a sealed entry as a checksum mismatch.  The key is all a seal
-binds (the smallest binding that tells pieces apart: a box's or row block's key names its place); the references
-to tensors in the optimizer state, RNG and extra are bound to their place by the validator, each naming the key
-the writer gives its place (``_validate._check_places``).
+Seals.  A CRC over a tensor's bytes does not say which tensor they are, nor which version: another tensor's
+blocks and CRC copied onto an entry, two boxes swapped with their CRCs, an older version's entry (or a delta of
+"unchanged" blocks against an older version, with that version's CRC) under a newer step, or an older file's
+entry relabelled with the newer step, would each read back as sound.  A tensor entry written by this layerckpt
+records its ``crc`` sealed to its key and its step: bits 32 and 33 (``SEALED | STEPPED``) set, and in the low 32
+bits the CRC of its raw bytes continued over the entry's key (which names the tensor, and the row block or box
+of a tensor stored in pieces) and then over the step of the save that wrote it (8 bytes, little-endian; the
+step last, at a fixed width: no two (key, step) pairs give the same message), in the manifest's checksum.  That step is
+the one the manifest records for the data file the entry lives in (``files[e.file].step``): the commit
+(``_commit.merge``) seals every entry of the save's files with the save's step, the step it records for them;
+every later composite carries the entry with its file (a layer kept from an older step, a delta's reference)
+and every tier copy lists the file with that step (``_tiers.renamed``, ``_transcode.apply``: an encoded copy's
+parts keep the step of the file they copy).  A reader takes the CRC of the bytes it read (decoded) as before
+and continues it over the key of the entry it reads them for and the step recorded for its file: bytes that
+belong to another tensor, another piece of the same tensor or another version, or a file given another step
+than the one it was written at, do not match.  So a tier never serves a file from one of another step that
+holds the same bytes: their entries' seals differ (``_tiers.place`` compares them).
+
+Entries written before steps were sealed keep the seal they were written with and read as before: bit 32 alone
+is a seal to the key only (format version 4), no bit a plain CRC (version 3 or less); composites carry them
+unchanged.  Clearing a bit does not help an edit: the value is then compared as the weaker seal (or as a plain
+CRC), which it is not.  A reader that predates step seals reports a step-sealed entry as a checksum mismatch
+(the manifest's version, 5, tells it to upgrade first).  The validator holds each data file to one kind of
+seal: a file one of whose entries is sealed to its step was written by a layerckpt that seals them all so.
+The references to tensors in the optimizer state, RNG and extra are bound to their place by the validator,
+each naming the key the writer gives its place (``_validate._check_places``).
 """
 from __future__ import annotations
 
@@ -35,21 +49,40 @@ from ._units import ALIGN
 from .errors import CheckpointCorruptError
 
 SEALED = 1 << 32  # set in a tensor entry's crc: the CRC is sealed to the entry's key
-CRC_MAX = (SEALED << 1) - 1  # a crc is a 32-bit CRC, sealed or not: nothing above bit 32
+STEPPED = 1 << 33  # set (with SEALED) in a tensor entry's crc: sealed to its key and to its file's step too
+CRC_MAX = (STEPPED << 1) - 1  # a crc is a 32-bit CRC, plain or sealed: nothing above bit 33
 
 Check = Callable[..., int]  # check(buffer, seed) -> CRC, the manifest's checksum (``_backend.checksum_function``)
 
 
-def seal(check: Check, key: str, crc: int) -> int:
-    """The crc a tensor entry records for raw bytes whose CRC is ``crc``: sealed to its key."""
-    return SEALED | (check(key.encode("utf-8", "surrogatepass"), crc) & 0xFFFFFFFF)
+def seal(check: Check, key: str, crc: int, step: Optional[int] = None) -> int:
+    """The crc a tensor entry records for raw bytes whose CRC is ``crc``: sealed to its key and, where ``step`` is
+    given (every entry written since format version 5: the step recorded for the entry's file), to that step."""
+    sealed = check(key.encode("utf-8", "surrogatepass"), crc) & 0xFFFFFFFF
+    if step is None:  # format version 4's seal (to the key only): what such entries hold, checked as before
+        return SEALED | sealed
+    return SEALED | STEPPED | (check(step.to_bytes(8, "little"), sealed) & 0xFFFFFFFF)
 
 
-def sealed_ok(check: Check, recorded: int, key: str, crc: int) -> bool:
-    """Whether bytes whose CRC is ``crc``, read for the entry ``key``, match its ``recorded`` crc."""
+def sealed_ok(check: Check, recorded: int, key: str, crc: int, step: int) -> bool:
+    """Whether bytes whose CRC is ``crc``, read for the entry ``key`` in a file of ``step``, match its ``recorded``
+    crc (sealed to key and step, to the key only, or plain: as the entry was written)."""
+    if recorded & STEPPED:
+        return recorded == seal(check, key, crc, step)
     if recorded & SEALED:
         return recorded == seal(check, key, crc)
     return recorded == crc
+
+
+def check_seal_kinds(tensors: Dict[str, Any], path: str) -> None:
+    """Every entry of a data file one of whose entries is sealed to its step is sealed so too: the writer that
+    seals steps seals every entry of the files it writes, and a file is written by one save (an entry without
+    the step's seal there was taken from a file written before step seals, or its crc was edited)."""
+    stepped = {e.file for e in tensors.values() if e.crc & STEPPED}
+    for key, e in tensors.items():
+        if e.file in stepped and not e.crc & STEPPED:
+            raise _corrupt(path, f"tensor {key!r} in file {e.file!r} has a checksum not sealed to its step, "
+                                 f"where the file's other entries are: one file, one writer", key)
 
 
 def max_blocks(nbytes: int) -> int:

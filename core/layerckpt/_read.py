@@ -47,10 +47,12 @@ class Want:
     crc: int
     dtype: torch.dtype
     shape: Tuple[int, ...]
+    step: int = 0  # the step the manifest records for the tensor's file, which its seal binds (``_places``)
 
     @classmethod
-    def from_entry(cls, key: str, e: TensorEntry) -> "Want":
-        return cls(key, e.offset, e.nbytes, e.crc, CODES[e.dtype], tuple(e.shape))
+    def from_entry(cls, key: str, e: TensorEntry, step: int) -> "Want":
+        """What to read for the entry ``e`` of ``key``, in a file the manifest records at ``step``."""
+        return cls(key, e.offset, e.nbytes, e.crc, CODES[e.dtype], tuple(e.shape), step)
 
 
 def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Optional[Callable],
@@ -342,9 +344,9 @@ def _drain_quietly(backend) -> None:
 
 
 def _verify(check: Optional[Callable], crc: int, w: Want, path: str) -> None:
-    """The bytes read for ``w`` (CRC ``crc``) are its own: the entry's CRC, sealed to its key (``_places``),
-    matches them."""
-    if check is not None and not sealed_ok(check, w.crc, w.key, crc):
+    """The bytes read for ``w`` (CRC ``crc``) are its own: the entry's CRC, sealed to its key and its file's step
+    (``_places``), matches them."""
+    if check is not None and not sealed_ok(check, w.crc, w.key, crc, w.step):
         raise CheckpointCorruptError(
             f"checksum mismatch in tensor {w.key!r} of {path} (bytes {w.offset}..{w.offset + w.nbytes}); "
             f"the file is damaged, or the manifest gives the tensor another's bytes: run `layerckpt verify`, or "

@@ -241,10 +241,11 @@ def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str],
     by_file: Dict[str, List[Want]] = {}
     encoded: List[str] = []
     for k in list(dict.fromkeys(plain + sorted({src for src, _, _ in partial}))) + list(direct):
-        if m.tensors[k].enc is not None:
+        e = m.tensors[k]
+        if e.enc is not None:
             encoded.append(k)
         else:
-            by_file.setdefault(m.tensors[k].file, []).append(Want.from_entry(k, m.tensors[k]))
+            by_file.setdefault(e.file, []).append(Want.from_entry(k, e, m.files[e.file].step))
     total = 0
     read: Dict[str, torch.Tensor] = {}
     if encoded:

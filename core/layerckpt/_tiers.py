@@ -140,7 +140,10 @@ def place(m: Manifest, good: Dict[str, Manifest], listed: List[str], copies: Opt
     it, the same offset, length and checksum (recorded by a tier manifest); such a file is never copied
     again.  ``copies``: local file -> (tier name, entries, size) of its encoded copies on the tier
     (``_transcode``), which serve it where they hold every tensor ``m`` reads from it.  A name a tier
-    manifest uses for other bytes is never overwritten: the copy gets a fresh name.
+    manifest uses for other bytes is never overwritten: the copy gets a fresh name.  A file of another step
+    never serves one, even holding the same bytes: every checksum is sealed to its file's step (``_places``),
+    so their entries differ, and a tier manifest lists each file with the step its seals carry (where the
+    entries were written before step seals, such a file may still serve, listed with the newer step, as then).
     Returns ({local name: tier name}, [local names to copy])."""
     known: Dict[str, Dict[str, tuple]] = {}  # tier file -> every tensor entry tier manifests record for it
     size: Dict[str, Tuple[int, str]] = {}

@@ -131,7 +131,7 @@ class Transcoder:
             for k in keys:
                 e = m.tensors[k]
                 raw = _read(fd, e.offset, e.nbytes, src)
-                if not sealed_ok(checksum, e.crc, k, checksum(memoryview(raw), 0)):
+                if not sealed_ok(checksum, e.crc, k, checksum(memoryview(raw), 0), m.files[f].step):
                     raise CheckpointCorruptError(f"tensor {k!r} in {src} does not match its checksum; the "
                                                  f"tier's copy of it was not made", path=src, tensor=k)
                 if part is None:

@@ -6,7 +6,8 @@ reads).  Any damage is a CheckpointCorruptError naming the file and the field (n
 - files, tensors and layers: of their types, in range; a tensor's shape of a known dtype spanning at most
   ``MAX_TENSOR_BYTES`` (counting empty dims as 1, as torch sizes storage), its bytes inside its file; an encoded
   tensor's blocks well formed, in file order, covering its bytes once, its reference in a listed file; no two
-  tensors of one file owning overlapping bytes (``_places``);
+  tensors of one file owning overlapping bytes, nor a file holding checksums sealed to their step beside one
+  that is not (``_places``);
 - row blocks and boxes: covering their tensor once, each piece an entry of the piece's dtype and shape;
 - versions: a layer's tensors in files of the step the layer records, every other tensor in files of the
   manifest's step, a reference's step its file's (an entry of an older step copied whole, checksum and all,
@@ -27,7 +28,7 @@ from typing import Any, Dict, Optional, Sequence
 from ._layout import CODES, ITEMSIZE
 from ._entries import (EXTRA, FORMAT_NAME, FORMAT_VERSION, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, Boxes,
                        FileEntry, LayerEntry, RowBlocks, TensorEntry, model_key, row_pieces, shard_pieces)
-from ._places import CRC_MAX, check_block_order, check_regions, max_blocks
+from ._places import CRC_MAX, check_block_order, check_regions, check_seal_kinds, max_blocks
 from .errors import CheckpointCorruptError
 
 
@@ -38,6 +39,7 @@ def validated(m: Any, path: str, other_fields: Sequence[str]) -> Dict[str, Any]:
     files = {name: _file_entry(name, e, m["step"], path) for name, e in m["files"].items()}
     tensors = {key: _tensor_entry(key, e, files, path) for key, e in m["tensors"].items()}
     check_regions(tensors, path)
+    check_seal_kinds(tensors, path)
     layers = {name: _layer_entry(name, e, path) for name, e in m["layers"].items()}
     rest = {k: m[k] for k in other_fields if k in m}
     if rest.get("blocks") is not None:
@@ -135,11 +137,12 @@ def _check_versions(step: int, files: Dict[str, FileEntry], tensors: Dict[str, T
                     layers: Dict[str, LayerEntry], stored: Dict[str, Any], path: str) -> None:
     """Each tensor's bytes are the version the manifest says it holds: a layer's tensors (each piece of one stored
     in row blocks or boxes) lie in data files of the step the layer records, every other tensor (RNG, extra,
-    optimizer groups, non-tensor model state: written by every save) in files of the manifest's own step.  A seal
-    binds a checksum to its tensor's key, not to its step: an entry of an older step, copied whole (its blocks,
-    its reference and its checksum), reads back sound, and only this says the layer's bytes are an older
-    version than the one the manifest reports.  (A delta against an older step's file is another thing: its
-    reference, ``enc.ref``, names the older file; the entry's own file is of its layer's step.)"""
+    optimizer groups, non-tensor model state: written by every save) in files of the manifest's own step.  An
+    entry of an older step, copied whole (its blocks, its reference and its checksum, sealed to its key and the
+    step of its file: ``_places``), reads back sound where its file is listed with the step it was written at,
+    and only this says the layer's bytes are an older version than the one the manifest reports (the file
+    listed with another step, its seals no longer match).  (A delta against an older step's file is another
+    thing: its reference, ``enc.ref``, names the older file; the entry's own file is of its layer's step.)"""
     owned = set()
     for name, layer in layers.items():
         for k in layer.tensors:
