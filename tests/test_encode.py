@@ -116,7 +116,7 @@ def test_full_saves_are_deltas_restored_bit_for_bit_and_smaller(tmp_path):
     assert all(sizes[s] < raw for s in states), (sizes, raw)
     # chains: the first save is self-contained; each delta refers straight to a self-contained version at most
     # delta_chain versions back; then the tensor is written self-contained again
-    assert m1["version"] == 4 and all(t["enc"]["ref"] is None for t in m1["tensors"].values())
+    assert m1["version"] == 5 and all(t["enc"]["ref"] is None for t in m1["tensors"].values())
     for s in (2, 3, 4, 6):
         m = _manifest(tmp_path, s)
         refs = {t["enc"]["ref"]["step"] for t in m["tensors"].values() if t["enc"]["ref"]}

@@ -31,7 +31,7 @@ def test_fsdp_x_tp_saves_boxes_once_and_reshards(tmp_path):
     torchrun(4, "save", str(tmp_path), "tp")
     store = str(tmp_path / "store")
     m = load_manifest(os.path.join(store, "manifests", "step-00000004.json"))
-    assert m.version == 4 and m.world_size == 4 and len(m.files) == 4  # boxes (3), sealed checksums (4)
+    assert m.version == 5 and m.world_size == 4 and len(m.files) == 4  # boxes (3), checksums sealed to the key (4) and the step (5)
     # RowwiseParallel's Shard(1) under FSDP2's Shard(0): four boxes of a quarter each
     assert m.boxes["model/blocks.0.down.weight"].boxes == [[[0, 0], [6, 10]], [[0, 10], [6, 10]],
                                                           [[6, 0], [6, 10]], [[6, 10], [6, 10]]]
@@ -92,7 +92,7 @@ def test_hsdp_restores_bit_for_bit_and_reshards_onto_fsdp_x_tp(tmp_path):
     torchrun(4, "save", str(tmp_path), "hsdp")  # (Replicate, Shard(0)): each shard's rows split among its replicas
     m = load_manifest(os.path.join(str(tmp_path / "store"), "manifests", "step-00000004.json"))
     assert m.blocks["model/emb.weight"].rows == [[0, 10], [10, 19], [19, 28], [28, 37]]
-    assert m.boxes is None and m.version == 4  # row blocks only, but sealed checksums: an older reader says upgrade
+    assert m.boxes is None and m.version == 5  # row blocks only, but step-sealed checksums: an older reader says upgrade
     files = {m.tensors[f"model/emb.weight#rows={a}:{b}"].file for a, b in m.blocks["model/emb.weight"].rows}
     assert len(files) == 4  # the replicas share the writing, each row written once
     torchrun(4, "load", str(tmp_path), "tp")
