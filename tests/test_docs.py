@@ -87,3 +87,36 @@ def test_config_table_lists_every_field():
             rows.append(m.group(1))
     fields = [f.name for f in dataclasses.fields(layerckpt.Config)]
     assert sorted(rows) == sorted(fields), (sorted(set(fields) - set(rows)), sorted(set(rows) - set(fields)))
+
+
+def test_measured_tables_match_their_json(capsys):
+    """Every table between `<!-- table: benchmarks/NAME.json -->` markers is what its JSON renders
+    (`python -m layerckpt.bench.report --write` rewrites them after a re-run)."""
+    from layerckpt.bench import report
+
+    assert report.main(["--check", "--root", ROOT]) == 0, capsys.readouterr().err
+    differ, broken, count = report.run(ROOT, write=False)
+    assert count >= 10 and not differ and not broken
+
+
+def test_a_table_edited_by_hand_fails_the_check(tmp_path, capsys):
+    import shutil
+
+    from layerckpt.bench import report
+
+    for name in ("README.md", "docs", "benchmarks"):
+        src = os.path.join(ROOT, name)
+        (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, str(tmp_path / name))
+    page = tmp_path / "docs" / "sharded.md"
+    text = page.read_text(encoding="utf-8")
+    start = text.index("<!-- table: benchmarks/gpt2-small-sharded-2rank-2core.json")
+    line = "layerckpt full               0.174 [0.173-0.180]"
+    assert text.index(line, start) < text.index("<!-- /table -->", start)
+    page.write_text(text.replace(line, line.replace("0.174", "0.147"), 1), encoding="utf-8")
+    assert report.main(["--check", "--root", str(tmp_path)]) == 1
+    assert "docs/sharded.md" in capsys.readouterr().err and "gpt2-small-sharded-2rank-2core.json" in \
+        "\n".join(report.run(str(tmp_path), write=False)[0])
+    # --write puts the JSON's number back, and the check passes again
+    assert report.main(["--write", "--root", str(tmp_path)]) == 0
+    assert page.read_text(encoding="utf-8") == text
+    assert report.main(["--check", "--root", str(tmp_path)]) == 0

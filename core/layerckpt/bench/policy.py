@@ -25,6 +25,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import types
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -283,6 +284,14 @@ def format_table(rows: List[Dict[str, Any]], config: Config) -> str:
     return "\n".join(lines)
 
 
+def format_report(res: Dict[str, Any]) -> str:
+    """What ``layerckpt bench --policy`` prints, from what ``--json`` prints (``{"config": ..., "rows": ...}``)."""
+    c = res["config"]
+    rule = types.SimpleNamespace(threshold=c.get("threshold"), fidelity=c.get("fidelity"),
+                                 max_staleness=c.get("max_staleness"))
+    return format_table(res["rows"], rule) + "\n\n" + format_frontier(res["rows"])
+
+
 def main(args) -> int:
     import json
 
@@ -290,11 +299,11 @@ def main(args) -> int:
     config = Config.from_yaml(args.config) if args.config else Config()
     rows = sweep(args.workloads, config, args.dir, frontier=True)
     if args.json:
-        print(json.dumps({"config": config.to_dict(), "rows": rows}, default=str))
+        from .sharded import machine
+
+        print(json.dumps({"machine": machine(), "config": config.to_dict(), "rows": rows}, default=str))
     else:
-        print(format_table(rows, config))
-        print()
-        print(format_frontier(rows))
+        print(format_report({"config": config.to_dict(), "rows": rows}))
     if getattr(args, "plot", None):
         plot(rows, args.plot)  # skipped where matplotlib is not installed
     return 0

@@ -13,13 +13,17 @@ import shutil
 import tempfile
 from typing import Any, Dict, List, Optional
 
-import torch
-
 from .._backend import CHECKSUM, uring_available
 from .cases import (DiskLimits, bench_dcp, bench_layerckpt, bench_overhead, bench_safetensors, bench_selective,
                           bench_torch_save, build_state, checksum_rate, compression_rate, flat_tensors, memcpy_time,
                           state_bytes)
 from ..config import Config
+
+
+def machine() -> Dict[str, Any]:
+    from .sharded import machine as recorded  # one record of machine, date, commit and command for every bench
+
+    return recorded()
 
 
 def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3,
@@ -34,8 +38,7 @@ def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3
         nbytes = state_bytes(model, opt)
         tensors = list(flat_tensors(model, opt).values())
         res: Dict[str, Any] = {
-            "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "kernel": platform.release(),
-                        "torch": torch.__version__, "dir": root, "io_uring": uring_available() or "yes"},
+            "machine": {**machine(), "dir": root, "io_uring": uring_available() or "yes"},
             "preset": preset, "state_bytes": nbytes, "checksum": CHECKSUM, "reps": reps,
             "config": {"chunk_bytes": cfg.chunk_bytes, "queue_depth": cfg.queue_depth},
         }
@@ -181,8 +184,22 @@ def format_table(res: Dict[str, Any]) -> str:
         lines += ["", f"layerckpt backend {lc['backend']}; first save (allocates the pool) {lc['first_save_durable_s']:.3f}s; "
                   f"restore bit-exact: {lc['restore_bit_exact']}; extra memory during the first save "
                   f"{lc['extra_mem_bytes'] / 1e9:.2f} GB (pool {lc['pool_bytes'] / 1e9:.2f} GB)"]
+    if res.get("selective") or res.get("overhead"):
+        lines += ["", format_selective(res)]
+    if res.get("tiers"):
+        from .tiers import format_tiers
+
+        lines += ["", format_tiers(res["tiers"], gb)]
+    lines.append("ratios: " + ", ".join(f"{k}={v:.2f}" for k, v in res["ratios"].items()))
+    return "\n".join(lines)
+
+
+def format_selective(res: Dict[str, Any]) -> str:
+    """The selective saves (k of the model's blocks moved) and the fine-tuning workload's overhead, as
+    :func:`format_table` prints them."""
+    lines: List[str] = []
     if res.get("selective"):
-        lines += ["", f"selective saves (threshold 0.05) of the same model, k of {res['selective'][-1]['blocks_moved']} "
+        lines += [f"selective saves (threshold 0.05) of the same model, k of {res['selective'][-1]['blocks_moved']} "
                   "blocks moved 10%:",
                   f"{'blocks':>8}{'MB written':>12}{'save() s':>10}{'durable s':>11}"]
         for r in res["selective"]:
@@ -193,11 +210,6 @@ def format_table(res: Dict[str, Any]) -> str:
         lines.append(f"fine-tuning workload, default Config, checkpoint every {o['every']} steps: step time "
                      f"{o['overhead'] * 100:+.1f}% against no checkpointing ({o['ckpt_s']:.2f}s vs {o['no_ckpt_s']:.2f}s "
                      f"for {o['steps']} steps), {o['bytes'] / 1e6:.1f} MB written, tracker {o['tracker_bytes'] / 1e3:.0f} kB")
-    if res.get("tiers"):
-        from .tiers import format_tiers
-
-        lines += ["", format_tiers(res["tiers"], gb)]
-    lines.append("ratios: " + ", ".join(f"{k}={v:.2f}" for k, v in res["ratios"].items()))
     return "\n".join(lines)
 
 

@@ -31,10 +31,12 @@ plain process.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -303,6 +305,9 @@ def restore_dcp(d: str, size: str, sharded: bool, mesh: Optional[str] = None) ->
 # ---------------------------------------------------------------- the run
 
 def machine() -> Dict[str, Any]:
+    """What every bench's JSON records of where, when and how it ran: the machine (CPU, cores, RAM, kernel,
+    torch), the date (UTC), the commit of the code that ran (``commit_dirty``: with uncommitted changes to
+    tracked files; both None outside a git checkout) and the command line."""
     from .run import _cpu_name
 
     mem = 0
@@ -312,7 +317,39 @@ def machine() -> Dict[str, Any]:
     except (OSError, StopIteration, ValueError):
         pass
     return {"cpu": _cpu_name(), "cores": os.cpu_count(), "ram_bytes": mem, "kernel": platform.release(),
-            "torch": torch.__version__}
+            "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **_commit(), "command": _command()}
+
+
+def _commit() -> Dict[str, Any]:
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*a: str) -> Optional[str]:
+        try:
+            r = subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "commit_dirty": None if dirty is None else bool(dirty)}
+
+
+def _command() -> str:
+    """The command line as given: ``layerckpt bench ...`` (the one torchrun's ranks were launched from, for
+    --sharded), else this process's."""
+    argv = os.environ.get(_ARGV_ENV)
+    if argv:
+        return argv
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    if prog in ("cli.py", "__main__.py"):
+        prog = "layerckpt"
+    return shlex.join([prog] + sys.argv[1:])
+
+
+_ARGV_ENV = "LAYERCKPT_BENCH_COMMAND"
 
 
 def disk_reference(root: str, nbytes: int) -> Dict[str, Any]:
@@ -455,8 +492,9 @@ def format_table(res: Dict[str, Any]) -> str:
     lines = [
         f"layerckpt bench --sharded: {res['size']} ({res['parameters'] / 1e6:.1f}M parameters), {gb:.2f} GB of "
         f"state (model + AdamW), {_layout_name(res)} (gloo, CPU); {res['reps']} timed repeats each after one "
-        f"warm-up: median [min-max]; layerckpt's Config.encoding {res.get('encoding', 'delta')!r} (full saves repeat "
-        f"an unchanged state: encoded, they write little)",
+        f"warm-up: median [min-max]"
+        + (f"; layerckpt's Config.encoding {res['encoding']!r} (full saves repeat an unchanged state: encoded, "
+           f"they write little)" if res.get("encoding") else ""),
         f"machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.1f} GiB RAM, kernel {m['kernel']}, "
         f"torch {m['torch']}",
         f"reference (one process, the whole state's bytes): O_DIRECT write {ref['write_s']:.3f}s "
@@ -511,6 +549,7 @@ def launch(size: str, reps: int, dirpath: Optional[str], as_json: bool, nproc: i
     if as_json:
         cmd.append("--json")
     env = dict(os.environ)
+    env.setdefault(_ARGV_ENV, _command())  # the ranks record the command line given, not torchrun's
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return subprocess.call(cmd, env=env)
 
