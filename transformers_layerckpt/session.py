@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from layerckpt import Checkpointer, Config, LayerSpec, PendingSave, RestoreReport, restore
-from layerckpt.adapters import close_quietly, hold
+from layerckpt.adapters import SelectionLoss, close_quietly, hold
 from layerckpt.errors import CheckpointError
 
 from . import folders
@@ -35,18 +35,10 @@ class Attached:
         self.config = config
         self.layers = layers
         self.enabled = enabled
-        #: the loss the last save's selection was scaled by (see :meth:`selection_loss`)
-        self.loss: Optional[torch.Tensor] = None
         self.last_save: Optional[PendingSave] = None
         self.last_restore: Optional[RestoreReport] = None
-        self._step_loss: Optional[torch.Tensor] = None  # summed over the micro-batches of the step under way
-        #: the step under way's squared gradient norm before clipping, and the part of it clipping kept
-        #: (``min(norm, max_norm) * norm``); None where Trainer measured no norm
-        self._step_clip: Optional[Tuple[Any, Any]] = None
-        #: over the optimizer steps since the last save: the sum of their losses, of their two squares above
-        self._losses: Any = None
-        self._clips: Tuple[Any, Any] = (0.0, 0.0)
-        self._steps = 0
+        #: the optimizer steps' losses and gradient clipping since the last save (see :meth:`selection_loss`)
+        self._interval = SelectionLoss()
         self._ck: Optional[Checkpointer] = None
         self._key: Optional[Tuple[str, int, int]] = None  # (store, model, optimizer) of _ck
         self._run_id: Optional[str] = None
@@ -76,58 +68,33 @@ class Attached:
 
     # ------------------------------------------------------------ loss
 
+    @property
+    def loss(self) -> Optional[torch.Tensor]:
+        """The loss the last save's selection was scaled by (see :meth:`selection_loss`)."""
+        return self._interval.loss
+
     def micro_batch(self, loss: Any) -> None:
         """A micro-batch's loss as ``training_step`` returns it (already divided for gradient accumulation)."""
         if isinstance(loss, torch.Tensor):
-            loss = loss.detach()
-            self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+            self._interval.add(loss)
 
     def clipped(self, norm: Any, max_norm: Any) -> None:
         """Trainer clipped this step's gradients (``accelerator.clip_grad_norm_``): ``norm`` before clipping,
         to at most ``max_norm`` (``inf``: measured only); the optimizer got them scaled by ``min(1, max_norm /
         norm)``."""
-        try:
-            limit = float(max_norm)
-        except (TypeError, ValueError):
-            return
-        if isinstance(norm, torch.Tensor) and norm.numel() == 1:
-            norm = norm.detach().float()
-        elif not isinstance(norm, (int, float)) or isinstance(norm, bool):
-            return
-        square = norm * norm
-        if not limit < float("inf") or limit <= 0:
-            self._step_clip = (square, square)  # a norm measured, nothing clipped
-        elif isinstance(norm, torch.Tensor):
-            self._step_clip = (square, norm.clamp(max=limit) * norm)
-        else:
-            self._step_clip = (square, min(norm, limit) * norm)
+        self._interval.clipped(norm, max_norm)
 
     def step_done(self) -> None:
         """An optimizer step ended: its loss and its gradient norms join those of the interval the next save's
         selection is scaled by."""
-        if self._step_loss is not None:
-            self._losses = self._step_loss if self._losses is None else self._losses + self._step_loss
-            if self._step_clip is not None:
-                self._clips = (self._clips[0] + self._step_clip[0], self._clips[1] + self._step_clip[1])
-            self._steps += 1
-        self._step_loss, self._step_clip = None, None
+        self._interval.step_done()
 
     def selection_loss(self) -> Optional[torch.Tensor]:
-        """The loss a save's selection is scaled by (its allowance is ``Config.fidelity`` times it), over the
-        optimizer steps since the last save: their mean training loss, times the factor by which Trainer's
-        gradient clipping (``max_grad_norm``) scaled their gradients.  The selection prices a stale layer with
-        the optimizer's gradient averages, which are averages of the clipped gradients: where Trainer clips, they
-        fall short of the loss's own gradient by that factor, and so does every price; the loss is put in the
-        same unit.  Each step's gradient weighs in a price by its squared norm (the update it drove is along it),
-        so the factor is the share of the steps' squared norms clipping kept, ``sum(min(n, max) * n) /
-        sum(n * n)``: 1 where nothing was clipped.  The mean loss over the interval, not the last step's: one
-        batch's loss swings the allowance by tens of percent.  Without a step since the last save: the last
-        save's."""
-        if self._steps:
-            raw, kept = (float(x) for x in self._clips)  # one sync per save
-            self.loss = self._losses / self._steps * (kept / raw if raw > 0 else 1.0)
-            self._losses, self._clips, self._steps = None, (0.0, 0.0), 0
-        return self.loss
+        """The loss a save's selection is scaled by (its allowance is ``Config.fidelity`` times it): the mean
+        training loss of the optimizer steps since the last save, times the share of their squared gradient
+        norms Trainer's clipping (``max_grad_norm``) kept (:class:`layerckpt.adapters.SelectionLoss`).  Without
+        a step since the last save: the last save's."""
+        return self._interval.take()
 
     # ------------------------------------------------------------ save
 

@@ -9,7 +9,8 @@
 - closing several Checkpointers at once: :func:`close_all`;
 - which adapter object holds a store in this process, so that a newer one takes it over: :func:`hold`;
 - which model an optimizer belongs to: :func:`owners`, :func:`pair_optimizers`;
-- writing a file or folder durably under its final name: :func:`replace_durably`.
+- writing a file or folder durably under its final name: :func:`replace_durably`;
+- the loss a save's selection is scaled by, in the unit of clipped gradients: :class:`SelectionLoss`.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional,
 import torch
 
 from . import _faults, store
+from ._clip import SelectionLoss  # noqa: F401 - for the adapters
 from .config import Config
 from .errors import CheckpointError, ConfigError
 
