@@ -78,6 +78,10 @@ def test_bench_policy_names_an_unknown_workload():
             "frozen-backbone", "drop --workloads")
 
 
+def test_bench_cpu_names_an_unknown_model():
+    refused(run("bench", "--cpu", "--cpu-models", "main,x"), "--cpu-models: no model named x", "main and/or gpt2-small")
+
+
 def test_bench_modes_are_exclusive():
     refused(run("bench", "--restore", "--policy"), "layerckpt bench: --policy and --restore are different "
                                                      "benchmarks: give one of them")

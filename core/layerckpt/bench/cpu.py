@@ -193,7 +193,11 @@ def format_table(res: Dict[str, Any]) -> str:
 
 
 def main(args) -> int:
-    models = [m for m in (getattr(args, "cpu_models", None) or "main,gpt2-small").split(",") if m]
+    models = [m.strip() for m in (getattr(args, "cpu_models", None) or ",".join(MODELS)).split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        raise SystemExit(f"--cpu-models: no model named {', '.join(unknown) or 'at all'}; "
+                         f"give {' and/or '.join(MODELS)}, comma-separated")
     res = run(models, args.dir)
     print(json.dumps(res) if args.json else format_table(res))
     return 0
