@@ -18,6 +18,8 @@ Route (accelerate 1.15), read from its sources:
   aside (``[]``) for the call and put it back in ``finally``.  The hooks save/restore each
   optimizer with the model that owns its parameters.  This one private attribute is the whole
   private surface.
+* the loss layerckpt's selection is scaled by: ``register`` also wraps the accelerator's public
+  ``backward`` (the loss) and ``clip_grad_norm_`` (the norm before clipping), on that instance only.
 * everything else (schedulers, RNG states, samplers/dataloaders, ``register_for_checkpointing``
   objects, ``accelerator.step``, the GradScaler) is still written and read by accelerate.
 

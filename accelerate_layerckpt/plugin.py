@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 import torch
 
 from layerckpt import Checkpointer, Config, LayerSpec, PendingSave, RestoreReport, restore, store
-from layerckpt.adapters import StepCounter, as_config, close_all, close_quietly, default_of, hold, pair_optimizers
+from layerckpt.adapters import (SelectionLoss, StepCounter, as_config, close_all, close_quietly, default_of, hold,
+                                pair_optimizers)
 from layerckpt.errors import CheckpointError, CheckpointMismatchError, ConfigError
 from layerckpt.metrics import SaveMetrics
 
@@ -144,6 +145,13 @@ class LayerCheckpointPlugin:
     (the optimizer steps this process has run: ``backward`` calls that synced gradients).
     ``log_stats=False`` logs nothing.
 
+    The loss each save's selection is scaled by (its allowance is ``Config.fidelity`` times it) is the mean of
+    the losses given to ``accelerator.backward`` since the last ``save_state``, times the share of the squared
+    gradient norms that ``accelerator.clip_grad_norm_`` kept: the selection prices stale layers with the
+    optimizer's averages of the clipped gradients.  ``register`` wraps that method on its accelerator to read
+    the norm it returns; gradients clipped by ``torch.nn.utils.clip_grad_norm_`` directly go unseen, and are
+    priced as unclipped (a restore then gives up more than fidelity promises).
+
     ``save_state`` returns once the state is staged, and the save becomes durable in the background while
     training goes on; :meth:`wait`, ``load_state``, ``end_training`` and interpreter exit wait for it.  A
     ``save_state`` whose state (this process's models and optimizers) is at most ``wait_below`` bytes
@@ -189,7 +197,9 @@ class LayerCheckpointPlugin:
         self._taken: Set[str] = set()  # stores a newer plugin of this process took over
         self._handles: list = []
         self._orig: Dict[str, Any] = {}
-        self._loss: Any = None  # the loss of the last accelerator.backward()
+        #: the optimizer steps' losses and gradient clipping since the last save_state (see :meth:`_backward`)
+        self._interval = SelectionLoss()
+        self._synced = False  # the last backward synced gradients: its optimizer step ends at the next one
         self._active = False  # inside a save_state/load_state this plugin routes
         self._optimizers: List[Any] = []  # the accelerator's optimizers, set aside during that call
         self._pointer: Optional[folders.Pointer] = None
@@ -236,11 +246,13 @@ class LayerCheckpointPlugin:
         # Accelerate has hooks for models but none for optimizers: save_state writes optimizer.bin for every
         # entry of accelerator._optimizers, and load_state requires that file.  The accelerator's own
         # save_state/load_state are wrapped (on this instance only) to set that list aside for the call;
-        # backward to keep the loss, which sets the scale of layerckpt's selection (Config.fidelity); and
-        # end_training to finish every save first, as accelerate's own save_state is done when it returns
-        # (the script may then remove project_dir, and no thread is left behind).
+        # backward to keep the loss, which sets the scale of layerckpt's selection (Config.fidelity), and
+        # clip_grad_norm_ to put it in the unit of the clipped gradients; and end_training to finish every save
+        # first, as accelerate's own save_state is done when it returns (the script may then remove
+        # project_dir, and no thread is left behind).
         for name, route in (("save_state", self._save_state), ("load_state", self._load_state),
-                            ("backward", self._backward), ("end_training", self._end_training)):
+                            ("backward", self._backward), ("clip_grad_norm_", self._clip_grad_norm),
+                            ("end_training", self._end_training)):
             self._orig[name] = getattr(accelerator, name)
             setattr(accelerator, name, _routed(self._orig[name], route))
         self._handles = [accelerator.register_save_state_pre_hook(self._save_hook),
@@ -299,11 +311,26 @@ class LayerCheckpointPlugin:
             self._active = False
 
     def _backward(self, loss, **kwargs: Any):
-        self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        if self.accelerator.sync_gradients:
+        """The loss of each micro-batch joins the optimizer step's (divided for gradient accumulation, as
+        accelerate divides it); a step ends with the backward that synced gradients, and is closed at the next
+        backward or save_state (clip_grad_norm_ comes between)."""
+        acc = self.accelerator
+        if self._synced:
+            self._interval.step_done()
+        if isinstance(loss, torch.Tensor):
+            self._interval.add(loss.detach() / acc.gradient_accumulation_steps)
+        self._synced = bool(acc.sync_gradients)
+        if self._synced:
             self._optimizer_steps += 1
         self._log_finished()
         return self._orig["backward"](loss, **kwargs)
+
+    def _clip_grad_norm(self, parameters: Any, max_norm: Any, *args: Any, **kwargs: Any):
+        """The script's ``accelerator.clip_grad_norm_``: the norm it returns (before clipping) is recorded for
+        the step under way; the optimizer gets the gradients scaled by ``min(1, max_norm / norm)``."""
+        norm = self._orig["clip_grad_norm_"](parameters, max_norm, *args, **kwargs)
+        self._interval.clipped(norm, max_norm)
+        return norm
 
     def _log_finished(self) -> None:
         """The metrics of the save_states that committed since the last call, to the accelerator's trackers
@@ -366,7 +393,8 @@ class LayerCheckpointPlugin:
         token = f"{st.run_id}-{step}"
         extra = {"accelerate": {"token": token, "folder": os.path.basename(folder), "accelerator_step": acc.step}}
         self._log_finished()
-        self.last_saves = [ck.save(step, extra=extra, loss=self._loss) for ck in st.checkpointers]
+        loss = self._selection_loss()
+        self.last_saves = [ck.save(step, extra=extra, loss=loss) for ck in st.checkpointers]
         self._metrics.add(self.last_saves, step=self._optimizer_steps)
         if acc.is_main_process:
             st.live[folders.write_pointer(folder, st.root, step, token, st.optimizers)] = step
@@ -377,6 +405,16 @@ class LayerCheckpointPlugin:
                 st.uploads.submit(folder)
         if _state_bytes(st.checkpointers) <= self.wait_below:
             self._finish(st)
+
+    def _selection_loss(self) -> Optional[torch.Tensor]:
+        """The loss a save's selection is scaled by (its allowance is ``Config.fidelity`` times it): the mean
+        training loss of the optimizer steps since the last save_state, times the share of their squared
+        gradient norms the script's ``accelerator.clip_grad_norm_`` kept (1 where it clips nothing or is not
+        called), see :class:`layerckpt.adapters.SelectionLoss`.  Without a step since: the last save's."""
+        if self._synced:
+            self._interval.step_done()
+            self._synced = False
+        return self._interval.take()
 
     def _finish(self, st: "_Store") -> None:
         """A small save_state returns done, as accelerate's own: committed, pruned, nothing left running that
@@ -439,6 +477,7 @@ class LayerCheckpointPlugin:
 
     def _load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs: Any):
         self.last_restore = []
+        self._interval, self._synced = SelectionLoss(), False  # the steps before the load are not the run's
         folder = self._pick_folder(input_dir)
         if folder is None or not os.path.isdir(folder):
             return self._orig["load_state"](input_dir, load_kwargs, **kwargs)  # accelerate's own error

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 import layerckpt
 from layerckpt import store
-from layerckpt.adapters import as_config, close_quietly, config_overrides, hold, with_config_fields
+from layerckpt.adapters import SelectionLoss, as_config, close_quietly, config_overrides, hold, with_config_fields
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
 from layerckpt.metrics import SaveMetrics
@@ -31,7 +31,7 @@ log = logging.getLogger("layerckpt")
 _LAYERCKPT_HOOKS = (
     "setup", "_find_last_checkpoints", "on_load_checkpoint", "on_train_start", "state_dict", "load_state_dict",
     "_get_metric_interpolated_filepath_name", "_save_last_checkpoint", "_save_checkpoint", "_remove_checkpoint",
-    "on_train_batch_end", "on_train_end",
+    "on_train_batch_end", "on_before_optimizer_step", "on_train_end",
     "on_exception", "teardown",
 )
 
@@ -76,6 +76,14 @@ class LayerCheckpoint(ModelCheckpoint):
     ``trainer.validate(ckpt_path="best")`` and :func:`lightning_layerckpt.load_from_checkpoint` read;
     ``Model.load_from_checkpoint`` reads only ``.ckpt`` files, which ``layerckpt export DIR --lightning``
     (or :func:`lightning_layerckpt.export_ckpt`) writes.
+
+    The loss each save's selection is scaled by (its allowance is ``fidelity`` times it) is the mean training
+    loss of the optimizer steps since the last save (``training_step``'s loss, a step's micro-batches summed as
+    Lightning divides them for ``accumulate_grad_batches``); with ``Trainer(gradient_clip_val=...)`` clipping by
+    norm, times the share of those steps' squared gradient norms the clipping kept, since the selection prices
+    stale layers with the optimizer's averages of the clipped gradients.  The norm is measured in
+    ``on_before_optimizer_step``, right before Lightning clips, and only where it clips by norm (a
+    ``configure_gradient_clipping`` of the module's own is not seen).
 
     layerckpt's own arguments:
         config: a layerckpt YAML file; the layerckpt fields below override it.  With ``monitor`` set
@@ -167,7 +175,8 @@ class LayerCheckpoint(ModelCheckpoint):
         self._taken = False  # a newer LayerCheckpoint of this process took the store over during this fit
         self._io: Optional[LayerCheckpointIO] = None
         self._unlogged = SaveMetrics()  # saves whose metrics are not logged yet
-        self._loss: Optional[torch.Tensor] = None  # the last training step's loss
+        self._interval = SelectionLoss()  # the training steps' losses and gradient clipping since the last save
+        self._step_seen = -1  # the global step of the last training batch
         self._pending_rng: Optional[layerckpt.LoadedCheckpoint] = None
         self._loggers: List[Any] = []
         self._names: Dict[str, str] = {}  # manifest path -> the templated name it was saved under
@@ -299,6 +308,7 @@ class LayerCheckpoint(ModelCheckpoint):
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_start(trainer, pl_module)
+        self._interval, self._step_seen = SelectionLoss(), trainer.global_step  # this fit's steps alone
         if self._ckpt is None:
             self._checkpointer(trainer)
             if self.restored is not None and os.path.dirname(os.path.dirname(self.restored["manifest"])) == \
@@ -427,7 +437,7 @@ class LayerCheckpoint(ModelCheckpoint):
         extra = to_extra(checkpoint, has_optimizer=bool(trainer.optimizers) and not self.save_weights_only)
         ckpt = self._checkpointer(trainer)
         self._pin()  # before the save: its flush may commit, and run retention, before save() returns
-        pending = ckpt.save(step, extra=extra, loss=self._loss, name=self._names[path])
+        pending = ckpt.save(step, extra=extra, loss=self._interval.take(), name=self._names[path])
         pending.stall_s = time.perf_counter() - t0  # what training waited for, the state dump included
         self._last_global_step_saved = step
         self.last_save = pending
@@ -440,16 +450,27 @@ class LayerCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # the training loss sets the scale of layerckpt's selection (Config.fidelity)
+        # the training loss sets the scale of layerckpt's selection (Config.fidelity): Lightning's is the
+        # micro-batch's, divided for gradient accumulation; a step ends where the global step moved
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self._loss = loss.detach()
+        self._interval.add(loss)
+        if trainer.global_step != self._step_seen:
+            self._step_seen = trainer.global_step
+            self._interval.step_done()
         if self._ckpt is not None:
             self._ckpt.check()  # a failed flush stops training here, not in a log line
             self._log_finished(trainer)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.interval is not None:
             self._save_on_interval(trainer)
+
+    @override
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # Lightning clips right after this hook (Trainer(gradient_clip_val=..., the "norm" algorithm)): the
+        # norm the gradients have now is the one clipping scales them by, measured only where it will clip
+        clip = _norm_clip(trainer, pl_module)
+        if clip is not None:
+            self._interval.clipped(_grad_norm(trainer, optimizer), clip)
 
     def _save_on_interval(self, trainer: Any) -> None:
         """With ``mtbf``: save when the interval says so (rank 0's answer, on every rank)."""
@@ -536,6 +557,30 @@ def _interval(mtbf: Any, every_n_train_steps: Optional[int], train_time_interval
         raise ConfigError(f"LayerCheckpoint(mtbf={mtbf!r}) chooses when to save, but {', '.join(given)} is given too; "
                           f"pass one trigger: mtbf, or the others")
     return mtbf if isinstance(mtbf, layerckpt.Interval) else layerckpt.Interval(mtbf)
+
+
+def _norm_clip(trainer: Any, pl_module: Any) -> Optional[float]:
+    """The norm Lightning clips each optimizer step's gradients to (``gradient_clip_val`` with the "norm"
+    algorithm, its default), None where it does not clip by norm (manual optimization clips nothing)."""
+    val = trainer.gradient_clip_val
+    if not val or val <= 0 or not getattr(pl_module, "automatic_optimization", True):
+        return None
+    algorithm = trainer.gradient_clip_algorithm
+    if algorithm is not None and getattr(algorithm, "value", algorithm) != "norm":
+        return None
+    return float(val)
+
+
+def _grad_norm(trainer: Any, optimizer: Any) -> Any:
+    """The 2-norm of the gradients of ``optimizer``'s parameters, as the precision plugin's clipping computes
+    it (over ``main_params``, once gradients are unscaled); a tensor, not read here (no device sync)."""
+    grads = [p.grad for p in trainer.precision_plugin.main_params(optimizer) if p.grad is not None]
+    if not grads:
+        return None
+    total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    if total_norm is not None:
+        return total_norm(grads, 2.0)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
 
 
 def _url_as_remote(dirpath: Any, staging_dir: Optional[str], enabled: bool, fields: Dict[str, Any],
