@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .._backend import checksum
-from .sharded import machine
+from .machine import machine
 
 MODELS = ("main", "gpt2-small")
 PAUSE_S = 0.05

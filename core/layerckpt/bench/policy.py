@@ -299,7 +299,7 @@ def main(args) -> int:
     config = Config.from_yaml(args.config) if args.config else Config()
     rows = sweep(args.workloads, config, args.dir, frontier=True)
     if args.json:
-        from .sharded import machine
+        from .machine import machine
 
         print(json.dumps({"machine": machine(), "config": config.to_dict(), "rows": rows}, default=str))
     else:

@@ -35,7 +35,7 @@ import torch
 
 from .cases import summary
 from .models import GPT, GPTConfig
-from .sharded import machine
+from .machine import machine
 
 CONTENDERS = ("layerckpt", "torch.load", "dcp.load")
 SIZES = ("10MB", "50MB", "200MB", "gpt2-small")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import tempfile
 from typing import Any, Dict, List, Optional
@@ -18,12 +17,7 @@ from .cases import (DiskLimits, bench_dcp, bench_layerckpt, bench_overhead, benc
                           bench_torch_save, build_state, checksum_rate, compression_rate, flat_tensors, memcpy_time,
                           state_bytes)
 from ..config import Config
-
-
-def machine() -> Dict[str, Any]:
-    from .sharded import machine as recorded  # one record of machine, date, commit and command for every bench
-
-    return recorded()
+from .machine import machine
 
 
 def run(preset: str = "gpt2-small", dirpath: Optional[str] = None, reps: int = 3,
@@ -111,17 +105,6 @@ def _ratios(res: Dict[str, Any]) -> Dict[str, float]:
         out["dcp_async_stall_over_ours"] = r["dcp"]["async_stall_s"] / lc["stall_s"]
         out["dcp_async_stall_over_our_blocked"] = r["dcp"]["async_stall_s"] / lc["blocked_s"]
     return out
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def format_table(res: Dict[str, Any]) -> str:
