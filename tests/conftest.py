@@ -13,6 +13,19 @@ from layerckpt._backend import uring_available
 BACKENDS = ["uring", "threads"]
 
 
+
+#: torch's intra-op threads as the suite started: a test that changes them (a CPU-bound run pinned to one thread,
+#: say) must not change the arithmetic of the tests after it, whose expected tensors are computed here and
+#: compared bit for bit with what other processes computed
+_TORCH_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    yield
+    if torch.get_num_threads() != _TORCH_THREADS:
+        torch.set_num_threads(_TORCH_THREADS)
+
 def pytest_collection_modifyitems(config, items):
     """The long runs (``@pytest.mark.slow``) stay out of the suite unless selected: ``-m slow``."""
     if "slow" in (config.option.markexpr or ""):
