@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 from typing import Any, List, Optional, Tuple, Union
 
@@ -217,6 +218,8 @@ def loads_strict(raw: Union[bytes, str], where: str, what: str = "manifest") -> 
     (a manifest records them).  Any failure is a :class:`CheckpointCorruptError` naming ``where``."""
     try:
         text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
+        if _LONG_DIGITS.search(text) is None:  # no integer can be too long: the parser's own int(), several times faster
+            return json.loads(text, object_pairs_hook=_Pairs(where, what))
         return json.loads(text, object_pairs_hook=_Pairs(where, what), parse_int=_Int(where, what))
     except CheckpointCorruptError:
         raise
@@ -228,6 +231,11 @@ def loads_strict(raw: Union[bytes, str], where: str, what: str = "manifest") -> 
                                      path=where) from None
     except ValueError as e:  # json.JSONDecodeError among them
         raise CheckpointCorruptError(f"{what} {where} is truncated or malformed ({e})", path=where) from None
+
+
+#: a run of digits longer than an integer may be; where the text holds none (in a string or not), no integer in it
+#: can be, and the parser converts them without a call per integer (a manifest holds thousands)
+_LONG_DIGITS = re.compile(r"[0-9]{%d}" % (MAX_INT_DIGITS + 1))
 
 
 class _Pairs:
