@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import stat
 from typing import Any, List, Optional, Tuple, Union
 
@@ -217,8 +216,9 @@ def loads_strict(raw: Union[bytes, str], where: str, what: str = "manifest") -> 
     than MAX_INT_DIGITS digits, no nesting deeper than the parser follows; NaN and Infinity are accepted
     (a manifest records them).  Any failure is a :class:`CheckpointCorruptError` naming ``where``."""
     try:
-        text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
-        if _LONG_DIGITS.search(text) is None:  # no integer can be too long: the parser's own int(), several times faster
+        data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+        text = raw if isinstance(raw, str) else data.decode("utf-8")
+        if data.translate(_DIGITS).find(_LONG_RUN) < 0:  # no integer can be too long: the parser's own int()
             return json.loads(text, object_pairs_hook=_Pairs(where, what))
         return json.loads(text, object_pairs_hook=_Pairs(where, what), parse_int=_Int(where, what))
     except CheckpointCorruptError:
@@ -235,7 +235,7 @@ def loads_strict(raw: Union[bytes, str], where: str, what: str = "manifest") -> 
 
 #: a run of digits longer than an integer may be; where the text holds none (in a string or not), no integer in it
 #: can be, and the parser converts them without a call per integer (a manifest holds thousands)
-_LONG_DIGITS = re.compile(r"[0-9]{%d}" % (MAX_INT_DIGITS + 1))
+_DIGITS, _LONG_RUN = bytes.maketrans(b"123456789", b"000000000"), b"0" * (MAX_INT_DIGITS + 1)
 
 
 class _Pairs:
