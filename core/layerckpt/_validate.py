@@ -84,7 +84,7 @@ def _corrupt(path: str, msg: str, tensor: Optional[str] = None) -> CheckpointCor
 
 
 def _is_int(v: Any, lo: int = 0, hi: int = MAX_STEP) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+    return (type(v) is int or isinstance(v, int) and not isinstance(v, bool)) and lo <= v <= hi
 
 
 def _check_header(m: Any, path: str) -> None:
@@ -119,10 +119,15 @@ def _short(v: Any) -> str:
 
 def _is_shape(shape: Any, dtype: Any) -> bool:
     """A list of at most MAX_DIMS sizes of a known dtype, spanning at most MAX_TENSOR_BYTES."""
-    if not (isinstance(dtype, str) and dtype in CODES and isinstance(shape, list) and len(shape) <= MAX_DIMS
-            and all(_is_int(s) for s in shape)):
+    if not (isinstance(dtype, str) and dtype in CODES and isinstance(shape, list) and len(shape) <= MAX_DIMS):
         return False
-    return math.prod(max(s, 1) for s in shape) * ITEMSIZE[dtype] <= MAX_TENSOR_BYTES
+    span = ITEMSIZE[dtype]
+    for s in shape:  # one loop (a manifest has thousands of shapes): each size an int in range, the span bounded
+        if not _is_int(s):
+            return False
+        if s > 1:
+            span *= s
+    return span <= MAX_TENSOR_BYTES
 
 
 def _file_entry(name: str, e: Any, step: int, path: str) -> FileEntry:
@@ -166,24 +171,28 @@ def _check_versions(step: int, files: Dict[str, FileEntry], tensors: Dict[str, T
 
 
 def _tensor_entry(key: str, e: Any, files: Dict[str, FileEntry], path: str) -> TensorEntry:
-    if not (isinstance(e, dict) and isinstance(e.get("file"), str) and _is_shape(e.get("shape"), e.get("dtype"))
-            and _is_int(e.get("offset")) and _is_int(e.get("nbytes")) and _is_int(e.get("crc"), 0, CRC_MAX)):
+    if not isinstance(e, dict):
+        e = {}
+    name, dtype, shape, offset, nbytes, crc = (e.get("file"), e.get("dtype"), e.get("shape"), e.get("offset"),
+                                               e.get("nbytes"), e.get("crc"))
+    if not (isinstance(name, str) and _is_shape(shape, dtype) and _is_int(offset) and _is_int(nbytes)
+            and _is_int(crc, 0, CRC_MAX)):
         raise _corrupt(path, f"entry for tensor {key!r} is malformed (file and dtype: strings, shape: a list of "
                              f"sizes within {MAX_TENSOR_BYTES} bytes, offset, nbytes and crc: integers)", tensor=key)
-    if e["nbytes"] != math.prod(e["shape"]) * ITEMSIZE[e["dtype"]]:
-        raise _corrupt(path, f"tensor {key!r} has shape {_short(e['shape'])} and dtype {e['dtype']} but "
-                             f"{e['nbytes']} bytes", tensor=key)
-    f = files.get(e["file"])
+    if nbytes != math.prod(shape) * ITEMSIZE[dtype]:
+        raise _corrupt(path, f"tensor {key!r} has shape {_short(shape)} and dtype {dtype} but "
+                             f"{nbytes} bytes", tensor=key)
+    f = files.get(name)
     if f is None:
-        raise _corrupt(path, f"tensor {key!r} points to file {e['file']!r} that the manifest does not list",
+        raise _corrupt(path, f"tensor {key!r} points to file {name!r} that the manifest does not list",
                        tensor=key)
     enc = e.get("enc")
     if enc is not None:
-        _check_enc(key, enc, e["nbytes"], f.size, e["file"], files, path)
-    elif e["offset"] + e["nbytes"] > f.size:
-        raise _corrupt(path, f"tensor {key!r} claims bytes {e['offset']}..{e['offset'] + e['nbytes']} of file "
-                             f"{e['file']!r}, which the manifest says holds {f.size}", tensor=key)
-    return TensorEntry(**{k: e.get(k) for k in _TENSOR_FIELDS})
+        _check_enc(key, enc, nbytes, f.size, name, files, path)
+    elif offset + nbytes > f.size:
+        raise _corrupt(path, f"tensor {key!r} claims bytes {offset}..{offset + nbytes} of file "
+                             f"{name!r}, which the manifest says holds {f.size}", tensor=key)
+    return TensorEntry(name, dtype, shape, offset, nbytes, crc, enc)  # the fields' order is checked above
 
 
 def _check_enc(key: str, enc: Any, nbytes: int, size: int, fname: str, files: Dict[str, FileEntry],
