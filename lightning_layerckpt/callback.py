@@ -19,6 +19,7 @@ from layerckpt import store
 from layerckpt.adapters import SelectionLoss, as_config, close_quietly, config_overrides, hold, with_config_fields
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
+from layerckpt.interop import peft_extra
 from layerckpt.metrics import SaveMetrics
 
 from ._state import EXTRA_KEY, LOADED_KEY, from_plain, remote_holds_checkpoint, to_extra
@@ -435,6 +436,7 @@ class LayerCheckpoint(ModelCheckpoint):
         self._names = {p: n for p, n in self._names.items() if p == path or p in self.best_k_models}
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=self.save_weights_only)
         extra = to_extra(checkpoint, has_optimizer=bool(trainer.optimizers) and not self.save_weights_only)
+        extra.update(peft_extra(trainer.lightning_module))  # a PeftModel's adapter configs, for export --peft
         ckpt = self._checkpointer(trainer)
         self._pin()  # before the save: its flush may commit, and run retention, before save() returns
         pending = ckpt.save(step, extra=extra, loss=self._interval.take(), name=self._names[path])

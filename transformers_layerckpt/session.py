@@ -6,17 +6,19 @@ reads only Trainer's public attributes (``model``, ``optimizer``, ``lr_scheduler
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from layerckpt import Checkpointer, Config, LayerSpec, PendingSave, RestoreReport, restore
 from layerckpt.adapters import SelectionLoss, close_quietly, hold
 from layerckpt.errors import CheckpointError
+from layerckpt.interop import peft_extra
 
 from . import folders
 
@@ -117,13 +119,14 @@ class Attached:
         if self.trainer.is_world_process_zero():  # rotation has removed folders since the last save
             self._pruner.submit(root, os.path.dirname(folder))
         token = f"{self._run_id}-{step}"
-        extra = {folders.EXTRA_KEY: {"token": token, "folder": os.path.basename(folder)}}
+        adapters = peft_extra(self._model())  # a PeftModel's adapter configs, for `layerckpt export --peft`
+        extra = {folders.EXTRA_KEY: {"token": token, "folder": os.path.basename(folder)}, **adapters}
         self.last_save = ck.save(step, extra=extra, loss=self.selection_loss())
         self._folder = folder
         os.makedirs(folder, exist_ok=True)
         if self.trainer.args.should_save:
             folders.write_pointer(folder, root, step, token, self._optimizer() is not None)
-            self._save_model_files(folder)
+            self._save_model_files(folder, adapters)
 
     def saves_optimizer_of(self, output_dir: str) -> bool:
         """Whether the optimizer of the checkpoint folder ``output_dir`` went into the store (save())."""
@@ -136,10 +139,16 @@ class Attached:
                 warnings.simplefilter("ignore")  # torch's warning about saving a scheduler's optimizer
                 torch.save(self.trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
-    def _save_model_files(self, folder: str) -> None:
-        """What Trainer's model save writes besides the weights: the model's config (and generation config),
-        the processing class's files and the training arguments."""
+    def _save_model_files(self, folder: str, adapters: Dict[str, Any]) -> None:
+        """What Trainer's model save writes besides the weights: the model's config (and generation config), a
+        PeftModel's ``adapter_config.json`` (``adapters``: the save's PEFT record), the processing class's files
+        and the training arguments."""
         model = self._model()
+        for name, adapter in (a for rec in adapters.values() for a in rec["adapters"].items()):
+            where = folder if name == "default" else os.path.join(folder, name)  # as PeftModel.save_pretrained
+            os.makedirs(where, exist_ok=True)
+            with open(os.path.join(where, "adapter_config.json"), "w", encoding="utf-8") as f:
+                json.dump(adapter["config"], f, indent=2, sort_keys=True)
         for what in (getattr(model, "config", None), getattr(model, "generation_config", None)):
             if what is not None and hasattr(what, "save_pretrained"):
                 what.save_pretrained(folder)

@@ -211,7 +211,7 @@ def _damage(root: str, name: str) -> str:
 
 
 #: export's output kinds (args attribute, flag); none: a safetensors file
-_EXPORTS = (("dcp", "--dcp"), ("lightning", "--lightning"), ("accelerate", "--accelerate"),
+_EXPORTS = (("dcp", "--dcp"), ("peft", "--peft"), ("lightning", "--lightning"), ("accelerate", "--accelerate"),
             ("transformers", "--transformers"))
 
 
@@ -221,8 +221,11 @@ def _check_export(args) -> None:
     kinds = [flag for dest, flag in _EXPORTS if getattr(args, dest) not in (None, False)]
     if len(kinds) > 1:
         raise CheckpointError(f"{' and '.join(kinds)} are different outputs: give one of them")
-    if args.dcp is not None and args.output is not None:
-        raise CheckpointError("--dcp OUT_DIR is the output: drop -o")
+    for dest, flag in (("dcp", "--dcp"), ("peft", "--peft")):
+        if getattr(args, dest) is not None and args.output is not None:
+            raise CheckpointError(f"{flag} OUT_DIR is the output: drop -o")
+    if args.peft_config is not None and args.peft is None:
+        raise CheckpointError("--peft-config is the config of the adapter --peft OUT_DIR writes: add --peft OUT_DIR")
     folder = "--accelerate" if args.accelerate else "--transformers" if args.transformers else None
     if folder and args.step is not None:
         raise CheckpointError(f"--step does not apply to {folder}: DIR is the folder of one step already; drop "
@@ -247,8 +250,11 @@ def cmd_export(args) -> int:
             out = export_dcp(path, args.dcp)
         print(f"wrote the DCP checkpoint of step {load_manifest(path).step} to {out}")
         return 0
+    if args.peft is not None:
+        return _export_peft(args, shown)
     if args.output is None:
-        raise CheckpointError("name the output: -o FILE, or --dcp OUT_DIR for a torch.distributed.checkpoint")
+        raise CheckpointError("name the output: -o FILE, --dcp OUT_DIR for a torch.distributed.checkpoint, or --peft "
+                              "OUT_DIR for a PEFT adapter")
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise CheckpointError(f"cannot write {args.output}: the directory {out_dir} does not exist; create it first")
@@ -273,6 +279,17 @@ def cmd_export(args) -> int:
         print(f"wrote the Lightning checkpoint of step {load_manifest(path).step} to {args.output}")
         return 0
     return _export_safetensors(args, root, path, shown)
+
+
+def _export_peft(args, shown: bool) -> int:
+    from ._peft import CONFIG, WEIGHTS, export_peft
+
+    _, path = _locate(args)
+    with _progress.watching(lambda: _progress.size_of(args.peft), None, "export --peft", shown):
+        out = export_peft(path, args.peft, config=args.peft_config)
+    print(f"wrote the PEFT adapter of step {load_manifest(path).step} to {out} ({WEIGHTS}, {CONFIG}): "
+          f"PeftModel.from_pretrained(base_model, {args.peft!r}) loads it")
+    return 0
 
 
 def _export_accelerate(args, shown: bool) -> int:
@@ -368,6 +385,12 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--dcp", metavar="OUT_DIR",
                    help="instead of -o: a torch.distributed.checkpoint directory ('model' and 'optim' as DCP's "
                         "get_model_state_dict / get_optimizer_state_dict give them)")
+    a.add_argument("--peft", metavar="OUT_DIR",
+                   help="instead of -o: the PEFT adapter of a PeftModel's checkpoint, as save_pretrained writes it "
+                        "(adapter_model.safetensors, adapter_config.json), for PeftModel.from_pretrained")
+    a.add_argument("--peft-config", metavar="PATH",
+                   help="with --peft: the adapter_config.json (or a folder holding one) of a checkpoint saved without "
+                        "the PEFT record")
     a.add_argument("--lightning", action="store_true",
                    help="instead: a standard Lightning .ckpt (Model.load_from_checkpoint, ckpt_path=)")
     a.add_argument("--accelerate", action="store_true",

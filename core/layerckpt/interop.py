@@ -9,6 +9,10 @@ reshards it on load onto any world size.
 
 ``layerckpt export DIR --dcp OUT_DIR`` runs :func:`export_dcp`; importing needs the model (and
 optimizer) to load into, so :func:`import_dcp` is Python only.
+
+PEFT: :func:`peft_extra` is what a save records of a ``peft.PeftModel``'s adapters (the Trainer and Lightning
+adapters record it at every save), :func:`export_peft` writes a composite's adapter as PEFT's ``save_pretrained``
+does (``layerckpt export DIR --peft OUT_DIR``); see ``layerckpt._peft``.
 """
 from __future__ import annotations
 
@@ -21,12 +25,13 @@ from typing import Any, Dict, Iterator, Optional, Union
 import torch
 
 from ._manifest import load_manifest
+from ._peft import export_peft, peft_extra
 from ._store import fsync_dir
 from .config import Config
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from .restore import read_checkpoint
 
-__all__ = ["export_dcp", "import_dcp", "dcp_state", "load_dcp"]
+__all__ = ["export_dcp", "import_dcp", "dcp_state", "load_dcp", "export_peft", "peft_extra"]
 
 MODEL = "model"
 OPTIM = "optim"
