@@ -181,9 +181,6 @@ def test_trainer_writes_the_frozen_base_once_then_the_adapter_alone(trainer_runs
     assert "adapter_config.json" in folder and "layerckpt.json" in folder and "adapter_model.safetensors" not in folder
 
 
-@pytest.mark.xfail(strict=True, reason="in full mode a resumed Checkpointer's adopt() takes no fingerprints of the "
-                                       "frozen layers (Selector.adopt takes them in selective mode only), so the first "
-                                       "save after a resume writes the frozen base again")
 def test_trainer_after_a_resume_in_full_mode_the_base_is_not_written_again(trainer_runs):
     tmp, _, resumed, _ = trainer_runs
     check_base_once(str(tmp / "lc" / "layerckpt"), EVERY, resumed.model, later=[12])

@@ -510,6 +510,12 @@ class Selector:
                                  if layer in frozen or ROWS in layer or (n is not None and n not in grads.get(layer, {}))})
             with self._lock:
                 self.fingerprints.persisted([k for tensors in held.values() for k in tensors], refs)
+        elif self._carries():  # full mode: what _prove_frozen compares the next save's frozen layers with
+            frozen = self._owner[2] if self._owner is not None else frozenset()
+            refs = fingerprints({k: t for layer, tensors in held.items() if layer in frozen
+                                 for k, (t, _) in tensors.items()})
+            with self._lock:
+                self.fingerprints.persisted(list(refs), refs)
         self.committed(manifest, samples)
 
     def committed(self, manifest: Manifest, samples: Dict[str, Views], plan: Optional[SavePlan] = None) -> None:
