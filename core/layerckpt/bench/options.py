@@ -13,7 +13,7 @@ from ..errors import CheckpointError
 
 #: mode flag (the args attribute) -> the bench module that runs it; no flag: ``run``
 MODES: Dict[str, str] = {"sharded": "sharded", "lightning": "lightning_io", "policy": "policy",
-                         "restore": "restore", "steps": "steps", "cpu": "cpu"}
+                         "restore": "restore", "steps": "steps", "cpu": "cpu", "goodput": "goodput"}
 DEFAULT = "run"
 
 #: bench module -> the options (args attributes) it reads beside --dir, --json and --quiet
@@ -25,11 +25,15 @@ USES: Dict[str, Tuple[str, ...]] = {
     "restore": ("sizes", "cache", "reps"),
     "steps": ("size", "steps_n", "steps_every"),
     "cpu": ("cpu_models",),
+    "goodput": ("size", "mtbf", "goodput_steps", "failure", "seed", "cadences"),
 }
 
 #: the defaults :func:`check` fills in for the mode that runs
 DEFAULTS = {"preset": "gpt2-small", "reps": 3, "size": "gpt2-small", "nproc": 2, "steps_n": 6, "steps_every": 1,
-            "sizes": "10MB,50MB,200MB,gpt2-small", "cache": "warm,cold", "cpu_models": "main,gpt2-small"}
+            "sizes": "10MB,50MB,200MB,gpt2-small", "cache": "warm,cold", "cpu_models": "main,gpt2-small",
+            "mtbf": "60", "goodput_steps": 300, "failure": "crash,node", "seed": 0, "cadences": "10,25,50"}
+#: where a mode's default differs from DEFAULTS'
+MODE_DEFAULTS = {"goodput": {"size": "gpt2-mini"}}
 
 
 def _positive(text: str) -> int:
@@ -44,7 +48,8 @@ def _positive(text: str) -> int:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     a = sub.add_parser("bench", help="time layerckpt against torch.save, safetensors and DCP (one benchmark: the "
-                                     "default, or one of --policy, --sharded, --lightning, --restore, --steps, --cpu)")
+                                     "default, or one of --policy, --sharded, --lightning, --restore, --steps, --cpu, "
+                                     "--goodput)")
     a.add_argument("--preset", choices=["gpt2-small", "tiny"],
                    help="the default bench: the state to save (default: gpt2-small)")
     a.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
@@ -89,8 +94,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--sizes", help="with --restore: comma-separated state sizes (e.g. 10MB) and/or gpt2-small "
                                    "(default: 10MB,50MB,200MB,gpt2-small)")
     a.add_argument("--cache", help="with --restore: page-cache conditions, warm and/or cold (default: warm,cold)")
+    a.add_argument("--goodput", action="store_true",
+                   help="instead: a training job (plain loop and Lightning) SIGKILLed at failure times drawn with mean "
+                        "--mtbf and restarted until done, per contender (layerckpt, its mtbf= interval, ModelCheckpoint, "
+                        "dcp.async_save, torch.save): goodput and where the wall time went")
+    a.add_argument("--mtbf", help="with --goodput: the mean time between failures, seconds or e.g. 90s, 2m (default: 60)")
+    a.add_argument("--goodput-steps", type=_positive, help="with --goodput: the job's steps (default: 300)")
+    a.add_argument("--failure", help="with --goodput: comma-separated failure kinds, crash (the process) and/or node "
+                                     "(the local store and /dev/shm lost too) (default: crash,node)")
+    a.add_argument("--seed", type=int, help="with --goodput: the seed of the failure times (default: 0)")
+    a.add_argument("--cadences", help="with --goodput: comma-separated fixed intervals in steps for the contenders "
+                                      "that save every N steps; each one's best is marked (default: 10,25,50)")
     a.add_argument("--size", choices=["gpt2-small", "gpt2-mini", "tiny"],
-                   help="with --sharded, --lightning or --steps: the model (default: gpt2-small)")
+                   help="with --sharded, --lightning or --steps: the model (default: gpt2-small); with --goodput "
+                        "(default: gpt2-mini)")
     a.add_argument("--nproc", type=_positive, help="with --sharded: processes (default: 2)")
     a.add_argument("--mesh", help="with --sharded, instead of --nproc: DxT, FSDP2 over D x tensor parallel over T "
                                   "(D * T processes)")
@@ -133,7 +150,9 @@ def check(args) -> str:
         _check_policy(args)
     for dest, value in DEFAULTS.items():
         if dest in USES[kind] and getattr(args, dest, None) is None:
-            setattr(args, dest, value)
+            setattr(args, dest, MODE_DEFAULTS.get(kind, {}).get(dest, value))
+    if kind == "goodput":
+        _check_goodput(args)
     return kind
 
 
@@ -153,3 +172,19 @@ def _check_policy(args) -> None:
         from .._cli_run import figure_path
 
         figure_path(args.plot, "--plot")  # where plot would write nothing, or fail after the whole run
+
+
+def _check_goodput(args) -> None:
+    from ..interval import parse_duration
+
+    parse_duration(args.mtbf, "--mtbf")
+    kinds = [k.strip() for k in args.failure.split(",")]
+    if not kinds or any(k not in ("crash", "node") for k in kinds) or len(set(kinds)) < len(kinds):
+        raise CheckpointError(f"--failure {args.failure}: give crash, node or crash,node")
+    try:
+        cadences = [int(x) for x in args.cadences.split(",")]
+    except ValueError:
+        cadences = []
+    if not cadences or min(cadences) < 1 or len(set(cadences)) < len(cadences):
+        raise CheckpointError(f"--cadences {args.cadences}: give distinct whole numbers of steps, 1 or more, "
+                              f"comma-separated (e.g. 10,25,50)")

@@ -1,0 +1,246 @@
+"""`layerckpt bench --goodput`: a training job killed at random and restarted, per checkpointing contender.
+
+A supervisor runs a training job (``goodput_child``: the bench's GPT with AdamW, in a plain loop or under a
+Lightning Trainer) as a child process, SIGKILLs it at failure times drawn from an exponential distribution
+of mean ``mtbf`` (a seeded ``random.Random``; the same times for every contender, in wall-clock seconds since
+the contender's run began) and starts it again at once, as torchrun's ``--max-restarts`` or a scheduler
+would, until the job has done its steps.  Two kinds of failure:
+
+* ``crash``: the process dies; its local files and ``/dev/shm`` stay;
+* ``node``: the machine is lost: after the kill the supervisor deletes the contender's local store and its
+  memory tier; layerckpt restores from its ``file://`` remote tier.  torch.save, ``dcp.async_save`` and
+  ModelCheckpoint write straight into that surviving folder (on the same disk, so a node loss costs them no
+  more than a crash: a real remote would slow each of their saves instead).
+
+Contenders, on the same failure times: in the plain loop torch.save, ``dcp.async_save`` and layerckpt's
+``Checkpointer`` (default Config with the memory tier and the remote tier), each every N steps for each of
+``cadences``, and layerckpt with ``layerckpt.Interval(mtbf)``; under Lightning, ModelCheckpoint and
+LayerCheckpoint every N steps and ``LayerCheckpoint(mtbf=...)``.  A failure-free run without checkpoints of
+each loop gives the median step (the productive work of a step) and what a failure-free job costs.  Where the
+time went is ``goodput_account``'s buckets; goodput is productive step time over wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+from .goodput_account import account, figures, read_progress
+from .goodput_report import OURS, format_table
+from .machine import machine
+BATCH, LR = 2, 3e-4
+THREADS = 1  # torch's threads in the job: the rest of the cores are the savers' (and the machine's other users')
+MAX_ATTEMPTS = 200  # a job that cannot get through its start between failures would never end
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str  # the child's checkpointing: none, torch.save, dcp.async_save, layerckpt, ModelCheckpoint, LayerCheckpoint
+    loop: str  # plain or lightning
+    every: Optional[int] = None  # a checkpoint every this many steps
+    mtbf: bool = False  # layerckpt.Interval(mtbf) decides instead
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} mtbf=" if self.mtbf else self.name
+
+
+def contenders(cadences: List[int]) -> List[Contender]:
+    out = [Contender(n, "plain", c) for n in ("torch.save", "dcp.async_save", "layerckpt") for c in cadences]
+    out.append(Contender("layerckpt", "plain", mtbf=True))
+    out += [Contender(n, "lightning", c) for n in ("ModelCheckpoint", "LayerCheckpoint") for c in cadences]
+    out.append(Contender("LayerCheckpoint", "lightning", mtbf=True))
+    return out
+
+
+class Failures:
+    """Failure times, seconds since a run began: cumulative exponential draws of mean ``mtbf``, the same for
+    every contender (drawn once, as far as the slowest needs)."""
+
+    def __init__(self, mtbf: float, seed: int):
+        self._rng, self._mean, self.times = random.Random(seed), mtbf, []
+
+    def at(self, k: int) -> float:
+        while len(self.times) <= k:
+            self.times.append((self.times[-1] if self.times else 0.0) + self._rng.expovariate(1 / self._mean))
+        return self.times[k]
+
+
+def model_config(size: str) -> Dict[str, Any]:
+    from .sharded import SIZES
+
+    return asdict(SIZES[size])
+
+
+# ---------------------------------------------------------------- the supervisor
+
+def supervise(c: Contender, spec: Dict[str, Any], work: str, steps: int, failures: Optional[Failures],
+              node_loss: bool) -> List[Dict[str, Any]]:
+    """Run ``c``'s job until it has done ``steps`` steps, killing it at each failure time; its attempts."""
+    dirs = {k: os.path.join(work, k) for k in ("node", "remote", "progress")}
+    shm = tempfile.mkdtemp(prefix="layerckpt-bench-goodput-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.makedirs(dirs["progress"])
+    env = dict(os.environ, LAYERCKPT_SHM=shm)
+    spec = {**spec, "kind": c.name, "loop": c.loop, "every": c.every, "node": dirs["node"], "remote": dirs["remote"]}
+    attempts: List[Dict[str, Any]] = []
+    t0, k = None, 0
+    try:
+        while True:
+            if len(attempts) == MAX_ATTEMPTS:
+                raise RuntimeError(f"{c.label}: {MAX_ATTEMPTS} attempts without finishing {steps} steps: the failures "
+                                   f"come faster than the job starts; give a longer --mtbf")
+            n = len(attempts)
+            path = os.path.join(dirs["progress"], f"{n}.jsonl")
+            log = os.path.join(dirs["progress"], f"{n}.log")
+            spawned = time.time()
+            t0 = spawned if t0 is None else t0
+            with open(log, "wb") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "layerckpt.bench.goodput", "--child",
+                                         json.dumps({**spec, "progress": path, "spawned": spawned})], stdout=out, stderr=subprocess.STDOUT,
+                                        env=env)
+                due = t0 + failures.at(k) if failures else None
+                killed = _wait_or_kill(proc, due)
+            events = read_progress(path)
+            finished = any(e["e"] == "step" and e["s"] == steps for e in events)
+            attempts.append({"spawned": spawned, "killed": None if finished else killed, "events": events,
+                             "failure_s": None if finished or killed is None else failures.at(k)})
+            if finished:
+                return attempts
+            if killed is None:
+                with open(log, encoding="utf-8", errors="replace") as f:
+                    tail = f.read()[-3000:]
+                raise RuntimeError(f"{c.label}: attempt {n} exited with status {proc.returncode} before step "
+                                   f"{steps}:\n{tail}")
+            k += 1
+            if node_loss:  # the machine is gone: its disk and its shared memory with it
+                shutil.rmtree(dirs["node"], ignore_errors=True)
+                shutil.rmtree(shm, ignore_errors=True)
+                os.mkdir(shm, 0o700)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _wait_or_kill(proc: subprocess.Popen, due: Optional[float]) -> Optional[float]:
+    """Wait for ``proc`` to exit, or SIGKILL it at ``due`` (wall clock); the kill's time, or None."""
+    while proc.poll() is None:
+        now = time.time()
+        if due is not None and now >= due:
+            os.kill(proc.pid, signal.SIGKILL)
+            killed = time.time()
+            proc.wait()
+            return killed
+        time.sleep(0.01 if due is None else min(0.01, due - now))
+    return None
+
+
+def _summary(attempts: List[Dict[str, Any]], t0: float) -> List[Dict[str, Any]]:
+    """Each attempt's marks in seconds since the run began (None where the process did not get there)."""
+    def at(ev, kind):
+        return next((round(e["t"] - t0, 3) for e in ev if e["e"] == kind), None)
+
+    return [{"spawned_s": round(a["spawned"] - t0, 3), "imports_s": at(a["events"], "imports"),
+             "setup_s": at(a["events"], "setup"), "restored_s": at(a["events"], "restored"),
+             "resumed_at": next((e["step"] for e in a["events"] if e["e"] == "restored"), None),
+             "last_step": max((e["s"] for e in a["events"] if e["e"] == "step"), default=None),
+             "last_save": max((e["s"] for e in a["events"] if e["e"] == "save"), default=None),
+             "killed_s": None if a["killed"] is None else round(a["killed"] - t0, 3), "failure_s": a["failure_s"]}
+            for a in attempts]
+
+
+def _one(c: Contender, spec: Dict[str, Any], root: str, steps: int, base: Optional[float],
+         failures: Optional[Failures], node_loss: bool) -> Dict[str, Any]:
+    work = tempfile.mkdtemp(prefix=f"{c.loop}-{c.name}-", dir=root)
+    try:
+        attempts = supervise(c, spec, work, steps, failures, node_loss)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if base is None:  # the failure-free run: its own median step is the base
+        import statistics
+
+        ts = [e["t"] for e in attempts[0]["events"] if e["e"] in ("restored", "step")]
+        base = statistics.median(b - a for a, b in zip(ts, ts[1:]))
+    r = account(attempts, steps, base)
+    r.update(name=c.name, label=c.label, loop=c.loop, every=c.every, mtbf=c.mtbf, base_step_s=base,
+             failure_times_s=[a["failure_s"] for a in attempts if a["failure_s"] is not None],
+             attempts=_summary(attempts, attempts[0]["spawned"]))
+    return r
+
+
+def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("crash", "node"), seed: int = 0,
+        cadences=(10, 25, 50), dirpath: Optional[str] = None, say=lambda line: None) -> Dict[str, Any]:
+    cfg = model_config(size)
+    spec = {"model": cfg, "steps": steps, "batch": BATCH, "lr": LR, "seed": seed, "mtbf": None,
+            "threads": THREADS}
+    failures = Failures(mtbf, seed)
+    res: Dict[str, Any] = {"machine": machine(), "size": size, "model": cfg, "params": _params(cfg), "steps": steps,
+                           "batch": BATCH, "seq": 32, "threads": THREADS, "mtbf_s": mtbf, "seed": seed, "cadences": list(cadences),
+                           "kinds": list(kinds), "free": {}, "runs": {}}
+    if dirpath:
+        os.makedirs(dirpath, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="layerckpt-bench-goodput-", dir=dirpath)
+    try:
+        for loop in ("plain", "lightning"):
+            res["free"][loop] = free = _one(Contender("none", loop), spec, root, steps, None, None, False)
+            free["goodput"], free["lost_s"] = free["buckets"]["compute"] / free["wall_s"], 0.0
+            say(f"goodput: failure-free {loop} loop: {steps} steps in {free['wall_s']:.1f} s, "
+                f"median step {free['base_step_s']:.3f} s")
+        ran: Dict[Contender, Dict[str, Any]] = {}
+        for kind in kinds:
+            res["runs"][kind] = rows = []
+            for c in contenders(list(cadences)):
+                if c in ran:  # its files are in the surviving folder: a node loss is a crash to it, run once
+                    rows.append(ran[c])
+                    continue
+                free = res["free"][c.loop]
+                r = _one(c, {**spec, "mtbf": mtbf if c.mtbf else None}, root, steps, free["base_step_s"], failures,
+                         kind == "node")
+                figures(r, free, mtbf)
+                r["ran_under"] = kind
+                rows.append(r)
+                if c.name not in OURS:
+                    ran[c] = r
+                say(f"goodput: {kind}: {c.label}{f' every {c.every}' if c.every else ''}: {r['kills']} kill(s), "
+                    f"{steps} steps in {r['wall_s']:.1f} s, goodput {r['goodput'] * 100:.1f}%")
+        res["failure_times_s"] = failures.times
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+def _params(cfg: Dict[str, Any]) -> int:
+    e = cfg["n_embd"]
+    head = 0 if cfg["tie_weights"] else cfg["vocab_size"] * e
+    return (cfg["vocab_size"] + cfg["n_positions"]) * e + cfg["n_layer"] * (12 * e * e + 13 * e) + 2 * e + head
+
+
+def main(args) -> int:
+    from ..interval import parse_duration
+
+    kinds = [k.strip() for k in args.failure.split(",") if k.strip()]
+    cadences = [int(x) for x in args.cadences.split(",")]
+    say = (lambda line: None) if getattr(args, "quiet", False) else (lambda line: print(line, file=sys.stderr, flush=True))
+    res = run(args.size, args.goodput_steps, parse_duration(args.mtbf, "--mtbf"), kinds, args.seed, cadences,
+              args.dir, say)
+    print(json.dumps(res) if args.json else format_table(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m layerckpt.bench.goodput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--child", metavar="SPEC", help="one attempt of the training job (the supervisor starts it)")
+    a = p.parse_args()
+    if not a.child:
+        p.error("run the bench as: layerckpt bench --goodput [...]")
+    from .goodput_child import main as child
+
+    child(json.loads(a.child))

@@ -1,0 +1,119 @@
+"""Where a killed and restarted job's wall time went, from its attempts' progress files (``bench --goodput``).
+
+The wall time runs from the first process's spawn to the last step's end.  Every second of it falls in one
+bucket, so the buckets sum to it:
+
+* ``compute``: the steps' productive work, steps x the median step of a failure-free run without checkpoints;
+* ``checkpoint``: what each step took beyond that median (a blocking save, a step slowed by a save behind it);
+* ``imports``, ``setup``, ``load``: a process's spawn to its imports done, to model, optimizer and
+  checkpointer (or Trainer) built, to the restore done (for a first process: nothing found);
+* ``warmup``: the first step of each process beyond the median (a new process's allocations, cold caches);
+* ``redone``: the median step for every step done again after a restart, and the work in flight at a kill;
+* ``restart``: from a kill to the next spawn (the supervisor reaps the process, wipes the node's stores).
+
+``restore`` is imports + setup + load + warmup: a process's spawn to its first step done.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Dict, List, Optional
+
+PARTS = ("compute", "checkpoint", "imports", "setup", "load", "warmup", "redone", "restart")
+RESTORE = ("imports", "setup", "load", "warmup")
+
+
+def read_progress(path: str) -> List[Dict[str, Any]]:
+    """The events a process wrote; a line cut short by the kill is dropped."""
+    out = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    break
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def account(attempts: List[Dict[str, Any]], steps: int, base_s: float) -> Dict[str, Any]:
+    """Buckets and counts of one contender's attempts, each ``{"spawned": t, "killed": t or None, "events": [...]}``
+    in order, the last one reaching ``steps``; ``base_s`` is the failure-free median step."""
+    b = dict.fromkeys(PARTS, 0.0)
+    done: set = set()
+    executed = saves = 0
+    final_loss: Optional[float] = None
+    first_start: Optional[float] = None
+    prev_end: Optional[float] = None
+    for a in attempts:
+        ev = a["events"]
+        end = a["killed"] if a["killed"] is not None else next(e["t"] for e in ev if e["e"] == "step" and e["s"] == steps)
+        if prev_end is not None:
+            b["restart"] += a["spawned"] - prev_end
+        t = a["spawned"]
+        for part, kind in (("imports", "imports"), ("setup", "setup"), ("load", "restored")):
+            mark = next((e["t"] for e in ev if e["e"] == kind), end)
+            b[part] += min(mark, end) - t
+            t = min(mark, end)
+        first = True
+        for e in ev:
+            if e["t"] > end:
+                break
+            if e["e"] == "save":
+                saves += 1
+            if e["e"] != "step":
+                continue
+            executed += 1
+            b["compute" if e["s"] not in done else "redone"] += base_s
+            b["warmup" if first else "checkpoint"] += (e["t"] - t) - base_s
+            done.add(e["s"])
+            first, t = False, e["t"]
+            if e["s"] == steps:
+                final_loss = e["loss"]
+        if a["killed"] is not None and any(e["e"] == "restored" for e in ev):
+            b["redone"] += end - t  # the step (or save) in flight at the kill
+        if prev_end is None and not first:  # the first process reached a step: its start, whole
+            first_start = sum(b[p] for p in RESTORE)
+        prev_end = end
+    wall = prev_end - attempts[0]["spawned"]
+    return {"buckets": b, "wall_s": wall, "steps_done": len(done), "executed": executed, "saves": saves,
+            "final_loss": final_loss, "first_start_s": first_start, "kills": sum(a["killed"] is not None for a in attempts),
+            "resumed_at": [next((e["step"] for e in a["events"] if e["e"] == "restored"), None) for a in attempts]}
+
+
+def figures(run: Dict[str, Any], free: Dict[str, Any], mtbf: float) -> None:
+    """Add to ``run`` (an :func:`account` result) what it lost and the optimum its own costs allow, against
+    ``free``, the failure-free run without checkpoints of the same loop:
+
+    * ``goodput``: compute / wall;
+    * ``lost_s``: the wall time beyond the failure-free run's, less every process's imports and the restarts
+      (checkpoints, setups and loads, warm-ups, redone work);
+    * ``save_cost_s`` (C): the checkpoint bucket beyond the failure-free run's per-step noise, per save;
+    * ``restart_cost_s`` (R): per kill, the restarts and every start after the first (imports, setup, load,
+      warm-up; a start cut short by a kill included);
+    * ``young_daly_s``: sqrt(2 x C x MTBF), the interval that loses least, and in steps;
+    * ``optimum``: the goodput at that interval with the same kills: compute / (first start + compute + noise +
+      saves at every interval x C + kills x (R + half an interval)).
+    """
+    b, fb = run["buckets"], free["buckets"]
+    base = fb["compute"] / free["steps_done"]
+    run["goodput"] = b["compute"] / run["wall_s"]
+    kept = lambda r: r["wall_s"] - r["buckets"]["imports"] - r["buckets"]["restart"]  # noqa: E731
+    run["lost_s"] = kept(run) - kept(free)
+    noise = fb["checkpoint"] / max(1, free["executed"] - 1)  # the failure-free run's excess per step
+    steady = run["executed"] - len([s for s in run["resumed_at"] if s is not None])
+    cost = (b["checkpoint"] - noise * steady) / run["saves"] if run["saves"] else None
+    run["save_cost_s"] = cost
+    first = run["first_start_s"] if run["first_start_s"] is not None else sum(fb[p] for p in RESTORE)
+    again = b["restart"] + sum(b[p] for p in RESTORE) - first
+    run["restart_cost_s"] = again / run["kills"] if run["kills"] else None
+    if cost is None:
+        run["young_daly_s"] = run["young_daly_steps"] = run["optimum"] = None
+        return
+    c = max(cost, 1e-4)
+    t = min(math.sqrt(2 * c * mtbf), b["compute"])
+    wall = first + b["compute"] + noise * run["steps_done"] + math.floor(b["compute"] / t) * c + again + run["kills"] * t / 2
+    run["young_daly_s"], run["young_daly_steps"] = t, t / base
+    run["optimum"] = b["compute"] / wall

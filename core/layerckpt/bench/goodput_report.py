@@ -1,0 +1,129 @@
+"""The table ``layerckpt bench --goodput`` prints, and its targets, from the bench's JSON (no measuring here)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from .goodput_account import PARTS
+
+# the issue's targets: layerckpt's lost time against the contenders' at their best cadence, its final loss
+# against theirs, its goodput against the optimum its own measured costs allow
+LOST_VS = {"plain": ("dcp.async_save", 1 / 2), "lightning": ("ModelCheckpoint", 1 / 3)}
+LOSS_REL, OPTIMUM_POINTS = 0.005, 2.0
+OURS = ("layerckpt", "LayerCheckpoint")
+KINDS = {"crash": "SIGKILL; the local store and the memory tier survive",
+         "node": "SIGKILL, then the local store and /dev/shm are deleted; layerckpt restores from its file:// remote"}
+LOOPS = {"plain": "plain loop", "lightning": "Lightning Trainer"}
+HEADS = {"checkpoint": "ckpt"}
+
+
+def _state(res: Dict[str, Any]) -> str:
+    return f"{res['params'] / 1e6:.1f}M parameters, {res['params'] * 12 / 1e6:.1f} MB with AdamW"
+
+
+def _head(res: Dict[str, Any]) -> List[str]:
+    m = res["machine"]
+    times = ", ".join(f"{t:.1f}" for t in res.get("failure_times_s", []))
+    lines = [f"layerckpt bench --goodput: {res['size']} ({_state(res)}), {res['steps']} steps of batch {res['batch']} "
+             f"x {res['seq']} tokens, MTBF {res['mtbf_s']:g} s (seed {res['seed']}), on {m['cpu']} ({m['cores']} cores), "
+             f"torch {m['torch']}",
+             f"failure times, s since a contender's run began (the same for each; each sees those before its end): {times}",
+             "after each kill a new process starts at once and resumes from what its checkpointing left; layerckpt: "
+             "default Config + memory tier + file:// remote tier (a folder on the same disk); torch.save, "
+             "dcp.async_save and ModelCheckpoint write straight into such a folder, so a node loss costs them no more "
+             "than a crash (a real remote would slow their saves instead)"]
+    for loop, f in res["free"].items():
+        b = f["buckets"]
+        lines.append(f"failure-free, no checkpoints, {LOOPS[loop]}: median step {f['base_step_s']:.3f} s, {res['steps']} "
+                     f"steps in {f['wall_s']:.1f} s (imports {b['imports']:.1f} s, setup {b['setup']:.1f} s, "
+                     f"first step {b['warmup'] + f['base_step_s']:.2f} s), goodput {f['goodput'] * 100:.1f}%")
+    lines += ["goodput: compute / wall; lost: wall beyond the failure-free run's, less imports and restarts "
+              "(checkpoints, setups and loads, warm-ups, redone work); C: a save's cost to training (blocking and slower "
+              "steps); Y/D: the Young/Daly interval sqrt(2 x C x MTBF), s and steps; optimum: the goodput at that "
+              "interval with the same kills and restarts; * the contender's best cadence (least lost)"]
+    return lines
+
+
+def _best(rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """name and loop -> the row of that contender with the least lost time (over its cadences and mtbf=)."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for r in rows:
+        key = f"{r['loop']}:{r['name']}"
+        if key not in out or r["lost_s"] < out[key]["lost_s"]:
+            out[key] = r
+    return out
+
+
+def _num(x: Optional[float], fmt: str, width: int) -> str:
+    return (format(x, fmt) if x is not None else "-").rjust(width)
+
+
+def _row(r: Dict[str, Any], best: bool, kind: str) -> str:
+    b = r["buckets"]
+    every = "mtbf" if r["mtbf"] else str(r["every"])
+    pct = lambda x: None if x is None else x * 100  # noqa: E731
+    name = r["name"] + ("^" if r.get("ran_under", kind) != kind else "")
+    return (f"{'*' if best else ' '} {name:<16}{every:>6}{_num(pct(r['goodput']), '.1f', 8)}"
+            f"{_num(pct(r.get('optimum')), '.1f', 8)}{r['wall_s']:>8.1f}"
+            + "".join(f"{b[p]:>8.1f}" for p in PARTS)
+            + f"{r['lost_s']:>8.1f}{r['kills']:>6}{r['saves']:>6}{_num(r.get('save_cost_s'), '.3f', 8)}"
+            f"{_num(r.get('young_daly_s'), '.1f', 7)}{_num(r.get('young_daly_steps'), '.0f', 6)}"
+            f"{_num(r['final_loss'], '.4f', 9)}")
+
+
+def format_table(res: Dict[str, Any]) -> str:
+    lines = _head(res)
+    cols = (f"  {'contender':<16}{'every':>6}{'goodput':>8}{'optimum':>8}{'wall s':>8}"
+            + "".join(f"{HEADS.get(p, p):>8}" for p in PARTS)
+            + f"{'lost s':>8}{'kills':>6}{'saves':>6}{'C s':>8}{'Y/D s':>7}{'Y/D n':>6}{'loss':>9}")
+    for kind, rows in res["runs"].items():
+        best = {id(r) for r in _best(rows).values()}
+        lines += ["", f"{kind}: {_kind(kind)}; goodput and optimum in %, the buckets in s (they sum to the wall time)",
+                  cols]
+        for loop in LOOPS:
+            lines.append(f"  {LOOPS[loop]}")
+            lines += [_row(r, id(r) in best, kind) for r in rows if r["loop"] == loop]
+        shared = sorted({r["ran_under"] for r in rows if r.get("ran_under", kind) != kind})
+        if shared:
+            lines.append(f"  ^ the {' and '.join(shared)} run's row: its files survive a node loss, which is a crash to "
+                         f"it, so it ran once")
+        lines += targets(kind, rows, res["free"])
+    return "\n".join(lines)
+
+
+def _kind(kind: str) -> str:
+    return KINDS.get(kind, kind)
+
+
+def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any]) -> List[str]:
+    """The targets' lines for one failure kind: each layerckpt row against the contenders' best cadence."""
+    best = _best(rows)
+    out = [f"targets ({kind}):"]
+    for loop, (them, most) in LOST_VS.items():
+        theirs = best.get(f"{loop}:{them}")
+        for r in (x for x in rows if x["loop"] == loop and x["name"] in OURS and (x["mtbf"] or x is best.get(
+                f"{loop}:{x['name']}"))):
+            if theirs is None:
+                continue
+            what = f"{r['name']} {'mtbf=' if r['mtbf'] else 'every ' + str(r['every'])}"
+            if theirs["lost_s"] > 0:
+                q = r["lost_s"] / theirs["lost_s"]
+                verdict = f"{q:.2f}x (target <= {most:.2f}x): {'met' if q <= most else 'not met'}"
+            else:
+                verdict = "their lost time is not above the failure-free run's: no ratio"
+            out.append(f"  lost: {what} {r['lost_s']:.1f} s vs {them} every {theirs['every']} (its best) "
+                       f"{theirs['lost_s']:.1f} s: {verdict}")
+    for loop in LOOPS:
+        ours = [r for r in rows if r["loop"] == loop and r["name"] in OURS]
+        others = [r for r in rows if r["loop"] == loop and r["name"] not in OURS] + [free[loop]]
+        if not ours or not all(r["final_loss"] for r in others):
+            continue
+        worst = max(abs(o["final_loss"] - t["final_loss"]) / t["final_loss"] for o in ours for t in others)
+        out.append(f"  final loss, {LOOPS[loop]}: layerckpt's within {worst * 100:.3f}% of every other contender's "
+                   f"and the failure-free run's (target {LOSS_REL * 100:g}%): "
+                   f"{'met' if worst <= LOSS_REL else 'not met'}")
+    for r in (x for x in rows if x["name"] in OURS and x["mtbf"] and x.get("optimum") is not None):
+        gap = (r["goodput"] - r["optimum"]) * 100
+        out.append(f"  goodput, {r['name']} mtbf= ({LOOPS[r['loop']]}): {r['goodput'] * 100:.1f}% against an optimum of "
+                   f"{r['optimum'] * 100:.1f}% ({gap:+.1f} points; target within {OPTIMUM_POINTS:g}): "
+                   f"{'met' if gap >= -OPTIMUM_POINTS else 'not met'}")
+    return out
