@@ -148,19 +148,10 @@ def test_full_mode_resumes_bit_exact(launched, scenario):
         assert full["losses"][12] == ref["losses"][12]
 
 
-#: The default rule prices a layer with the optimizer's gradient average as it is: Adam's exp_avg, which is not divided
-#: by its bias (1 - beta1^t) (layerckpt._plan.GRAD_AVERAGE, sampled in _track.DriftTracker.sample).  In a fresh
-#: optimizer's first steps every cost is then underestimated by 1/(1 - 0.9^t) (2.1x at step 6): the step-6 composite
-#: keeps every layer from step 2, and the resumed run ends 0.65-0.88% off (0.11-0.26% with exp_avg so divided).
-#: Trainer's costs, at a quarter of the budget, stay within it either way (0.17%).
-UNCORRECTED_EXP_AVG = pytest.mark.xfail(strict=True, reason=(
-    "selection prices layers with Adam's exp_avg undivided by its bias (1 - beta1^t): in a fresh optimizer's first "
-    "steps each cost is underestimated up to 2x, the step-6 composite keeps every layer from step 2, and the "
-    "resumed final loss is 0.65-0.88% off"))
-
-
-@pytest.mark.parametrize("scenario", [pytest.param(s, marks=UNCORRECTED_EXP_AVG) if s != "trainer" else s
-                                      for s in SCENARIO_LAUNCH])
+#: The default rule prices each layer with Adam's exp_avg divided by its bias 1 - beta1^t (_gather.grad_bias): undivided,
+#: a fresh optimizer's first steps underestimated every cost by 1/(1 - 0.9^t) (2.1x at step 6), the step-6 composite
+#: kept every layer from step 2 and the resumed runs ended 0.65-0.88% off (now 0.11-0.26%).
+@pytest.mark.parametrize("scenario", list(SCENARIO_LAUNCH))
 def test_defaults_resume_within_half_a_percent(launched, scenario):
     d = launched(scenario)["dir"]
     for r in RANKS:

@@ -362,6 +362,33 @@ def _runs(idx: torch.Tensor) -> List[Tuple[int, int, int]]:
     return [(a, g, b - a) for a, b, g in zip(starts, ends, idx[starts].tolist())]
 
 
+def grad_bias(optimizer: torch.optim.Optimizer, named: List[Tuple[str, torch.nn.Parameter]]) -> Dict[str, float]:
+    """``1 - beta1^step`` of each parameter whose optimizer keeps Adam's ``exp_avg``, by name, where it is below
+    0.9999: an average that starts at zero falls that much short of the gradients it averages until its steps add
+    up (2x at step 6 with beta1 0.9), and the selection divides it by this before pricing a layer with it."""
+    names = {id(p): n for n, p in named}
+    found: List[Tuple[str, float, Any]] = []
+    for g in optimizer.param_groups:
+        betas = g.get("betas")
+        if not isinstance(betas, (tuple, list)) or not betas:
+            continue
+        for p in g["params"]:
+            st = optimizer.state.get(p)
+            if st and "exp_avg" in st and "step" in st and id(p) in names:
+                found.append((names[id(p)], float(betas[0]), st["step"]))
+    if not found:
+        return {}
+    on_device = [s for _, _, s in found if torch.is_tensor(s) and not s.is_cpu]  # capturable Adam: one sync
+    device_steps = iter(torch.stack([s.float() for s in on_device]).tolist() if on_device else [])
+    out: Dict[str, float] = {}
+    for name, beta1, step in found:
+        t = next(device_steps) if torch.is_tensor(step) and not step.is_cpu else float(step)
+        b = 1.0 - beta1 ** t
+        if 0.0 < b < 0.9999:
+            out[name] = b
+    return out
+
+
 def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Optional[dict],
            rank: int = 0) -> Tuple[Entries, Dict[str, Any]]:
     """Everything one save holds: tensors to stage, and the manifest's JSON parts (and ``requires_grad``: each
@@ -376,6 +403,7 @@ def gather(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], e
         "optimizer": optimizer_state(optimizer, {id(p): n for n, p in named}, entries) if optimizer is not None
         else None,
         "requires_grad": {n: p.requires_grad for n, p in named},  # for the selection (not the manifest)
+        "grad_bias": grad_bias(optimizer, named) if optimizer is not None else {},  # for the selection too
         "rng": rng_state(entries, rank),
         "extra": encode(extra if extra is not None else {}, EXTRA, entries, "extra"),
     }

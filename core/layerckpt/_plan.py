@@ -30,7 +30,7 @@ from ._layout import CODES, ITEMSIZE
 from ._manifest import (ROWS, Boxes, FileEntry, LayerEntry, Manifest, RowBlocks, TensorEntry, is_rng, model_name,
                         param_of, piece_base, shard_pieces)
 from ._dist import Group
-from ._track import DriftTracker, Measure, Views, combine
+from ._track import DriftTracker, LayerSample, Measure, Views, combine
 from .config import REMOTE_BASES, Config
 from .errors import CheckpointError
 
@@ -148,6 +148,9 @@ class Selector:
         self._keys: Optional[Tuple[tuple, Dict[str, str], Dict[str, List[str]]]] = None
         #: each parameter's requires_grad by name, as the save's gather found it (None: read from the model)
         self.requires_grad: Optional[Dict[str, bool]] = None
+        #: each parameter's ``1 - beta1^step`` where its gradient average is Adam's exp_avg and that is below
+        #: 0.9999, as the save's gather found it (``_gather.grad_bias``)
+        self.grad_bias: Dict[str, float] = {}
         self._generation = 0  # counts the recomputations of the maps below: what is derived from them keys on it
         self._names: Dict[tuple, Tuple[str, ...]] = {}  # entry keys -> the model parameter names among them
         #: (entry keys, layers) -> per entry: (layer, counted in the layer's bytes, weight name, gradient
@@ -385,14 +388,23 @@ class Selector:
         self._planned_now(out, snaps, world, self._references(out, held, taken, unpriced))
         return out
 
+    def _sample(self, weights: Dict[str, torch.Tensor], grads: Dict[str, torch.Tensor]) -> LayerSample:
+        """The tracker's sample of a layer, its gradient averages unbiased: Adam's exp_avg divided by
+        ``1 - beta1^step`` (``grad_bias``), which a fresh optimizer's first steps leave up to ``1/(1 - beta1)``
+        short, and every cost priced with it."""
+        s = self.tracker.sample(weights, grads)
+        if s.g is not None and self.grad_bias:
+            bias = [self.grad_bias.get(n.split("#", 1)[0], 1.0) for n in weights]
+            s.g = [v / b if b != 1.0 else v for v, b in zip(s.g, bias)]
+        return s
+
     def _measure(self, weights, grads):
         """(the composite this save builds on: the newest plan still in flight, else the last committed one;
         each layer's drift, cost and progress measured against its reference; this save's samples)."""
         with self._lock:
             prev = self.composite if self._planned is None else self._planned
             # full checkpoints decide nothing by drift: keep their stall to the copy alone
-            now = {} if self.full else {layer: self.tracker.sample(w, grads.get(layer, {}))
-                                        for layer, w in weights.items()}
+            now = {} if self.full else {layer: self._sample(w, grads.get(layer, {})) for layer, w in weights.items()}
             measures, snaps = self.tracker.measure(now)
         return prev, measures, snaps
 
@@ -498,7 +510,7 @@ class Selector:
         samples = {}
         if not self.full:
             with self._lock:
-                now = {layer: self.tracker.sample(w, grads.get(layer, {})) for layer, w in weights.items()}
+                now = {layer: self._sample(w, grads.get(layer, {})) for layer, w in weights.items()}
                 snaps = {layer: (self.tracker.snapshot(s.w), self.tracker.snapshot(s.g) if s.g is not None else None,
                                  0.0) for layer, s in now.items()}
                 self.tracker.advance(snaps)

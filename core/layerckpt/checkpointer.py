@@ -340,6 +340,7 @@ class Checkpointer:
         """What a save holds, embedding tables cut into row blocks (selective saves only)."""
         entries, meta = gather(self.model, self.optimizer, extra, self.rank)
         self.selector.requires_grad = meta.pop("requires_grad")
+        self.selector.grad_bias = meta.pop("grad_bias")
         entries, self.selector.shards = shard_entries(entries)  # FSDP2: this rank's shards only
         tables = {} if self.selector.full else table_names(self.model, self.config.row_block_bytes)
         entries, blocks = split(entries, tables)
