@@ -478,18 +478,20 @@ class LayerCheckpointPlugin:
     def _load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs: Any):
         self.last_restore = []
         self._interval, self._synced = SelectionLoss(), False  # the steps before the load are not the run's
+        if load_kwargs is not None:  # accelerate before 1.10 takes no load_kwargs: passed on only where given
+            kwargs["load_kwargs"] = load_kwargs
         folder = self._pick_folder(input_dir)
         if folder is None or not os.path.isdir(folder):
-            return self._orig["load_state"](input_dir, load_kwargs, **kwargs)  # accelerate's own error
+            return self._orig["load_state"](input_dir, **kwargs)  # accelerate's own error
         ptr = folders.read_pointer(folder)
         if ptr is None:  # written by plain accelerate (or before the plugin was registered)
-            out = self._orig["load_state"](folder, load_kwargs, **kwargs)
+            out = self._orig["load_state"](folder, **kwargs)
         else:
             self._check_loadable(ptr)  # before anything is loaded
             self._pointer = ptr
             try:
                 with self._routing():
-                    out = self._orig["load_state"](folder, load_kwargs, **kwargs)
+                    out = self._orig["load_state"](folder, **kwargs)
             finally:
                 self._pointer = None
         self._next_iteration(folder)
