@@ -203,3 +203,44 @@ def test_a_bad_loss_is_refused_naming_it(tmp_path, bad):
             ck.save(1, loss=bad)
         ck.save(1, loss=torch.tensor(2.5))
     assert load_manifest(str(tmp_path / "manifests" / "step-00000001.json")).loss == 2.5
+
+
+def test_adams_gradient_average_is_divided_by_its_bias_before_it_prices_a_layer(tmp_path):
+    """A fresh AdamW's exp_avg is 1 - beta1^t of the gradients it averages: the selection divides it back (2.1x at
+    step 6), each parameter by its own step, and stops once the bias is negligible; SGD's momentum has none."""
+    from layerckpt._gather import grad_bias
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "betas": (0.8, 0.99)},
+                             {"params": model[1].parameters()}], lr=1e-3)
+    named = list(model.named_parameters())
+    assert grad_bias(opt, named) == {}  # no state yet
+    for t in range(6):
+        model[0].weight.grad = torch.ones(4, 4)  # only this parameter steps in the first 6
+        opt.step()
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    got = grad_bias(opt, named)
+    assert got == pytest.approx({"0.weight": 1 - 0.8 ** 8, "0.bias": 1 - 0.8 ** 2, "1.weight": 1 - 0.9 ** 2,
+                                 "1.bias": 1 - 0.9 ** 2}, rel=1e-12)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    sgd.step()
+    assert grad_bias(sgd, named) == {}
+    # the selection's sample is exp_avg divided by it: here 1 / (1 - 0.9^2) times the stored average
+    with layerckpt.Checkpointer(tmp_path, model, opt, layerckpt.Config(keep_last=0)) as ck:
+        ck.save(1, loss=1.0).wait()
+        sel = ck.selector
+        assert sel.grad_bias == got
+        w = {"1.weight": model[1].weight}  # a layer's weights and gradient averages by parameter name
+        s = sel._sample(w, {"1.weight": opt.state[model[1].weight]["exp_avg"]})
+        assert torch.allclose(s.g[0], opt.state[model[1].weight]["exp_avg"].reshape(-1)[:s.g[0].numel()] / (1 - 0.9 ** 2))
+    for _ in range(120):  # 0.9^122 and 0.8^128: no longer worth a division
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert grad_bias(opt, named) == {}
