@@ -44,7 +44,8 @@ MAX_ATTEMPTS = 200  # a job that cannot get through its start between failures w
 
 @dataclass(frozen=True)
 class Contender:
-    name: str  # the child's checkpointing: none, torch.save, dcp.async_save, layerckpt, ModelCheckpoint, LayerCheckpoint
+    name: str  # the child's checkpointing: none, torch.save, dcp.async_save, layerckpt, ModelCheckpoint or
+    # LayerCheckpoint
     loop: str  # plain or lightning
     every: Optional[int] = None  # a checkpoint every this many steps
     mtbf: bool = False  # layerckpt.Interval(mtbf) decides instead
@@ -104,9 +105,9 @@ def supervise(c: Contender, spec: Dict[str, Any], work: str, steps: int, failure
             spawned = time.time()
             t0 = spawned if t0 is None else t0
             with open(log, "wb") as out:
-                proc = subprocess.Popen([sys.executable, "-m", "layerckpt.bench.goodput", "--child",
-                                         json.dumps({**spec, "progress": path, "spawned": spawned})], stdout=out, stderr=subprocess.STDOUT,
-                                        env=env)
+                child = json.dumps({**spec, "progress": path, "spawned": spawned})
+                proc = subprocess.Popen([sys.executable, "-m", "layerckpt.bench.goodput", "--child", child],
+                                        stdout=out, stderr=subprocess.STDOUT, env=env)
                 due = t0 + failures.at(k) if failures else None
                 killed = _wait_or_kill(proc, due)
             events = read_progress(path)
@@ -182,8 +183,8 @@ def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("c
             "threads": THREADS}
     failures = Failures(mtbf, seed)
     res: Dict[str, Any] = {"machine": machine(), "size": size, "model": cfg, "params": _params(cfg), "steps": steps,
-                           "batch": BATCH, "seq": 32, "threads": THREADS, "mtbf_s": mtbf, "seed": seed, "cadences": list(cadences),
-                           "kinds": list(kinds), "free": {}, "runs": {}}
+                           "batch": BATCH, "seq": 32, "threads": THREADS, "mtbf_s": mtbf, "seed": seed,
+                           "cadences": list(cadences), "kinds": list(kinds), "free": {}, "runs": {}}
     if dirpath:
         os.makedirs(dirpath, exist_ok=True)
     root = tempfile.mkdtemp(prefix="layerckpt-bench-goodput-", dir=dirpath)
@@ -227,7 +228,11 @@ def main(args) -> int:
 
     kinds = [k.strip() for k in args.failure.split(",") if k.strip()]
     cadences = [int(x) for x in args.cadences.split(",")]
-    say = (lambda line: None) if getattr(args, "quiet", False) else (lambda line: print(line, file=sys.stderr, flush=True))
+
+    def say(line: str) -> None:  # a line per run on stderr while the bench goes on (it takes minutes)
+        if not getattr(args, "quiet", False):
+            print(line, file=sys.stderr, flush=True)
+
     res = run(args.size, args.goodput_steps, parse_duration(args.mtbf, "--mtbf"), kinds, args.seed, cadences,
               args.dir, say)
     print(json.dumps(res) if args.json else format_table(res), flush=True)

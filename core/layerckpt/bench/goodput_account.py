@@ -49,7 +49,9 @@ def account(attempts: List[Dict[str, Any]], steps: int, base_s: float) -> Dict[s
     prev_end: Optional[float] = None
     for a in attempts:
         ev = a["events"]
-        end = a["killed"] if a["killed"] is not None else next(e["t"] for e in ev if e["e"] == "step" and e["s"] == steps)
+        end = a["killed"]
+        if end is None:  # the last process: its run ends with the last step
+            end = next(e["t"] for e in ev if e["e"] == "step" and e["s"] == steps)
         if prev_end is not None:
             b["restart"] += a["spawned"] - prev_end
         t = a["spawned"]
@@ -79,7 +81,8 @@ def account(attempts: List[Dict[str, Any]], steps: int, base_s: float) -> Dict[s
         prev_end = end
     wall = prev_end - attempts[0]["spawned"]
     return {"buckets": b, "wall_s": wall, "steps_done": len(done), "executed": executed, "saves": saves,
-            "final_loss": final_loss, "first_start_s": first_start, "kills": sum(a["killed"] is not None for a in attempts),
+            "final_loss": final_loss, "first_start_s": first_start,
+            "kills": sum(a["killed"] is not None for a in attempts),
             "resumed_at": [next((e["step"] for e in a["events"] if e["e"] == "restored"), None) for a in attempts]}
 
 
@@ -114,6 +117,7 @@ def figures(run: Dict[str, Any], free: Dict[str, Any], mtbf: float) -> None:
         return
     c = max(cost, 1e-4)
     t = min(math.sqrt(2 * c * mtbf), b["compute"])
-    wall = first + b["compute"] + noise * run["steps_done"] + math.floor(b["compute"] / t) * c + again + run["kills"] * t / 2
+    saves = math.floor(b["compute"] / t)
+    wall = first + b["compute"] + noise * run["steps_done"] + saves * c + again + run["kills"] * t / 2
     run["young_daly_s"], run["young_daly_steps"] = t, t / base
     run["optimum"] = b["compute"] / wall

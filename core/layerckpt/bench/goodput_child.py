@@ -33,6 +33,9 @@ class Progress:
         self._f.write(json.dumps({"e": kind, "t": time.time(), **fields}) + "\n")
         self._f.flush()
 
+    def close(self) -> None:
+        self._f.close()
+
 
 def main(spec: Dict[str, Any]) -> None:
     progress = Progress(spec["progress"])
@@ -55,7 +58,10 @@ def main(spec: Dict[str, Any]) -> None:
         import torch.distributed.checkpoint  # noqa: F401
         import torch.distributed.checkpoint.state_dict  # noqa: F401
     progress.event("imports")
-    (_lightning if spec["loop"] == "lightning" else _plain)(spec, progress)
+    try:
+        (_lightning if spec["loop"] == "lightning" else _plain)(spec, progress)
+    finally:
+        progress.close()
 
 
 def _model(spec: Dict[str, Any]):

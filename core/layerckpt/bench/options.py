@@ -96,9 +96,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--cache", help="with --restore: page-cache conditions, warm and/or cold (default: warm,cold)")
     a.add_argument("--goodput", action="store_true",
                    help="instead: a training job (plain loop and Lightning) SIGKILLed at failure times drawn with mean "
-                        "--mtbf and restarted until done, per contender (layerckpt, its mtbf= interval, ModelCheckpoint, "
-                        "dcp.async_save, torch.save): goodput and where the wall time went")
-    a.add_argument("--mtbf", help="with --goodput: the mean time between failures, seconds or e.g. 90s, 2m (default: 60)")
+                        "--mtbf and restarted until done, per contender (layerckpt, its mtbf= interval, "
+                        "ModelCheckpoint, dcp.async_save, torch.save): goodput and where the wall time went")
+    a.add_argument("--mtbf",
+                   help="with --goodput: the mean time between failures, seconds or e.g. 90s, 2m (default: 60)")
     a.add_argument("--goodput-steps", type=_positive, help="with --goodput: the job's steps (default: 300)")
     a.add_argument("--failure", help="with --goodput: comma-separated failure kinds, crash (the process) and/or node "
                                      "(the local store and /dev/shm lost too) (default: crash,node)")

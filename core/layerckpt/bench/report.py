@@ -25,6 +25,7 @@ Views (the marker's second word; without one, the view is told from the JSON's k
 ``lightning``  ``layerckpt bench --lightning``
 ``cpu``        ``layerckpt bench --cpu``
 ``policy``     ``layerckpt bench --policy`` (both tables)
+``goodput``    ``layerckpt bench --goodput`` (``goodput_report.format_table``)
 =============  ==========================================================================================
 """
 from __future__ import annotations
@@ -66,6 +67,7 @@ VIEWS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "lightning": _call("lightning_io", "format_table"),
     "cpu": _call("cpu", "format_table"),
     "policy": _call("policy", "format_report"),
+    "goodput": _call("goodput_report", "format_table"),
 }
 
 
@@ -73,6 +75,8 @@ def view_of(res: Dict[str, Any]) -> str:
     """The view a marker without one gets, told from the JSON's keys (the bench that wrote it)."""
     if "rows" in res:
         return "policy"
+    if "mtbf_s" in res and "free" in res:
+        return "goodput"
     if "world" in res and "saves" in res:
         return "sharded"
     if "conditions" in res and "sizes" in res:

@@ -1,0 +1,131 @@
+"""`layerckpt bench --goodput`: the wall time's buckets, the failure times, the contenders' resumes, and one small
+run end to end (a tiny model: a check of the machinery, not a measurement; nothing about speed is asserted)."""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from layerckpt import cli
+from layerckpt.bench.goodput import Failures, contenders
+from layerckpt.bench.goodput_account import PARTS, account, figures, read_progress
+
+
+def _step(s, t, loss=1.0):
+    return {"e": "step", "s": s, "t": t, "loss": loss}
+
+
+# a job of 6 steps whose median step is 1 s: killed at 8.5 s after step 4 (its checkpoint of step 3 done), resumed
+# at step 3 by a second process that finishes at 15 s
+ATTEMPTS = [
+    {"spawned": 0.0, "killed": 8.5, "events": [
+        {"e": "imports", "t": 2.0}, {"e": "setup", "t": 3.0}, {"e": "restored", "t": 3.0, "step": 0},
+        _step(1, 4.5), _step(2, 5.5), _step(3, 6.5), {"e": "save", "s": 3, "t": 6.6}, _step(4, 8.0)]},
+    {"spawned": 8.6, "killed": None, "events": [
+        {"e": "imports", "t": 10.0}, {"e": "setup", "t": 11.0}, {"e": "restored", "t": 11.5, "step": 3},
+        _step(4, 13.0), _step(5, 14.0), _step(6, 15.0, 0.5)]},
+]
+
+
+def test_buckets_are_the_wall_time_split_by_hand():
+    """Worked out by hand: every second of the 15 s falls in one bucket; step 4 is done twice (once redone) and the
+    half second in flight at the kill is lost."""
+    r = account(ATTEMPTS, 6, 1.0)
+    want = {"compute": 6.0, "checkpoint": 0.5, "imports": 3.4, "setup": 2.0, "load": 0.5, "warmup": 1.0,
+            "redone": 1.5, "restart": 0.1}
+    assert r["buckets"] == pytest.approx(want, abs=1e-9)
+    assert sum(r["buckets"].values()) == pytest.approx(r["wall_s"]) == pytest.approx(15.0)
+    assert (r["steps_done"], r["executed"], r["saves"], r["kills"], r["resumed_at"]) == (6, 7, 1, 1, [0, 3])
+    assert r["final_loss"] == 0.5 and r["first_start_s"] == pytest.approx(3.5)  # spawn to step 1, less its work
+
+
+def test_lost_time_and_the_optimum_against_the_failure_free_run():
+    free = account([{"spawned": 0.0, "killed": None, "events": [
+        {"e": "imports", "t": 2.0}, {"e": "setup", "t": 3.0}, {"e": "restored", "t": 3.0, "step": 0},
+        *[_step(s, 3.0 + s) for s in range(1, 7)]]}], 6, 1.0)
+    assert free["wall_s"] == 9.0 and free["buckets"]["checkpoint"] == 0.0
+    r = account(ATTEMPTS, 6, 1.0)
+    figures(r, free, mtbf=50.0)
+    # 15 s less imports (3.4) and restart (0.1), against 9 s less imports (2): 11.5 - 7
+    assert r["lost_s"] == pytest.approx(4.5)
+    assert r["goodput"] == pytest.approx(6 / 15)
+    assert r["save_cost_s"] == pytest.approx(0.5)  # one save; no noise in the failure-free run
+    assert r["young_daly_s"] == 6.0  # sqrt(2 x 0.5 x 50) = 7.1 s, capped at the job's 6 s of work
+    assert 0 < r["optimum"] < 1
+
+
+def test_failure_times_are_seeded_and_the_same_for_every_contender():
+    a, b = Failures(60.0, 7), Failures(60.0, 7)
+    assert [a.at(k) for k in range(5)] == [b.at(k) for k in range(5)]
+    assert all(x < y for x, y in zip(a.times, a.times[1:])) and a.times[0] > 0
+    assert Failures(60.0, 8).at(0) != a.at(0)
+
+
+def test_a_line_cut_short_by_the_kill_is_dropped(tmp_path):
+    p = tmp_path / "0.jsonl"
+    p.write_text(json.dumps({"e": "imports", "t": 1.0}) + "\n" + '{"e": "step", "s": 1, "t"')
+    assert read_progress(str(p)) == [{"e": "imports", "t": 1.0}]
+    assert read_progress(str(tmp_path / "none.jsonl")) == []
+
+
+@pytest.mark.parametrize("kind", ["torch.save", "dcp.async_save", "layerckpt"])
+def test_each_plain_contender_resumes_after_losing_the_node(kind, tmp_path, monkeypatch):
+    """A job of 6 steps saving every 3; the node's store and memory tier deleted; the next job resumes at step 3
+    from what survives, and its steps 4-6 give the first job's losses exactly (the first save is full)."""
+    from layerckpt.bench.goodput import model_config
+    from layerckpt.bench.goodput_child import main
+
+    monkeypatch.setenv("LAYERCKPT_SHM", str(tmp_path / "shm"))
+    os.mkdir(tmp_path / "shm")
+    spec = {"model": model_config("tiny"), "batch": 2, "lr": 3e-4, "seed": 0, "mtbf": None, "threads": 1,
+            "loop": "plain", "kind": kind, "every": 3, "node": str(tmp_path / "node"),
+            "remote": str(tmp_path / "remote"), "spawned": 0.0}
+    main({**spec, "steps": 6, "progress": str(tmp_path / "0.jsonl")})
+    shutil.rmtree(tmp_path / "node", ignore_errors=True)
+    shutil.rmtree(tmp_path / "shm")
+    os.mkdir(tmp_path / "shm")
+    main({**spec, "steps": 9, "progress": str(tmp_path / "1.jsonl")})
+    first, second = (read_progress(str(tmp_path / f"{n}.jsonl")) for n in (0, 1))
+    assert [e["s"] for e in first if e["e"] == "save"] == [3]
+    assert next(e["step"] for e in second if e["e"] == "restored") == 3
+    losses = lambda ev: {e["s"]: e["loss"] for e in ev if e["e"] == "step"}  # noqa: E731
+    assert [losses(second)[s] for s in (4, 5, 6)] == [losses(first)[s] for s in (4, 5, 6)]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--failure", "disk"], "--failure disk: give crash, node or crash,node"),
+    (["--cadences", "5,0"], "--cadences 5,0: give distinct whole numbers"),
+    (["--mtbf", "soon"], "--mtbf='soon' is not a duration"),
+    (["--reps", "2"], "--reps does not apply to bench --goodput"),
+])
+def test_refusals_are_one_line(args, says, capsys):
+    assert cli.main(["bench", "--goodput", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("layerckpt bench: ") and says in err, err
+
+
+def test_a_small_run_kills_restarts_and_finishes_every_contender():
+    """Seed 165 draws the first failure 1.0 s into each run and the next 197 s later: each contender is killed once
+    (while it starts) and restarted.  The node kind alone (its restarts find the stores gone), one cadence."""
+    r = subprocess.run([sys.executable, "-m", "layerckpt.cli", "bench", "--goodput", "--size", "tiny",
+                        "--goodput-steps", "40", "--mtbf", "60", "--seed", "165", "--cadences", "5",
+                        "--failure", "node", "--json", "--quiet"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    rows = res["runs"]["node"]
+    want = [(c.loop, c.name, c.every, c.mtbf) for c in contenders([5])]
+    assert [(x["loop"], x["name"], x["every"], x["mtbf"]) for x in rows] == want and len(want) == 7
+    for x in rows + list(res["free"].values()):
+        assert set(x["buckets"]) == set(PARTS)
+        assert sum(x["buckets"].values()) == pytest.approx(x["wall_s"], abs=1e-6), x["label"]
+        assert x["steps_done"] == 40 and math.isfinite(x["final_loss"]), x["label"]
+    for x in rows:
+        assert x["kills"] >= 1 and len(x["attempts"]) == x["kills"] + 1, x["label"]
+        assert x["failure_times_s"] == res["failure_times_s"][:x["kills"]], x["label"]
+        for a, b in zip(x["attempts"], x["attempts"][1:]):  # a restart never resumes before a finished save
+            if x["name"] == "torch.save" and a["last_save"] is not None:
+                assert b["resumed_at"] >= a["last_save"], x["label"]
+    assert all(x["kills"] == 0 for x in res["free"].values())
