@@ -107,6 +107,8 @@ def test_refusals_are_one_line(args, says, capsys):
     assert err.count("\n") == 1 and err.startswith("layerckpt bench: ") and says in err, err
 
 
+@pytest.mark.slow  # about 70 s (a Lightning process imports for 6-10 s here); the plain contenders' kill and resume
+# run in the default suite (test_each_plain_contender_resumes_after_losing_the_node)
 def test_a_small_run_kills_restarts_and_finishes_every_contender():
     """Seed 165 draws the first failure 1.0 s into each run and the next 197 s later: each contender is killed once
     (while it starts) and restarted.  The node kind alone (its restarts find the stores gone), one cadence."""
