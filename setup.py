@@ -1,4 +1,4 @@
-"""Builds the native writer ``layerckpt._uring``.
+"""Builds the native writer ``layerckpt.io._uring``.
 
 If the C compiler or the kernel headers are missing, the build warns and the
 package installs without it; layerckpt then uses its threads backend.
@@ -36,7 +36,7 @@ ext_modules = []
 if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
-            "layerckpt._uring",
+            "layerckpt.io._uring",
             sources=["csrc/module.c", "csrc/ring.c", "csrc/sys.c", "csrc/crc32c.c", "csrc/planes.c"],
             depends=["csrc/ring.h", "csrc/sys.h", "csrc/crc32c.h", "csrc/planes.h"],
             extra_compile_args=["-O2", "-Wall", "-Werror", "-std=gnu11"],

@@ -14,7 +14,7 @@ os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 os.environ.setdefault("OMP_DYNAMIC", "FALSE")
 import torch  # noqa: E402
 
-from layerckpt._backend import uring_available
+from layerckpt.io._backend import uring_available
 
 BACKENDS = ["uring", "threads"]
 

@@ -18,9 +18,9 @@ from typing import Dict
 import torch
 
 import layerckpt
-from layerckpt._backend import checksum_function
-from layerckpt._manifest import box_key, split_piece
-from layerckpt._places import seal
+from layerckpt.io._backend import checksum_function
+from layerckpt.format._manifest import box_key, split_piece
+from layerckpt.format._places import seal
 
 ROWS, DIM = 1024, 64  # a 256 KiB table: four row blocks of 64 KiB
 

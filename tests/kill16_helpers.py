@@ -79,7 +79,8 @@ def _die() -> None:
 
 def arm(point: str) -> None:
     """Make this process die the first time it reaches ``point``."""
-    from layerckpt import _commit, _faults
+    from layerckpt.write import _commit
+    from layerckpt import _faults
 
     if point in (AGREED, SEEN):
         publish = _commit.publish

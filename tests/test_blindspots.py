@@ -10,8 +10,8 @@ import torch
 
 import layerckpt
 from layerckpt import _faults
-from layerckpt._exact import CHUNK, PARALLEL_BYTES, fingerprint, fingerprints
-from layerckpt._manifest import load_manifest
+from layerckpt.select._exact import CHUNK, PARALLEL_BYTES, fingerprint, fingerprints
+from layerckpt.format._manifest import load_manifest
 from layerckpt.errors import StalenessError
 
 

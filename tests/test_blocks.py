@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt._blocks import split, table_names
-from layerckpt._manifest import Manifest, load_manifest
+from layerckpt.select._blocks import split, table_names
+from layerckpt.format._manifest import Manifest, load_manifest
 from conftest import assert_same_optimizer_state, assert_same_tensors
 
 ROWS, DIM = 4096, 64  # a 1 MiB table: 16 blocks of 256 rows at 64 KiB

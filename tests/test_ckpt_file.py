@@ -1,4 +1,4 @@
-"""Standard torch.save files written through layerckpt's writer (layerckpt._torchfile) and LayerCheckpointIO."""
+"""Standard torch.save files written through layerckpt's writer (layerckpt.write._torchfile) and LayerCheckpointIO."""
 import errno
 import fcntl
 import io
@@ -10,8 +10,8 @@ import torch
 from torch.utils.serialization import config as torch_config
 
 import layerckpt
-from layerckpt import _torchfile
-from layerckpt._torchfile import TorchFileWriter
+from layerckpt.write import _torchfile
+from layerckpt.write._torchfile import TorchFileWriter
 from conftest import assert_same_optimizer_state
 
 SMALL = layerckpt.Config(chunk_bytes="8KiB", staging_bytes="64KiB")  # images span many chunks; back-pressure

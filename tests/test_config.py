@@ -156,7 +156,9 @@ def test_groups_list_every_field_once():
 
 
 def test_moved_names_stay_importable():
-    from layerckpt import _remote, _units, _url, config
+    from layerckpt.tiers import _remote
+    from layerckpt.io import _units
+    from layerckpt import _url, config
 
     assert config.parse_size is _units.parse_size and config.ALIGN == _units.ALIGN == 4096
     assert (config.KiB, config.MiB, config.GiB) == (1 << 10, 1 << 20, 1 << 30)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt import _cost
+from layerckpt.select import _cost
 from conftest import assert_same_optimizer_state, assert_same_state, assert_same_tensors, train_steps, trained
 
 
@@ -181,7 +181,7 @@ def test_auto_encodes_for_a_slow_disk_and_restores_every_step(tmp_path):
 
 @pytest.mark.parametrize("part", [None, 64 * 1024])
 def test_a_slow_remote_gets_encoded_copies_while_the_disk_gets_raw_bytes(tmp_path, monkeypatch, part):
-    from layerckpt import _transcode
+    from layerckpt.write import _transcode
 
     if part is not None:  # copies in many parts, each uploaded while the next is encoded
         monkeypatch.setattr(_transcode, "PART", part)

@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 import layerckpt
-from layerckpt import _encode, _faults
+from layerckpt.format import _encode
+from layerckpt import _faults
 from layerckpt.errors import CheckpointCorruptError, CheckpointError
 from conftest import assert_same_optimizer_state, assert_same_state, train_steps, trained
 
@@ -242,7 +243,7 @@ def test_an_edited_encoding_is_refused_by_name(tmp_path):
 
 def test_native_and_python_planes_agree(monkeypatch):
     if _encode._NATIVE is None:  # both sides would be the Python planes: nothing to compare
-        pytest.skip("native module layerckpt._uring (with planes) not built")
+        pytest.skip("native module layerckpt.io._uring (with planes) not built")
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.uint8):
         a = _bits((torch.randn(4096, generator=g) * 100).to(dtype))
@@ -282,8 +283,8 @@ def test_a_buffer_of_unchanged_blocks_only_is_recorded(tmp_path):
 
 
 def test_base_every_writes_self_contained_composites_in_full_mode(tmp_path):
-    from layerckpt._manifest import load_manifest
-    from layerckpt._tiers import is_base
+    from layerckpt.format._manifest import load_manifest
+    from layerckpt.tiers._tiers import is_base
 
     _saves(tmp_path, layerckpt.Config(encoding="delta", full=True, keep_last=0, base_every=2, delta_chain=100), n=5)
     bases = [s for s in range(1, 6) if is_base(load_manifest(str(tmp_path / "manifests" / f"step-{s:08d}.json")))]
@@ -310,8 +311,8 @@ def test_no_reference_copy_is_kept_for_a_frozen_layer(tmp_path):
 
 
 def test_a_restore_reads_only_the_reference_blocks_its_deltas_need(tmp_path):
-    from layerckpt._encread import _runs
-    from layerckpt._manifest import load_manifest
+    from layerckpt.read._encread import _runs
+    from layerckpt.format._manifest import load_manifest
 
     _saves(tmp_path, layerckpt.Config(encoding="delta", full=True, keep_last=0), n=2)
     m = load_manifest(str(tmp_path / "manifests" / "step-00000002.json"))
@@ -331,7 +332,7 @@ def test_a_save_that_waits_for_the_previous_one_stops_its_encoding(tmp_path):
     makes the rest of that one go to disk unencoded, and both restore bit for bit."""
     import threading
 
-    from layerckpt import _encwrite
+    from layerckpt.write import _encwrite
 
     real = _encwrite.encode_chunk
     holding = [True]

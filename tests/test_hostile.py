@@ -13,7 +13,7 @@ import torch
 
 import layerckpt
 from layerckpt import cli
-from layerckpt._manifest import load_manifest
+from layerckpt.format._manifest import load_manifest
 from layerckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointGoneError, ConfigError
 
 TIMEOUT = 20.0
@@ -137,7 +137,7 @@ def test_a_character_device_is_never_read_as_a_manifest(store, tmp_path):
 
 
 def test_a_manifest_over_the_size_cap_is_refused_by_size(store, monkeypatch):
-    import layerckpt._json as j
+    import layerckpt.format._json as j
 
     root, mpath = store
     monkeypatch.setattr(j, "MAX_JSON_BYTES", 1024)
@@ -255,8 +255,8 @@ def test_yaml_deep_or_not_utf8_is_a_config_error(tmp_path):
 # -- 10: readers racing retention ----------------------------------------------------------------------------
 
 def test_a_composite_deleted_with_its_manifest_is_gone_not_corrupt(store):
-    from layerckpt._fetch import View
-    from layerckpt._reader import open_reader
+    from layerckpt.read._fetch import View
+    from layerckpt.read._reader import open_reader
 
     root, mpath = store
     with open_reader(View(str(root), None), None, manifest_paths=False) as r:
@@ -278,7 +278,7 @@ def test_a_missing_data_file_under_a_committed_manifest_is_damage(store):
 
 
 def test_restore_without_a_step_retries_once_on_the_newest(store, monkeypatch):
-    import layerckpt._reader as rd
+    import layerckpt.read._reader as rd
 
     root, mpath = store
     real = rd.check_claims

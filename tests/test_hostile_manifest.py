@@ -158,8 +158,8 @@ def _unseal(d, root):
 def _unstep(d, root):
     """model/a.weight's (raw) seal without its step: the key-only seal format version 4 wrote (what an edit could
     copy from an entry written before step seals), beside the step-sealed entries of its file."""
-    from layerckpt._backend import checksum_function
-    from layerckpt._places import seal
+    from layerckpt.io._backend import checksum_function
+    from layerckpt.format._places import seal
 
     check = checksum_function(d["checksum"])
     e = _t(d)[A]
@@ -324,7 +324,7 @@ def test_a_hostile_manifest_restores_the_genuine_tensors_or_is_refused_by_name(p
 def test_the_boxes_store_is_the_rows_store_recorded_as_boxes(stores):
     roots, states, _ = stores
     import layerckpt
-    from layerckpt._manifest import load_manifest
+    from layerckpt.format._manifest import load_manifest
 
     m = load_manifest(hs.manifest_path(roots["boxes"], 4))
     assert m.blocks is None and m.boxes[EMB].boxes[1] == [[256, 0], [256, 64]] and m.version == 5
@@ -340,9 +340,9 @@ def test_entries_are_sealed_to_their_place_and_blocks_lie_in_order(stores):
     tensor's blocks in file order, several per tensor where its bytes span chunks; no two tensors of a file
     overlapping."""
     roots, _, _ = stores
-    from layerckpt._backend import checksum_function
-    from layerckpt._manifest import load_manifest
-    from layerckpt._places import region, seal, sealed_ok
+    from layerckpt.io._backend import checksum_function
+    from layerckpt.format._manifest import load_manifest
+    from layerckpt.format._places import region, seal, sealed_ok
 
     for store in ("delta", "rows"):
         m = load_manifest(hs.manifest_path(roots[store], 4))
@@ -389,8 +389,8 @@ def test_an_older_version_under_the_newer_step_is_refused(stores, tmp_path, chan
 
 def _as_format_4(d, root):
     """Every seal as format version 4 wrote it: to the key only (recomputed over the raw bytes)."""
-    from layerckpt._backend import checksum_function
-    from layerckpt._places import seal
+    from layerckpt.io._backend import checksum_function
+    from layerckpt.format._places import seal
 
     check = checksum_function(d["checksum"])
     for k, e in _t(d).items():
@@ -464,7 +464,7 @@ def _cli(*argv) -> dict:
 def probe(plan_path: str, out_path: str) -> None:
     """For each variant of the plan: its manifest loaded, read, restored into the model, verified, inspected."""
     import layerckpt
-    from layerckpt._manifest import load_manifest
+    from layerckpt.format._manifest import load_manifest
 
     torch.set_num_threads(1)
     with open(plan_path) as f:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt._memtier import memory_path
+from layerckpt.tiers._memtier import memory_path
 from layerckpt.errors import CheckpointError
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt._remote import FsspecStore
+from layerckpt.tiers._remote import FsspecStore
 from layerckpt.errors import CheckpointCorruptError, CheckpointError
 
 pytest.importorskip("fsspec")
@@ -211,7 +211,7 @@ def test_a_remote_data_file_bigger_than_its_manifest_says_is_refused_before_copy
 
 
 def test_a_copy_that_brings_more_than_its_cap_is_refused_and_deleted(tmp_path):
-    from layerckpt._remote import copy_capped
+    from layerckpt.tiers._remote import copy_capped
 
     dst = tmp_path / "copy"
     refused(lambda: copy_capped(io.BytesIO(b"x" * 100_000).read, str(dst), 1000, "memory://b/data/f"),
@@ -365,7 +365,7 @@ def _gets(s3, key: str) -> list:
 
 
 def test_s3_an_oversized_manifest_is_refused_without_a_get(s3, s3_store, monkeypatch):
-    import layerckpt._json as j
+    import layerckpt.format._json as j
 
     url, cfg, fs, path = s3_store
     monkeypatch.setattr(j, "MAX_JSON_BYTES", 64 << 10)  # the cap, smaller than a test should upload

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt._manifest import load_manifest
+from layerckpt.format._manifest import load_manifest
 import tp_helpers as h
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_helpers.py")
@@ -175,8 +175,8 @@ def test_boxes_of_any_placement_on_meshes_up_to_3_dims_match_dtensor_and_cover_o
 
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-    from layerckpt._gather import _boxes_at
-    from layerckpt._manifest import Boxes, _check_cover
+    from layerckpt.write._gather import _boxes_at
+    from layerckpt.format._manifest import Boxes, _check_cover
 
     rnd = random.Random(0)
     for _ in range(60):

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 import layerckpt  # noqa: E402
-from layerckpt import _store as store  # noqa: E402
+from layerckpt.format import _store as store  # noqa: E402
 from lightning_layerckpt import LayerCheckpoint, LayerCheckpointIO  # noqa: E402
 from layerckpt.bench.lightning_workload import FineTuneModule  # noqa: E402
 from conftest import assert_same_optimizer_state, assert_same_tensors  # noqa: E402
@@ -495,7 +495,7 @@ def test_triggers_are_modelcheckpoints(tmp_path, trigger, kw, steps):
     t = trainer(-1, [LayerCheckpoint(dirpath=d, keep_last=0, **kw)], str(tmp_path), max_epochs=2,
                 limit_train_batches=4)
     t.fit(Tiny())
-    from layerckpt._store import list_manifests
+    from layerckpt.format._store import list_manifests
 
     assert [s for s, _ in list_manifests(d)] == steps
 

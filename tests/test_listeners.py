@@ -111,7 +111,7 @@ def test_pins_from_another_directory_are_names_only(tmp_path):
 def test_retention_parses_each_manifest_once_and_sees_one_replaced(tmp_path, monkeypatch):
     """Retention runs at every commit; a manifest just committed is taken as the object written, never parsed
     back, and one it holds is not parsed again unless its file changed."""
-    from layerckpt import _manifest
+    from layerckpt.format import _manifest
 
     parsed = []
     orig = _manifest.Manifest.from_dict.__func__

@@ -21,7 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 import layerckpt  # noqa: E402
 import transformers_layerckpt  # noqa: E402
 from layerckpt import store  # noqa: E402
-from layerckpt._manifest import load_manifest  # noqa: E402
+from layerckpt.format._manifest import load_manifest  # noqa: E402
 from layerckpt.cli import main  # noqa: E402
 from layerckpt.interop import export_peft, peft_extra  # noqa: E402
 

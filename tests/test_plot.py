@@ -34,7 +34,7 @@ def test_history_is_read_from_the_manifests(tmp_path):
     root = tmp_path / "ck"
     model = selective_store(root)
     h = _plot.history(str(root))
-    good, _ = layerckpt._store.read_all(str(root))
+    good, _ = layerckpt.format._store.read_all(str(root))
     ms = sorted(good.values(), key=lambda m: m.seq)
     assert h.steps == [m.step for m in ms] == [2, 4, 6, 8, 10, 12]
     assert h.layers == list(ms[0].layers) and len(h.layers) == 4 + 3  # blocks, wte (tied head), wpe, ln_f

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 import layerckpt
-from layerckpt._manifest import load_manifest
+from layerckpt.format._manifest import load_manifest
 from layerckpt.bench import policy
 from layerckpt.bench.family import WORKLOADS
 
@@ -208,7 +208,7 @@ def test_a_bad_loss_is_refused_naming_it(tmp_path, bad):
 def test_adams_gradient_average_is_divided_by_its_bias_before_it_prices_a_layer(tmp_path):
     """A fresh AdamW's exp_avg is 1 - beta1^t of the gradients it averages: the selection divides it back (2.1x at
     step 6), each parameter by its own step, and stops once the bias is negligible; SGD's momentum has none."""
-    from layerckpt._gather import grad_bias
+    from layerckpt.write._gather import grad_bias
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt import _progress, _store, cli as cli_module
+from layerckpt import _progress, cli as cli_module
+from layerckpt.format import _store
 from conftest import small_model, trained
 
 pytest.importorskip("tqdm")

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 import layerckpt
-from layerckpt import _read
+from layerckpt.read import _read
 from conftest import assert_same_optimizer_state, assert_same_tensors, small_model, trained, stored_byte
 
 # (SMALL_FILE, direct_io, whether the page cache is taken to hold the file: None = as it really is)
@@ -90,7 +90,7 @@ def test_page_cache_probe(tmp_path):
 def test_memory_tier_is_read_buffered(tmp_path, monkeypatch):
     """tmpfs accepts O_DIRECT on newer kernels, where it only adds a bounce copy: the memory tier's files are
     read buffered, straight into the targets, whatever their size."""
-    from layerckpt._memtier import memory_path
+    from layerckpt.tiers._memtier import memory_path
 
     if not _read._in_memory(memory_path(str(tmp_path))):
         pytest.skip("the memory tier's base is not a memory file system here")

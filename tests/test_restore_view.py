@@ -14,8 +14,8 @@ import torch
 
 import layerckpt
 from conftest import assert_same_optimizer, assert_same_state, assert_same_tensors, trained
-from layerckpt import _fetch, _reader
-from layerckpt._memtier import memory_path
+from layerckpt.read import _fetch, _reader
+from layerckpt.tiers._memtier import memory_path
 
 FULL = layerckpt.Config(threshold=0.0, keep_last=2)
 _restore_module = sys.modules["layerckpt.restore"]

@@ -358,7 +358,7 @@ def test_a_long_run_keeps_no_more_manifest_entries_alive_than_a_short_one(tmp_pa
     work with every save."""
     import gc
 
-    from layerckpt._entries import TensorEntry
+    from layerckpt.format._entries import TensorEntry
 
     torch.manual_seed(0)
     model = small_model()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt._manifest import load_manifest
+from layerckpt.format._manifest import load_manifest
 import fsdp_helpers as h
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fsdp_helpers.py")

@@ -2,6 +2,9 @@
 
 - no import circle among the modules of a package (module-level, function-level and TYPE_CHECKING
   imports all count: a lazy import is still a dependency);
+- the engine's stages are folders (``io``, ``format``, ``select``, ``write``, ``tiers``, ``read``), each importing only
+  what its docstring's "May import" names, and at most 20 modules stand at the top;
+- one module imports the native extension;
 - the adapters use only the engine's public names (no ``layerckpt._private`` module);
 - the entry modules read as lists of named steps: no function over 60 lines.
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from typing import Dict, List, Set
 
 import pytest
@@ -21,8 +25,10 @@ PACKAGES = {
     "transformers_layerckpt": os.path.join(ROOT, "transformers_layerckpt"),
 }
 ADAPTERS = ("lightning_layerckpt", "accelerate_layerckpt", "transformers_layerckpt")
+STAGES = ("io", "format", "select", "write", "tiers", "read")  # the engine's private stage folders
+MAX_TOP = 20
 SHORT = [
-    "core/layerckpt/checkpointer.py", "core/layerckpt/restore.py", "core/layerckpt/_plan.py",
+    "core/layerckpt/checkpointer.py", "core/layerckpt/restore.py", "core/layerckpt/select/_plan.py",
     "core/layerckpt/config.py", "lightning_layerckpt/callback.py", "accelerate_layerckpt/plugin.py",
 ]
 MAX_LINES = 60
@@ -148,7 +154,8 @@ def test_adapters_import_only_public_engine_names():
                 mods = [f"layerckpt.{node.attr}"]
             for m in mods:
                 parts = m.split(".")
-                if parts[0] == "layerckpt" and any(p.startswith("_") for p in parts[1:]):
+                if parts[0] == "layerckpt" and (any(p.startswith("_") for p in parts[1:])
+                                                or (len(parts) > 1 and parts[1] in STAGES)):
                     bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {m}")
     assert bad == []
 
@@ -161,3 +168,74 @@ def test_no_long_functions(rel):
             for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_LINES]
     assert long == []
+
+
+def _allowed(stage: str) -> Set[str]:
+    """What a stage folder's docstring says it may import: the names in double backticks of its "May import:" line,
+    up to "Never"/"Neither" (stage folders by name, top modules as ``layerckpt.<name>``)."""
+    doc = ast.get_docstring(ast.parse(open(os.path.join(PACKAGES["layerckpt"], stage, "__init__.py")).read())) or ""
+    start = doc.find("May import:")
+    assert start >= 0, f"layerckpt/{stage}/__init__.py says nothing of what it may import"
+    text = doc[start:]
+    for stop in ("Never", "Neither"):
+        if stop in text:
+            text = text[: text.index(stop)]
+    names = set()
+    for n in re.findall(r"``([^`]+)``", text):
+        n = n.removeprefix("layerckpt.")
+        names.add(n if n in STAGES else f"layerckpt.{n}")
+    return names
+
+
+def _stage_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "layerckpt" and parts[1] in STAGES else ""
+
+
+def _stage_violations(graph: Dict[str, Set[str]], allowed: Dict[str, Set[str]]) -> List[str]:
+    """Each import of a stage folder's module that its folder's rule does not allow (its own folder always is)."""
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        stage = _stage_of(mod)
+        if not stage:
+            continue
+        for d in sorted(deps):
+            if d.split(".")[0] != "layerckpt":
+                continue
+            target = _stage_of(d) or d
+            if target not in allowed[stage] | {stage}:
+                bad.append(f"{mod} -> {d}")
+    return bad
+
+
+def test_each_stage_folder_imports_only_what_its_docstring_allows():
+    allowed = {s: _allowed(s) for s in STAGES}
+    assert allowed["io"] == {"layerckpt.errors"}
+    assert "write" not in allowed["select"] and "read" not in allowed["select"]
+    for s in ("io", "format"):
+        assert not set(STAGES[2:]) & allowed[s], f"{s} may import a stage"
+    assert _stage_violations(_graph(), allowed) == []
+
+
+def test_the_stage_checker_sees_a_back_arrow():
+    graph = {"layerckpt.select._plan": {"layerckpt.write._flush", "layerckpt.format._manifest", "numpy"},
+             "layerckpt.format._manifest": {"layerckpt.errors"}}
+    allowed = {"select": {"format", "layerckpt.errors"}, "format": {"layerckpt.errors"}}
+    assert _stage_violations(graph, allowed) == ["layerckpt.select._plan -> layerckpt.write._flush"]
+
+
+def test_the_stage_folders_are_layered():
+    """io < format < select < write < tiers < read: each may import only folders before it, so no two folders import
+    each other."""
+    for i, s in enumerate(STAGES):
+        assert {a for a in _allowed(s) if a in STAGES} <= set(STAGES[:i]), s
+
+
+def test_at_most_twenty_modules_stand_at_the_top():
+    top = [f for f in os.listdir(PACKAGES["layerckpt"]) if f.endswith(".py")]
+    assert len(top) <= MAX_TOP, sorted(top)
+
+
+def test_one_module_imports_the_native_extension():
+    importers = sorted(m for m, deps in _graph().items() if "layerckpt.io._uring" in deps)
+    assert importers == ["layerckpt.io._backend"]

@@ -12,8 +12,8 @@ import torch
 
 import layerckpt
 from conftest import assert_same_state
-from layerckpt._memtier import memory_path
-from layerckpt._store import STORE_ID
+from layerckpt.tiers._memtier import memory_path
+from layerckpt.format._store import STORE_ID
 
 pytest.importorskip("fsspec")
 

@@ -16,7 +16,7 @@ import torch
 import layerckpt
 from conftest import assert_same_optimizer, assert_same_state, assert_same_tensors, run_py, trained
 from layerckpt import _faults
-from layerckpt._memtier import memory_path
+from layerckpt.tiers._memtier import memory_path
 
 pytest.importorskip("fsspec")
 
@@ -410,7 +410,7 @@ def test_bandwidth_cap_is_shared_by_concurrent_uploads(s3, tmp_path):
     """Four uploads at once under one cap: together they take at least bytes / cap, and arrive whole."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from layerckpt._remote import CAPPED_BURST, FsspecStore
+    from layerckpt.tiers._remote import CAPPED_BURST, FsspecStore
 
     cap, size = 2_000_000, 400_000
     url, options = f"s3://{s3.bucket()}/run", s3.options

@@ -8,8 +8,8 @@ pytest.importorskip("lightning")
 from lightning.fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 import layerckpt  # noqa: E402
-from layerckpt import _store as store  # noqa: E402
-from layerckpt._manifest import load_manifest  # noqa: E402
+from layerckpt.format import _store as store  # noqa: E402
+from layerckpt.format._manifest import load_manifest  # noqa: E402
 from lightning_layerckpt import LayerCheckpoint, load_from_checkpoint  # noqa: E402
 from layerckpt.bench.lightning_workload import FineTuneModule  # noqa: E402
 from conftest import assert_same_tensors  # noqa: E402

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from layerckpt import CheckpointCorruptError, CheckpointError
-from layerckpt import _policy as policy
-from layerckpt._codec import decode, encode, tensor_refs
-from layerckpt._layers import group_layers
-from layerckpt._layout import plan_layout
-from layerckpt._manifest import Manifest, param_of
-from layerckpt._track import DriftTracker
+from layerckpt.select import _policy as policy
+from layerckpt.format._codec import decode, encode, tensor_refs
+from layerckpt.select._layers import group_layers
+from layerckpt.format._layout import plan_layout
+from layerckpt.format._manifest import Manifest, param_of
+from layerckpt.select._track import DriftTracker
 
 
 # ------------------------------------------------------------------ policy

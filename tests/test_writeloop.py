@@ -5,9 +5,10 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt import _commit, _faults
-from layerckpt._layout import DTYPES
-from layerckpt._manifest import TensorEntry
+from layerckpt.write import _commit
+from layerckpt import _faults
+from layerckpt.format._layout import DTYPES
+from layerckpt.format._manifest import TensorEntry
 from conftest import assert_same_tensors
 
 

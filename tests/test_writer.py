@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt import _backend as B
+from layerckpt.io import _backend as B
 
 pytestmark = pytest.mark.usefixtures("backend")
 
@@ -120,7 +120,7 @@ def test_ring_fixed_buffers_registered(tmp_path):
 UNPRIVILEGED = r"""
 import logging, mmap, os, resource, sys
 import layerckpt  # everything imported while the files under /root are still readable
-from layerckpt import _backend as B
+from layerckpt.io import _backend as B
 assert B.uring_available() is None
 path = os.path.join(sys.argv[1], "f.bin")
 fd, _ = B.open_file(path, write=True)  # opened before dropping: nobody cannot reach root's temp dir
@@ -147,9 +147,9 @@ def test_registration_refused_under_memlock_is_logged_and_io_goes_on(tmp_path):
 
 NO_NATIVE = r"""
 import sys
-sys.modules["layerckpt._uring"] = None  # as on a machine where the extension was not built
+sys.modules["layerckpt.io._uring"] = None  # as on a machine where the extension was not built
 import torch, layerckpt
-from layerckpt import _backend
+from layerckpt.io import _backend
 assert _backend._uring is None and _backend.CHECKSUM == "crc32"
 model = torch.nn.Linear(64, 64)
 out = layerckpt.restore(sys.argv[1], model)
@@ -160,7 +160,7 @@ sys.exit(main(["verify", sys.argv[1]]))
 
 
 def test_checkpoints_stay_verifiable_without_the_native_module(tmp_path):
-    from layerckpt._crc32c import crc32c
+    from layerckpt.io._crc32c import crc32c
 
     data = os.urandom(1 << 20 | 77)
     assert crc32c(data) == B.checksum(data) == crc32c(data[5000:], crc32c(data[:5000]))  # the same values

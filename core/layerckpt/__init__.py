@@ -9,9 +9,9 @@ code outside the engine needs an underscore module.  ``layerckpt.cli`` is the
 ``layerckpt`` command; ``layerckpt.bench`` holds benchmarks and demo workloads.
 """
 from . import store
-from ._flush import PendingSave
-from ._layers import LayerSpec
-from ._torchfile import TorchFileWriter
+from .write._flush import PendingSave
+from .select._layers import LayerSpec
+from .write._torchfile import TorchFileWriter
 from .checkpointer import Checkpointer
 from .config import Config
 from .interval import Interval

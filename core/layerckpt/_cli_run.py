@@ -66,8 +66,8 @@ class Parser(argparse.ArgumentParser):
 
 def _on_local_view(args) -> int:
     """Run the command; a URL as DIR is read through a temporary local copy of what the command reads."""
-    from ._fetch import cli_options, local_view
-    from ._remote import is_url
+    from .read._fetch import cli_options, local_view
+    from .tiers._remote import is_url
 
     if not is_url(getattr(args, "dir", None)) or getattr(args, "accelerate", False):
         return args.fn(args)

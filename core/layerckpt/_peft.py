@@ -27,10 +27,10 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from . import _store
-from ._backend import checksum_function, make_backend
-from ._codec import decode
-from ._manifest import Manifest, load_manifest, model_key, model_name
+from .format import _store
+from .io._backend import checksum_function, make_backend
+from .format._codec import decode
+from .format._manifest import Manifest, load_manifest, model_key, model_name
 from .adapters import replace_durably
 from .config import Config
 from .errors import CheckpointCorruptError, CheckpointError

@@ -16,8 +16,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import _store, _tiers
-from ._manifest import Manifest, TensorEntry
+from .format import _store
+from .tiers import _tiers
+from .format._manifest import Manifest, TensorEntry
 from .config import Config
 from .errors import CheckpointNotFoundError
 from .store import _open_url, _remote_call, is_url

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional,
 import torch
 
 from . import _faults, store
-from ._clip import SelectionLoss  # noqa: F401 - for the adapters
+from .select._clip import SelectionLoss  # noqa: F401 - for the adapters
 from .config import Config
 from .errors import CheckpointError, ConfigError
 

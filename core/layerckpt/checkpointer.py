@@ -26,18 +26,22 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from . import _cost, _dist, _faults, _policy, _registry, _retain, _store, _tiers
-from ._backend import make_backend
-from ._flush import FlushJob, Flusher, FlushThread, PendingSave
-from ._blocks import split, table_names
-from ._codec import Entries
-from ._encwrite import threads
-from ._gather import gather, shard_entries
-from ._layers import LayerSpec
-from ._layout import LayoutCache
-from ._manifest import MODEL, OPTIM, Manifest, RowBlocks, load_manifest
-from ._plan import Selector
-from ._stage import ABORT, BufferPool, LazyStager, caller_events, stage
+from .select import _cost, _policy
+from . import _dist, _faults, _registry
+from .write import _retain
+from .format import _store
+from .tiers import _tiers
+from .io._backend import make_backend
+from .write._flush import FlushJob, Flusher, FlushThread, PendingSave
+from .select._blocks import split, table_names
+from .format._codec import Entries
+from .write._encwrite import threads
+from .write._gather import gather, shard_entries
+from .select._layers import LayerSpec
+from .format._layout import LayoutCache
+from .format._manifest import MODEL, OPTIM, Manifest, RowBlocks, load_manifest
+from .select._plan import Selector
+from .write._stage import ABORT, BufferPool, LazyStager, caller_events, stage
 from .config import Config
 from .errors import CheckpointError
 

@@ -12,11 +12,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import _progress, _store
-from ._backend import checksum_function, make_backend
+from . import _progress
+from .format import _store
+from .io._backend import checksum_function, make_backend
 from ._cli_run import Parser, figure_path, run
-from ._fetch import unreadable_in
-from ._manifest import MODEL, OPTIM, Manifest, load_manifest, model_name, piece_base
+from .read._fetch import unreadable_in
+from .format._manifest import MODEL, OPTIM, Manifest, load_manifest, model_name, piece_base
 from .config import Config
 from .errors import CheckpointError, CheckpointNotFoundError
 from .restore import check_state, read_tensors
@@ -182,7 +183,7 @@ def _verify_one(root: str, name: str, m: Manifest, bar: _progress.Bar, failures:
 def _dependents(good: Dict[str, Manifest], damaged: set) -> List[str]:
     """For each damaged data file: every composite that needs it (as its own data or as the reference its
     deltas are encoded against)."""
-    from ._tiers import needs_ref
+    from .tiers._tiers import needs_ref
 
     def needed(m: Manifest) -> set:
         return {t.file for t in m.tensors.values()} | {t.enc["ref"]["file"] for t in m.tensors.values()

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
-from ._units import ALIGN, GiB, KiB, MiB, parse_size  # noqa: F401 - their home is _units; importable here too
+from .io._units import ALIGN, GiB, KiB, MiB, parse_size  # noqa: F401 - their home is _units; importable here too
 from ._url import check_config
 from .errors import ConfigError
 

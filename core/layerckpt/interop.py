@@ -24,9 +24,9 @@ from typing import Any, Dict, Iterator, Optional, Union
 
 import torch
 
-from ._manifest import load_manifest
+from .format._manifest import load_manifest
 from ._peft import export_peft, peft_extra
-from ._store import fsync_dir
+from .format._store import fsync_dir
 from .config import Config
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from .restore import read_checkpoint

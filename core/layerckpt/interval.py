@@ -24,7 +24,7 @@ import time
 from datetime import timedelta
 from typing import Callable, Dict, Iterable, List, Optional, Union
 
-from ._flush import PendingSave
+from .write._flush import PendingSave
 from .errors import ConfigError
 
 log = logging.getLogger("layerckpt")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
-from ._flush import PendingSave
+from .write._flush import PendingSave
 
 PREFIX = "layerckpt/"
 

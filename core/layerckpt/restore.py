@@ -2,7 +2,7 @@
 
 Both take their composite from a local view (``_fetch.view``: the directory,
 its memory tier, or a remote tier's composite downloaded) and read it once
-through one :class:`~layerckpt._reader.Reader`; what differs is where the
+through one :class:`~layerckpt.read._reader.Reader`; what differs is where the
 tensors go.  ``restore`` matches the model and optimizer with the manifest
 before anything is read, reads the optimizer state, RNG and extra first (so
 that damage there leaves the model untouched), then the model's tensors
@@ -20,12 +20,13 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, TypeVar, Uni
 
 import torch
 
-from . import _dist, _fetch
-from ._codec import decode, tensor_refs
-from ._gather import model_state, optimizer_params, param_names, rng_values, set_rng_state
-from ._layout import CODES, DTYPES
-from ._manifest import Manifest, is_rng, model_key, model_name, parse_once, piece_base
-from ._reader import (Reader, Window, is_row_sharded, is_sharded, local_boxes, local_rows, open_reader,  # noqa: F401
+from . import _dist
+from .read import _fetch
+from .format._codec import decode, tensor_refs
+from .write._gather import model_state, optimizer_params, param_names, rng_values, set_rng_state
+from .format._layout import CODES, DTYPES
+from .format._manifest import Manifest, is_rng, model_key, model_name, parse_once, piece_base
+from .read._reader import (Reader, Window, is_row_sharded, is_sharded, local_boxes, local_rows, open_reader,  # noqa: F401
                       read_tensors, retry_gone)
 from .config import Config
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, StalenessError

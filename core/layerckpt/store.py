@@ -28,8 +28,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional, Union
 
-from . import _fetch, _json, _remote, _retain, _store, _tiers
-from ._manifest import Manifest, load_manifest
+from .read import _fetch
+from .format import _json, _store
+from .tiers import _remote, _tiers
+from .write import _retain
+from .format._manifest import Manifest, load_manifest
 from .config import Config
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 

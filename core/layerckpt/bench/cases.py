@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._backend import checksum, make_backend, open_file
+from ..io._backend import checksum, make_backend, open_file
 from ..config import Config, MiB
 from .models import GPT, GPTConfig
 
@@ -190,7 +190,7 @@ class DiskLimits:
         return t
 
     def read(self, fresh: bool) -> float:
-        from .._read import _Prefault
+        from ..read._read import _Prefault
 
         drop_cache(self.path)
         be = make_backend("auto", self.depth)

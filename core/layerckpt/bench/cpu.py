@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._backend import checksum
+from ..io._backend import checksum
 from .machine import machine
 
 MODELS = ("main", "gpt2-small")

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..checkpointer import Checkpointer
-from .._manifest import load_manifest
+from ..format._manifest import load_manifest
 from ..config import Config
 from ..errors import CheckpointError
 from ..restore import restore

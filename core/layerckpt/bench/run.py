@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from typing import Any, Dict, List, Optional
 
-from .._backend import CHECKSUM, uring_available
+from ..io._backend import CHECKSUM, uring_available
 from .cases import (DiskLimits, bench_dcp, bench_layerckpt, bench_overhead, bench_safetensors, bench_selective,
                           bench_torch_save, build_state, checksum_rate, compression_rate, flat_tensors, memcpy_time,
                           state_bytes)
@@ -202,7 +202,7 @@ def main(args) -> int:
         cfg = cfg.replace(chunk_bytes=args.chunk_bytes)
     if args.queue_depth:
         cfg = cfg.replace(queue_depth=args.queue_depth)
-    from .._fetch import cli_options
+    from ..read._fetch import cli_options
 
     res = run(args.preset, args.dir, args.reps, cfg, args.only, getattr(args, "remote", None),
               cli_options(getattr(args, "remote_options", None)))

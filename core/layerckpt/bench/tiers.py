@@ -19,7 +19,7 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 
-from .._memtier import memory_path
+from ..tiers._memtier import memory_path
 from ..config import Config
 from .cases import _timed, build_state, drop_cache, perturb
 

@@ -1,0 +1,338 @@
+"""The checkpoint directory: where manifests and data files live, and which manifest a path names.
+
+```
+<dirpath>/data/step-00000100.rank0.safetensors   one file per (step, rank): a valid safetensors file
+<dirpath>/manifests/step-00000100.json           the commit record (see _manifest)
+<dirpath>/latest                                  name of the newest committed manifest (a hint)
+<dirpath>/.store-id                               the store's identity (random, made by its first writer)
+```
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import stat
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from ._json import open_dir, read_regular
+from ._manifest import Manifest, load_manifest
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+
+log = logging.getLogger("layerckpt")
+
+DATA_DIR = "data"
+MANIFEST_DIR = "manifests"
+LATEST = "latest"
+_MANIFEST_RE = re.compile(r"^step-(\d{8,})\.json$")
+_DATA_RE = re.compile(r"^step-(\d{8,})(?:\.v(\d+))?\.rank(\d+)\.safetensors$")
+
+
+def manifest_name(step: int) -> str:
+    return f"step-{step:08d}.json"
+
+
+def data_name(step: int, rank: int, version: int = 0) -> str:
+    v = f".v{version}" if version else ""
+    return f"step-{step:08d}{v}.rank{rank}.safetensors"
+
+
+def manifest_step(name: str) -> Optional[int]:
+    m = _MANIFEST_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_data_name(name: str) -> bool:
+    return _DATA_RE.match(name) is not None
+
+
+NAME_MAX = 255  # the longest file name (in bytes) the file systems layerckpt writes to take
+
+
+def safe_join(root: str, sub: str, name: Any, what: str) -> str:
+    """Join a file name from a manifest under root/sub, refusing anything that could escape it: a name that is
+    not a plain one, or longer than a file name may be, or that is a symbolic link (each open refuses links
+    too, see ``_json.open_regular``: this check keeps a stat of the path from following one)."""
+    folder = os.path.join(root, sub)
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        raise CheckpointCorruptError(
+            f"{what} names {name!r}, which is not a plain file name inside {folder}; refused", path=folder)
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        raise CheckpointCorruptError(
+            f"{what} names a file of {len(name)} characters ({name[:40]}...), longer than a file name may be "
+            f"({NAME_MAX} bytes): not a file layerckpt wrote, the manifest is damaged", path=folder)
+    path = os.path.join(folder, name)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path  # the reader says what is missing
+    except OSError as e:  # a folder on the way that is a file, a loop of links
+        raise CheckpointCorruptError(f"{what} names {path}, which cannot be reached: "
+                                     f"{os.strerror(e.errno or errno.EIO)}; the store is damaged", path=path) from None
+    if stat.S_ISLNK(mode):
+        raise CheckpointCorruptError(f"{what} names {path}, which is a symbolic link; layerckpt reads the files it "
+                                     f"wrote itself, never through a link: the store is damaged", path=path)
+    return path
+
+
+def create(path: str) -> int:
+    """``path`` opened for writing, created or truncated, never through a symbolic link planted in its place
+    (``OSError`` ELOOP instead): how every file layerckpt writes is opened (O_DIRECT aside: ``_backend``)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+                   | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write tmp, fsync, rename over path, fsync the directory."""
+    tmp = path + ".tmp"
+    fd = create(tmp)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_layout(root: str) -> None:
+    """Refuse a store whose ``data`` or ``manifests`` is a symbolic link (a read would leave the store through
+    it) or anything but a directory, naming it; either may be missing.  The root itself may be a link."""
+    if not os.path.isdir(root):
+        return
+    for sub in (DATA_DIR, MANIFEST_DIR):
+        try:
+            os.close(open_dir(root, sub, "store folder"))
+        except CheckpointNotFoundError:
+            pass
+
+
+def list_manifests(root: str) -> List[Tuple[int, str]]:
+    """Committed manifests as (step, name), oldest step first."""
+    check_layout(root)
+    d = os.path.join(root, MANIFEST_DIR)
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return []
+    out = [(manifest_step(n), n) for n in names]
+    return sorted((s, n) for s, n in out if s is not None)
+
+
+WRITER_LOCK = ".writer.lock"
+
+
+class WriterLock:
+    """One writing process per store: an exclusive ``flock`` on ``<root>/.writer.lock``, held while a
+    Checkpointer is open (released by the kernel if its process dies).  Readers never take it.  Inside one
+    process a newer Checkpointer takes over from the older one before it locks (see ``_registry``)."""
+
+    def __init__(self, root: str):
+        import fcntl
+        import socket
+
+        path = os.path.join(root, WRITER_LOCK)
+        self._fd: Optional[int] = _open_lock_file(path)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self._fd, 256, 0).decode("utf-8", "replace").strip() or "another Checkpointer"
+            os.close(self._fd)
+            ours = holder.startswith(f"pid {os.getpid()} ")
+            raise CheckpointError(
+                f"{root} already has a writer ({holder}): a store takes one Checkpointer at a time, in one "
+                + ("process; a Checkpointer of this process holds it under another path: open it by the same "
+                   "path to take over, or close() that one first" if ours else
+                   "process; close() that one (or end that process) first, or save into another directory")
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+
+def _open_lock_file(path: str) -> int:
+    """The lock file, opened for writing; never through a symbolic link, never anything but a plain file."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(path):
+            raise CheckpointError(
+                f"{path} is a symbolic link; layerckpt never writes through one: remove it (the store's writer "
+                f"lock is a plain file it creates itself)") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path} is not a plain file; remove it (the store's writer lock is a plain file "
+                              f"layerckpt creates itself)")
+    return fd
+
+
+STORE_ID = ".store-id"
+_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def parse_store_id(raw: bytes, where: str) -> str:
+    """The identity a ``.store-id`` file holds (32 hex digits); anything else is a damaged file."""
+    text = bytes(raw).decode("ascii", "replace").strip()
+    if not _ID_RE.match(text):
+        raise CheckpointCorruptError(f"store identity {where} does not hold 32 hex digits; the file is damaged "
+                                     f"or not layerckpt's", path=where)
+    return text
+
+
+def store_id(root: str) -> Optional[str]:
+    """The identity of the store ``root``, None where it has none (a store no writer opened since identities
+    exist); never read through a link."""
+    path = os.path.join(root, STORE_ID)
+    try:
+        raw = read_regular(path, "store identity", cap=4096, follow=False, under=root)
+    except CheckpointNotFoundError:
+        return None
+    return parse_store_id(raw, path)
+
+
+def ensure_store_id(root: str, value: Optional[str] = None) -> str:
+    """The identity of the store ``root``, created (``value``, else a random one) where it has none; the file
+    is created exclusively and never through a link."""
+    import uuid
+
+    path = os.path.join(root, STORE_ID)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:  # made before (or a link, which store_id refuses)
+        found = store_id(root)
+        if found is None:
+            raise CheckpointError(f"{path} vanished while it was being read; open the store again")
+        return found
+    value = value or uuid.uuid4().hex
+    try:
+        os.write(fd, (value + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return value
+
+
+def local_path(path: Union[str, "os.PathLike[str]"], what: str = "checkpoint directory") -> str:
+    """An absolute local path; a URL (``s3://``, ``gs://``, ...) is refused rather than taken for a folder."""
+    p = os.fspath(path)
+    if isinstance(p, str) and "://" in p:
+        raise CheckpointError(
+            f"{what} {p!r} is a URL: layerckpt writes to a local directory; pass a local path, and the URL as "
+            f"Config(remote=...) to copy the checkpoints there (restore() and the CLI read URLs)")
+    return os.path.abspath(p)
+
+
+def ensure_layout(root: str) -> None:
+    check_layout(root)
+    for sub in (DATA_DIR, MANIFEST_DIR):
+        os.makedirs(os.path.join(root, sub), exist_ok=True)
+
+
+def read_all(root: str) -> Tuple[Dict[str, Manifest], List[str]]:
+    """All committed manifests that parse, by name, and the names of those that do not; one that retention
+    deleted since the listing is neither."""
+    good, bad, _ = _read_listed(root)
+    return good, bad
+
+
+def _read_listed(root: str) -> Tuple[Dict[str, Manifest], List[str], int]:
+    """:func:`read_all`, and how many listed manifests vanished before they were read (retention)."""
+    good, bad, gone = {}, [], 0
+    for _, name in list_manifests(root):
+        try:
+            good[name] = load_manifest(os.path.join(root, MANIFEST_DIR, name))
+        except CheckpointNotFoundError:
+            gone += 1
+        except CheckpointError:
+            bad.append(name)
+    return good, bad, gone
+
+
+def recency(manifests: Dict[str, Manifest]):
+    """Commit order (seq), then step: the newest committed is not always the highest step."""
+    return lambda n: (manifests[n].seq, manifests[n].step)
+
+
+def newest(manifests: Dict[str, Manifest]) -> Optional[str]:
+    return max(manifests, key=recency(manifests), default=None)
+
+
+def resolve(root: str, step: Optional[int] = None) -> str:
+    """Path of the manifest to restore: the one for `step`, else the newest committed."""
+    root = local_path(root)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
+    check_layout(root)
+    if not os.path.isdir(os.path.join(root, MANIFEST_DIR)):
+        raise CheckpointNotFoundError(
+            f"{root} is not a layerckpt directory (no {MANIFEST_DIR}/); point at the dirpath given to Checkpointer"
+        )
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        path = os.path.join(root, MANIFEST_DIR, manifest_name(step))
+        if not os.path.exists(path):
+            have = [s for s, _ in list_manifests(root)]
+            raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {root}; committed steps: {have}")
+        return path
+    # the manifests are the only commit record: `latest` may lag them after a crash, so it decides nothing
+    for _ in range(3):  # a writer's retention may delete what was listed: list again
+        good, bad, gone = _read_listed(root)
+        name = newest(good)
+        if name is not None or not gone:
+            break
+    if name is None:
+        hint = f" ({len(bad)} damaged manifest(s): {', '.join(bad)})" if bad else ""
+        raise CheckpointNotFoundError(f"no committed checkpoint in {root}{hint}")
+    newer = [b for b in bad if manifest_step(b) > good[name].step]
+    if newer:  # never fall back silently past a newer checkpoint that was committed and then damaged
+        load_manifest(os.path.join(root, MANIFEST_DIR, newer[-1]))  # raises, naming the damage
+    return os.path.join(root, MANIFEST_DIR, name)
+
+
+def is_checkpoint(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path`` is a layerckpt checkpoint directory or one of its manifests."""
+    try:
+        locate(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def locate(path: Union[str, os.PathLike]) -> Tuple[str, Optional[int]]:
+    """(checkpoint directory, step or None for the newest) named by a directory or a manifest path."""
+    p = local_path(path)
+    if os.path.exists(p) and not (os.path.isfile(p) or os.path.isdir(p)):
+        raise CheckpointCorruptError(f"{p} is neither a directory nor a regular file; pass a checkpoint directory "
+                                     f"or one of its {MANIFEST_DIR}/step-N.json", path=p)
+    if os.path.isfile(p):
+        parent = os.path.dirname(p)
+        step = manifest_step(os.path.basename(p))
+        if step is None or os.path.basename(parent) != MANIFEST_DIR:
+            raise CheckpointNotFoundError(f"{p} is a file but not a layerckpt manifest ({MANIFEST_DIR}/step-N.json)")
+        return os.path.dirname(parent), step
+    if os.path.isdir(p) and os.path.isdir(os.path.join(p, MANIFEST_DIR)):
+        return p, None
+    if os.path.isdir(p):
+        raise CheckpointNotFoundError(
+            f"{p} is a directory but not a layerckpt checkpoint (it has no {MANIFEST_DIR}/ folder); "
+            f"pass the dirpath layerckpt saved into, or one of its {MANIFEST_DIR}/step-N.json")
+    raise CheckpointNotFoundError(f"checkpoint {p} does not exist")

@@ -1,0 +1,551 @@
+"""Tiers beyond the local directory: after each local commit, a copy of the composite in shared memory
+(``Config.memory_tier``) and on remote storage (``Config.remote``), made in the background.
+
+One thread per tier copies the newest composite it was offered: first the data
+files the tier does not hold yet, then the manifest, the tier's commit point,
+then the tier's own retention by reference (manifests first, then data no kept
+manifest references, leftovers of interrupted copies included).  The remote
+tier copies every ``remote_every``-th composite, or base composites only, and
+its uploads share one token bucket when ``remote_bandwidth`` caps them.  Copies never
+block training: the flusher only queues the composite (``Tiers.committed``),
+and while a tier copies from a composite the local retention keeps it
+(``Retention.hold``).  When copies fall behind, a queued composite is replaced by
+a newer one.  A failed copy is logged and retried with the next composite;
+``wait()``/``close()`` of the Checkpointer raise it if the tier is still
+behind.  One writer per tier, as per directory: the tier's retention deletes
+what its manifests do not reference.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AbstractSet, Dict, List, Optional, Tuple, Union
+
+from .. import _faults, _registry
+from ..write import _retain
+from ..format import _store
+from ..format._json import loads_strict
+from ..format._manifest import Manifest
+from ._memtier import make_private, memory_path
+from ._remote import DATA, MANIFESTS, FsspecStore, LocalStore
+from ..config import REMOTE_BASES, Config
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointWriteError
+
+log = logging.getLogger("layerckpt")
+
+COPIES_IN_FLIGHT = 4  # files copied at once by one tier
+wait_for_tiers = _registry.wait_for_tiers  # read your writes: this process's copies into a tier URL or folder
+
+
+def read_all(store) -> Tuple[Dict[str, Manifest], List[str]]:
+    """A tier's committed manifests that parse, by name, and the names of those that do not."""
+    good: Dict[str, Manifest] = {}
+    bad: List[str] = []
+    for n in store.names(MANIFESTS):
+        if _store.manifest_step(n) is None:
+            continue
+        try:
+            where = store.where(MANIFESTS, n)
+            good[n] = Manifest.from_dict(loads_strict(store.read(MANIFESTS, n), where), where)
+        except FileNotFoundError:  # retention removed it since the listing
+            continue
+        except (ValueError, UnicodeDecodeError, CheckpointCorruptError):
+            bad.append(n)
+    return good, bad
+
+
+BAD_ID = "unreadable"  # a tier's identity file that is damaged: it matches no store
+ID_BYTES = 4096  # the most bytes an identity file may hold (it holds 33)
+
+
+def tier_id(store) -> Optional[str]:
+    """The store identity a tier carries (copied there by the writer that created it), None without one,
+    ``BAD_ID`` where it cannot be read (logged, with why)."""
+    found, why = _tier_id(store)
+    if why is not None:
+        log.warning("layerckpt: the store identity of the tier %s cannot be read: %s", store.url, why)
+    return found
+
+
+def _tier_id(store) -> Tuple[Optional[str], Optional[str]]:
+    """(the tier's identity, None, or BAD_ID; why it cannot be read, or None)."""
+    where = store.where("", _store.STORE_ID)
+    try:
+        raw = store.read("", _store.STORE_ID, "store identity", ID_BYTES)
+    except (FileNotFoundError, CheckpointNotFoundError):
+        return None, None
+    except (OSError, CheckpointCorruptError) as e:
+        return BAD_ID, str(e)
+    try:
+        return _store.parse_store_id(raw, where), None
+    except CheckpointCorruptError as e:
+        return BAD_ID, str(e)
+
+
+def same_store(local: Optional[str], tier: Optional[str], local_empty: bool = False) -> bool:
+    """Whether a tier carrying the identity ``tier`` holds the composites of the store ``local`` names.
+    Neither has one: a store and its tier from before identities (trusted as they were).  Only the tier has
+    one: the store is a new local place of it (``local_empty``: no composite of its own yet)."""
+    if local is None:
+        return tier is None or local_empty
+    return local == tier
+
+
+def is_base(m: Manifest) -> bool:
+    """Whether ``m`` is a base composite: every layer persisted at its own step and no tensor encoded
+    against an older version, so it reads no older file (the first save, a due ``base_every``; a full
+    Config's saves where its tensors' references were renewed, or every one with ``encoding`` other than
+    'delta')."""
+    return all(e.step == m.step for e in m.layers.values()) and not any(
+        needs_ref(t) for t in m.tensors.values())
+
+
+def needs_ref(t) -> bool:
+    """Whether a tensor entry reads its reference: it has delta or unchanged blocks (an entry records its
+    reference whenever it was encoded against one, so that the reference stays kept while it is one)."""
+    from ..format._encode import reads_ref
+
+    return bool(t.enc and t.enc.get("ref") and reads_ref(t.enc["blocks"]))
+
+
+def _entries(m: Manifest) -> Dict[str, Dict[str, tuple]]:
+    """file -> {tensor key: where its bytes are, how they are encoded and their checksum}, for the files ``m``
+    references; a file holding a tensor's reference (see ``_encode``) lists it under ``<key>#ref``."""
+    out: Dict[str, Dict[str, tuple]] = {f: {} for f in m.files}
+    for k, t in m.tensors.items():
+        blocks = _blocks(t.enc["blocks"]) if t.enc else None
+        here = out.setdefault(t.file, {})
+        here[k] = (t.offset, t.nbytes, t.crc, t.dtype, tuple(t.shape), blocks)
+        if blocks is not None:  # what a later composite's delta would record of it as its reference
+            here[k + "#ref"] = (t.nbytes, t.crc, blocks)
+        ref = t.enc.get("ref") if t.enc else None
+        if ref:
+            out.setdefault(ref["file"], {})[k + "#ref"] = (t.nbytes, ref["crc"], _blocks(ref["blocks"]))
+    return out
+
+
+def _blocks(blocks: List[List[int]]) -> tuple:
+    return tuple(tuple(b) for b in blocks)
+
+
+def place(m: Manifest, good: Dict[str, Manifest], listed: List[str], copies: Optional[Dict[str, tuple]] = None
+          ) -> Tuple[Dict[str, str], List[str]]:
+    """Where each file of ``m`` lives on the tier, and which to copy.
+
+    A committed tier file serves a local one when it has its size and, for every tensor ``m`` reads from
+    it, the same offset, length and checksum (recorded by a tier manifest); such a file is never copied
+    again.  ``copies``: local file -> (tier name, entries, size) of its encoded copies on the tier
+    (``_transcode``), which serve it where they hold every tensor ``m`` reads from it.  A name a tier
+    manifest uses for other bytes is never overwritten: the copy gets a fresh name.  A file of another step
+    never serves one, even holding the same bytes: every checksum is sealed to its file's step (``_places``),
+    so their entries differ, and a tier manifest lists each file with the step its seals carry (where the
+    entries were written before step seals, such a file may still serve, listed with the newer step, as then).
+    Returns ({local name: tier name}, [local names to copy])."""
+    known: Dict[str, Dict[str, tuple]] = {}  # tier file -> every tensor entry tier manifests record for it
+    size: Dict[str, Tuple[int, str]] = {}
+    for tm in good.values():
+        for f, ents in _entries(tm).items():
+            known.setdefault(f, {}).update(ents)
+            size[f] = (tm.files[f].size, tm.checksum)
+    taken = set(listed) | set(known)
+    where: Dict[str, str] = {}
+    copy: List[str] = []
+    for f, ents in sorted(_entries(m).items()):
+        copy_of = (copies or {}).get(f)
+        if copy_of is not None and all(n in known and n in listed for n in copy_of[0]) and all(
+                k in copy_of[1] for k, e in m.tensors.items() if e.file == f):
+            where[f] = copy_of[0][0]
+            continue
+        want = (m.files[f].size, m.checksum)
+        same = [r for r in [f] + sorted(known) if size.get(r) == want and all(
+            known[r].get(k) == e for k, e in ents.items()) and (ents or r == f)]
+        if same:
+            where[f] = same[0]
+            continue
+        name = f
+        if f in known:  # another file of this name is committed on the tier
+            name = fresh_name(m.files[f], taken)
+        taken.add(name)
+        where[f] = name
+        copy.append(f)
+    return where, copy
+
+
+def fresh_name(fe, taken) -> str:
+    """The first name of a data file of ``fe``'s step and rank that ``taken`` lacks (``data_name``'s versions
+    1, 2, ...)."""
+    v = 1
+    while _store.data_name(fe.step, fe.rank, v) in taken:
+        v += 1
+    return _store.data_name(fe.step, fe.rank, v)
+
+
+def renamed(m: Manifest, where: Dict[str, str]) -> dict:
+    """The manifest as the tier holds it: its files under their tier names."""
+    d = m.to_dict()
+    d["files"] = {where[f]: e for f, e in d["files"].items()}
+    for e in d["tensors"].values():
+        e["file"] = where[e["file"]]
+        if e.get("enc") and e["enc"].get("ref"):
+            e["enc"]["ref"]["file"] = where[e["enc"]["ref"]["file"]]
+    for e in d["layers"].values():
+        if e.get("file") is not None:
+            e["file"] = where.get(e["file"], e["file"])
+    return d
+
+
+def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: AbstractSet[str],
+         transcoder=None, bases_only: bool = False) -> Tuple[int, int, int]:
+    """Copy the composite ``m`` (committed in ``root`` as ``name``) to the tier, commit it there, apply the
+    tier's retention.  ``transcoder`` (``_transcode.Transcoder``): a file whose tensors encoding pays for on
+    this tier goes as an encoded copy (``bases_only``: no deltas).  Returns (files copied, files the tier
+    already held, bytes uploaded)."""
+    good, bad = read_all(store)
+    listed = store.names(DATA)
+    done = transcoder.done if transcoder is not None else {}
+    where, todo = place(m, good, listed, done)
+    copies = {f: done[f] for f in where if f not in todo and f in done and where[f] == done[f][0][0]}
+    sent = [0]
+    taken = set(listed) | set(where.values()) | {n for tm in good.values() for n in tm.files}
+    lock = threading.Lock()
+
+    def fresh(f: str) -> str:
+        """A tier name no file uses, for another part of the encoded copy of ``f``."""
+        with lock:
+            name = fresh_name(m.files[f], taken)
+            taken.add(name)
+            return name
+
+    def put(f: str) -> None:
+        src = os.path.join(root, _store.DATA_DIR, f)
+        modes = transcoder.modes(m, f, bases_only) if transcoder is not None else None
+        if modes is None:
+            store.put_file(src, DATA, where[f])
+            n = m.files[f].size
+        else:
+            copies[f] = transcoder.write(root, f, m, modes, where[f], lambda: fresh(f),
+                                         lambda path, name: store.put_file(path, DATA, name))
+            n = sum(copies[f][2].values())
+        with lock:
+            sent[0] += n
+        _faults.point("tier.file-copied")
+
+    t0 = time.perf_counter()
+    try:
+        if todo:
+            with ThreadPoolExecutor(min(COPIES_IN_FLIGHT, len(todo)), thread_name_prefix="layerckpt-copy") as ex:
+                for fut in [ex.submit(put, f) for f in todo]:
+                    fut.result()
+        if transcoder is not None and sent[0]:  # the tier's rate, over every upload at once
+            transcoder.sink.observe(sent[0], time.perf_counter() - t0)
+        _faults.point("tier.data-copied")
+        d = renamed(m, where)
+        if copies:
+            from ..write._transcode import apply
+
+            apply(d, copies, where, m)
+        if transcoder is not None:  # what the tier decided for the files it copied now, and why
+            d["coding"] = {where[f]: rec for f, rec in transcoder.coding.items() if f in where} or None
+        body = json.dumps(d, separators=(",", ":"), allow_nan=True).encode()
+        store.put_bytes(MANIFESTS, name, body)  # the tier's commit point: every file it names is whole
+    except BaseException:
+        if transcoder is not None:
+            transcoder.failed()
+        raise
+    if transcoder is not None:
+        transcoder.committed(m, d)
+    _faults.point("tier.committed")
+    good[name] = Manifest.from_dict(d, store.where(MANIFESTS, name))
+    retain(store, good, bad, keep_last, pinned)
+    return len(todo), len(where) - len(todo), sent[0]
+
+
+def retain(store, good: Dict[str, Manifest], bad: List[str], keep_last: int, pinned: AbstractSet[str]) -> None:
+    """The tier's retention, by reference as the local one: the ``keep_last`` newest composites and the
+    pinned ones stay; other manifests go first, then every data object no kept manifest references."""
+    order = sorted(good, key=_store.recency(good), reverse=True)
+    drop = [n for n in order[keep_last:] if n not in pinned] if keep_last > 0 else []
+    store.delete(MANIFESTS, drop)
+    if drop:
+        _faults.point("tier.manifests-dropped")
+    store.delete(MANIFESTS, [n for n in store.names(MANIFESTS) if n.endswith(".tmp")])
+    if bad:  # what a damaged manifest references is unknown: keep every data object
+        log.warning("layerckpt: damaged manifest(s) %s in %s; no data object is deleted", bad, store.url)
+        return
+    keep = _retain.referenced_files({n: good[n] for n in good if n not in drop})
+    store.delete(DATA, [n for n in store.names(DATA)
+                        if n not in keep and (_store.is_data_name(n) or n.endswith(".tmp"))])
+
+
+class Tier:
+    """One tier's background copier.  ``offer`` (flusher thread) queues a committed composite; one thread
+    copies it; ``wait``/``close`` (caller) wait for the copies."""
+
+    def __init__(self, kind: str, store, root: str, keep_last: int, every: Union[int, str], tiers: "Tiers",
+                 pins: bool = True):
+        self.kind = kind
+        self.pins = pins  # whether Checkpointer.keep() composites stay here too
+        self.store = store
+        self.root = root
+        self.keep_last = keep_last
+        self.every = every
+        self._tiers = tiers
+        self._cv = threading.Condition()
+        self._queued: Optional[Tuple[str, Manifest]] = None
+        self._busy: Optional[str] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stop = False
+        self.offered = 0  # composites committed locally since this tier opened
+        self.error: Optional[BaseException] = None  # the newest copy's failure; None once one succeeds
+        self._reported = True
+        self.files_copied = 0
+        self.files_reused = 0
+        self.bytes_sent = 0  # bytes of data files uploaded (encoded copies at their encoded size)
+        #: Config(encoding='auto'), the remote tier: encodes what pays on it (``_transcode``); see Tiers.attach
+        self.transcoder = None
+        self.seq = 0  # the highest commit number the tier held at open
+        self.newest: Optional[Tuple[int, int]] = None  # (seq, step) of its newest composite at open
+        _registry.tier_opened(root, self)
+
+    def open(self, identity: str) -> None:
+        """Reach the store (a bad URL, credentials or bucket fail here), make sure it is the store ``identity``'s
+        tier (carrying that identity), and read what it holds."""
+        try:
+            if self.kind == "memory":
+                self._claim_memory(identity)
+            self.store.prepare()
+            self._claim(identity)
+            good, _ = read_all(self.store)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - fsspec implementations raise their own types
+            raise CheckpointError(
+                f"the {self.kind} tier {self.store.url} cannot be written: {type(e).__name__}: {e}; check "
+                + ("Config.remote and Config.remote_options (bucket, credentials, endpoint_url)"
+                   if self.kind == "remote" else "that /dev/shm is writable")) from None
+        if good:
+            n = _store.newest(good)
+            self.newest = (good[n].seq, good[n].step)
+            self.seq = max(tm.seq for tm in good.values())
+
+    def _claim_memory(self, identity: str) -> None:
+        """The memory tier's folder: private and this user's, else refused; another store's is emptied."""
+        why = make_private(self.store.root)
+        if why is not None:
+            raise CheckpointError(f"the memory tier {self.store.root} cannot be used: {why}; remove it, or name "
+                                  f"a private base folder in LAYERCKPT_SHM")
+        if tier_id(self.store) != identity:  # left by an earlier store at this path: not ours to continue
+            shutil.rmtree(self.store.root)
+            make_private(self.store.root)
+
+    def _claim(self, identity: str) -> None:
+        found, why = _tier_id(self.store)
+        if found is None:
+            self.store.put_bytes("", _store.STORE_ID, (identity + "\n").encode())
+        elif found == BAD_ID:
+            raise CheckpointError(
+                f"the {self.kind} tier {self.store.url} has a store identity that cannot be read ({why}); if the "
+                f"tier is this store's, replace the file by a copy of {os.path.join(self.root, _store.STORE_ID)}, "
+                f"else name a remote of this store's own")
+        elif found != identity:
+            raise CheckpointError(
+                f"the {self.kind} tier {self.store.url} holds the checkpoints of another store (identity {found}, "
+                f"this store's is {identity} in {os.path.join(self.root, _store.STORE_ID)}); name a remote of "
+                f"this store's own")
+
+    def held(self) -> AbstractSet[str]:
+        with self._cv:
+            return {n for n in (self._busy, self._queued[0] if self._queued else None) if n}
+
+    def offer(self, m: Manifest, force: bool = False) -> None:
+        if self.every == REMOTE_BASES:  # a failed copy waits for the next base too
+            due = is_base(m)
+        else:
+            due = force or self.error is not None or self.offered % self.every == 0
+        self.offered += 1
+        if not due:
+            return
+        snapshot = Manifest.from_dict(m.to_dict(), "manifest")  # the flusher's object lives on
+        with self._cv:
+            self._queued = (_store.manifest_name(m.step), snapshot)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"layerckpt-{self.kind}-tier", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._queued is None and not self._stop:
+                    self._cv.wait()
+                if self._queued is None:
+                    return
+                (name, m), self._queued = self._queued, None
+                self._busy = name
+            try:
+                pinned = self._tiers.pinned() if self.pins else frozenset()
+                copied, reused, sent = push(self.store, self.root, name, m, self.keep_last, pinned, self.transcoder,
+                                            bases_only=self.every == REMOTE_BASES)
+                self.files_copied += copied
+                self.files_reused += reused
+                self.bytes_sent += sent
+                self.error = None
+                log.debug("layerckpt: step %d is committed on the %s tier %s (%d file(s) copied, %d held)",
+                          m.step, self.kind, self.store.url, copied, reused)
+            except BaseException as e:  # noqa: BLE001 - logged, retried with the next composite, raised at wait()
+                self.error = _as_write_error(e, self, m.step)
+                self._reported = False
+                log.warning("layerckpt: %s", self.error)
+            finally:
+                with self._cv:
+                    self._busy = None
+                    self._cv.notify_all()
+                self._tiers.released()
+
+    def drain(self) -> None:
+        """Until nothing is queued or copying."""
+        with self._cv:
+            while self._queued is not None or self._busy is not None:
+                self._cv.wait()
+
+    def wait(self) -> None:
+        """Until nothing is queued or copying; raises the newest copy's failure once."""
+        self.drain()
+        if self.error is not None and not self._reported:
+            self._reported = True
+            raise self.error
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+            t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
+
+
+class Tiers:
+    """The memory and remote tiers of one Checkpointer (rank 0): a commit listener of its flusher.  The
+    local ``retention`` learns from them what they still copy from, and runs when a copy ends."""
+
+    def __init__(self, root: str, config: Config, retention: _retain.Retention):
+        self.root = root
+        self.config = config
+        self.retention = retention
+        self._lock = threading.Lock()
+        self.tiers: List[Tier] = []
+        if config.memory_tier:
+            # the newest composite only: memory is dear, and a crash restarts from the newest
+            self.tiers.append(Tier("memory", LocalStore(memory_path(root)), root, 1, 1, self, pins=False))
+        if config.remote is not None:
+            store = FsspecStore(config.remote, config.remote_options, config.chunk_bytes, config.remote_bandwidth)
+            if store.local and os.path.abspath(store.root) == root:
+                raise CheckpointError(f"Config.remote {config.remote} is the checkpoint directory itself; "
+                                      f"name another place")
+            self.tiers.append(Tier("remote", store, root, config.keep_last, config.remote_every, self))
+        identity = claim_identity(root, [t.store for t in self.tiers if t.kind == "remote"])
+        for t in self.tiers:
+            t.open(identity)
+        self.seq = max(t.seq for t in self.tiers)
+
+    def attach(self, cost, charge) -> None:
+        """``Config(encoding='auto')``: the remote tier encodes what the cost model ``cost`` (the flusher's,
+        fed by every save's encodes and probes) says pays on it, the CPU charged as ``charge()`` says."""
+        from ..select._cost import Sink
+        from ..write._transcode import Transcoder
+
+        for t in self.tiers:
+            if t.kind == "remote":
+                t.transcoder = Transcoder(cost, Sink("remote", cap=self.config.remote_bandwidth), charge,
+                                          self.config.delta_chain)
+
+    def catch_up(self) -> None:
+        """Queue a copy of the newest local composite where a tier lacks it (a run that was killed while
+        copying resumes here)."""
+        good, _ = _store.read_all(self.root)
+        name = _store.newest(good)
+        if name is None:
+            return
+        m = good[name]
+        for t in self.tiers:
+            if t.newest is None or t.newest < (m.seq, m.step):
+                t.offer(m, force=True)
+                t.offered = 0  # the count of remote_every starts with this run's saves
+        self._hold()
+
+    def committed(self, m: Manifest) -> None:
+        """On the flusher thread, after the local commit and before the local retention."""
+        for t in self.tiers:
+            try:
+                t.offer(m)
+            except Exception as e:  # noqa: BLE001 - a tier must never fail the local commit
+                log.warning("layerckpt: step %d not queued for the %s tier: %s", m.step, t.kind, e)
+        self._hold()
+
+    def pinned(self) -> AbstractSet[str]:
+        return self.retention.pinned()
+
+    def _hold(self) -> None:
+        """Tell the local retention what to keep for the tiers: the composites they copy or have queued."""
+        with self._lock:
+            self.retention.hold(n for t in self.tiers for n in t.held())
+
+    def released(self) -> None:
+        """A copy ended: what it held may go, by the local retention, on the flusher thread."""
+        self._hold()
+        self.retention.soon()
+
+    def wait(self) -> None:
+        errors = []
+        for t in self.tiers:
+            try:
+                t.wait()
+            except CheckpointError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        for t in self.tiers:
+            t.close()
+
+
+def open_tiers(root: str, config: Config, retention: _retain.Retention) -> Optional[Tiers]:
+    """The tiers of the directory ``root``'s writer (rank 0), or None without any."""
+    if not config.memory_tier:
+        # a memory tier left by an earlier run of this directory would only shadow this run's saves
+        shutil.rmtree(memory_path(root), ignore_errors=True)
+    if not config.memory_tier and config.remote is None:
+        claim_identity(root, [])
+        return None
+    return Tiers(root, config, retention)
+
+
+def claim_identity(root: str, remotes: List) -> str:
+    """The identity of the store ``root``, made when its writer first opens it: a new local place of a remote
+    (no composite of its own yet) takes the remote's, any other store a random one."""
+    found = _store.store_id(root)
+    if found is not None:
+        return found
+    adopt = None
+    if remotes and not _store.list_manifests(root):
+        try:
+            adopt = tier_id(remotes[0])
+        except Exception:  # noqa: BLE001 - an unreachable remote is reported when the tier opens
+            adopt = None
+    return _store.ensure_store_id(root, adopt if adopt != BAD_ID else None)
+
+
+def _as_write_error(e: BaseException, tier: Tier, step: int) -> CheckpointWriteError:
+    where = getattr(e, "filename", None) or tier.store.url
+    return CheckpointWriteError(
+        getattr(e, "errno", None) or errno.EIO, str(where),
+        detail=f"copying the composite of step {step} to the {tier.kind} tier {tier.store.url} failed "
+               f"({type(e).__name__}: {e}); the local checkpoint is committed and intact, and the next save "
+               f"retries the copy")
