@@ -1,5 +1,6 @@
 """This process's writers, by store root: their saves in flight and their tiers (what read-your-writes
-waits for), and the open writer of each store (what a newer Checkpointer on the same store takes over).
+waits for), the open writer of each store (what a newer Checkpointer on the same store takes over), and the
+framework adapter object that holds the store (what a newer adapter object on the same store takes over).
 
 A store has one writing process (``_store.WriterLock``, an flock).  Inside that process a newer
 Checkpointer on the same directory takes over from the older one: :func:`take_over` lets the older
@@ -60,12 +61,13 @@ class Owner:
 class _Store:
     """What this process writes into one store."""
 
-    __slots__ = ("saves", "tiers", "owner")
+    __slots__ = ("saves", "tiers", "owner", "holder")
 
     def __init__(self) -> None:
         self.saves: "weakref.WeakSet[PendingSave]" = weakref.WeakSet()  # in flight
         self.tiers: "weakref.WeakSet[Tier]" = weakref.WeakSet()  # opened by this store's writers
         self.owner: Optional[Owner] = None
+        self.holder: Optional["weakref.WeakMethod[Callable[[str], None]]"] = None  # an adapter's on_taken
 
 
 _lock = threading.Lock()
@@ -81,7 +83,8 @@ def _record(root: str) -> _Store:
 
 def _prune(root: str) -> None:
     rec = _stores.get(root)
-    if rec is not None and rec.owner is None and not rec.saves and not rec.tiers:
+    if rec is not None and rec.owner is None and not rec.saves and not rec.tiers and \
+            (rec.holder is None or rec.holder() is None):
         del _stores[root]
 
 
@@ -94,6 +97,18 @@ def take_over(root: str) -> None:
     if owner is not None:
         owner.retire()
     wait_for_saves(root)  # a writer already closed may still have had one on its thread
+
+
+def hold(root: str, on_taken: Callable[[str], None]) -> Optional[Callable[[str], None]]:
+    """The object of the bound method ``on_taken`` (a framework adapter's) now holds ``root``; returns the
+    ``on_taken`` of the object that held it before, if that one is still alive and another one (the caller
+    tells it, outside this lock)."""
+    with _lock:
+        rec = _record(root)
+        before = rec.holder
+        rec.holder = weakref.WeakMethod(on_taken)
+    older = before() if before is not None else None
+    return older if older is not None and older != on_taken else None  # bound methods compare by object
 
 
 def save_started(root: str, pending: "PendingSave") -> None:

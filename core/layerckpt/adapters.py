@@ -20,14 +20,12 @@ import functools
 import inspect
 import logging
 import os
-import threading
 import typing
-import weakref
 from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import torch
 
-from . import _faults, store
+from . import _faults, _registry, store
 from .select._clip import SelectionLoss  # noqa: F401 - for the adapters
 from .config import Config
 from .errors import CheckpointError, ConfigError
@@ -185,23 +183,17 @@ def close_all(checkpointers: Union[MutableMapping[Any, Any], List[Any]], quiet: 
 
 # ------------------------------------------------------------------ stores held by adapter objects
 
-_held_lock = threading.Lock()
-_held: Dict[str, "weakref.WeakMethod[Callable[[str], None]]"] = {}  # store root -> its holder's on_taken
-
-
 def hold(root: str, on_taken: Callable[[str], None]) -> None:
     """The object of the bound method ``on_taken`` (a plugin, a callback, a Fabric handle) is about to open
     Checkpointers on the store ``root`` in this process.  The adapter object that held it before, if it is still
     alive and another one, is told first through its own ``on_taken(root)``: it closes what it keeps open there
     (its saves in flight end first) and refuses later saves there with a clear error.  So an adapter's cache
     follows the engine's takeover (a newer Checkpointer on a store takes it over from an older one of this
-    process) instead of keeping a Checkpointer that was replaced."""
+    process) instead of keeping a Checkpointer that was replaced.  The holder is kept in the engine's one
+    registry of this process's stores (``_registry``), beside the store's open writer."""
     root = os.path.abspath(os.fspath(root))
-    with _held_lock:
-        before = _held.get(root)
-        _held[root] = weakref.WeakMethod(on_taken)
-    older = before() if before is not None else None
-    if older is not None and older != on_taken:  # bound methods compare by object and function
+    older = _registry.hold(root, on_taken)
+    if older is not None:
         _faults.point("takeover.begun")
         older(root)
 
