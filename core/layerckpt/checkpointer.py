@@ -1,16 +1,20 @@
 """Checkpointer: the save path, top to bottom.
 
-On the caller's thread: gather (``_gather``) -> track drift and plan what to
-persist (``_plan``, deciding with ``_policy`` on ``_track``'s drift) -> lay out
-the file (``_layout``).  Then stage into pooled buffers (``_stage``): on a
-background thread under lazy staging (the optimizer's step waits for it), else
-on the caller's.  On the flusher thread: write + checksum + fdatasync
-(``_flush``) -> agree across ranks and commit the manifest (``_commit``) ->
-the commit listeners: the tiers (``_tiers``), then retention (``_retain.Retention``).
+On the caller's thread: gather (``write/_gather``) -> track drift and plan what
+to persist (``select/_plan``, deciding with ``select/_policy`` on
+``select/_track``'s drift) -> lay out the file (``format/_layout``).  Then stage
+into pooled buffers (``write/_stage``): on a background thread under lazy
+staging (``write/_lazy``: the optimizer's step waits for it), else on the
+caller's.  On the flusher thread: write + checksum + fdatasync
+(``write/_flush``) -> agree across ranks and commit the manifest
+(``write/_commit``) -> the commit listeners: the tiers (``tiers/_tiers``), then
+retention (``write/_retain``).
 
-One open writer per store: another process is refused (``_store.WriterLock``);
-a newer Checkpointer of this process on the same store takes over from the
-older one once its saves in flight have ended (``_registry``).
+What the Checkpointer holds for its life (the store's lock, the tiers, the
+backend, the pool) is opened and freed by ``_session``.  One open writer per
+store: another process is refused (``format/_store.WriterLock``); a newer
+Checkpointer of this process on the same store takes over from the older one
+once its saves in flight have ended (``_registry``).
 """
 from __future__ import annotations
 
@@ -22,28 +26,28 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from .select import _cost, _policy
-from . import _dist, _faults, _registry
-from .write import _retain
-from .format import _store
-from .tiers import _tiers
-from .io._backend import make_backend
-from .write._flush import FlushJob, Flusher, FlushThread, PendingSave
-from .select._blocks import split, table_names
-from .format._codec import Entries
-from .write._encwrite import threads
-from .write._gather import gather, shard_entries
-from .select._layers import LayerSpec
-from .format._layout import LayoutCache
-from .format._manifest import MODEL, OPTIM, Manifest, RowBlocks, load_manifest
-from .select._plan import Selector
-from .write._stage import ABORT, BufferPool, LazyStager, caller_events, stage
+from . import _dist, _faults, _registry, _session
 from .config import Config
 from .errors import CheckpointError
+from .format import _store
+from .format._codec import Entries
+from .format._layout import LayoutCache
+from .format._manifest import Manifest, RowBlocks, load_manifest
+from .select import _cost, _policy
+from .select._blocks import split, table_names
+from .select._layers import LayerSpec
+from .select._plan import Selector
+from .write import _retain
+from .write._encwrite import threads
+from .write._flush import FlushJob, Flusher, FlushThread, PendingSave
+from .write._gather import gather, shard_entries
+from .write._lazy import split_later, start_copy
+from .write._stage import LazyStager
+
 
 log = logging.getLogger("layerckpt")
 
@@ -88,8 +92,8 @@ class Checkpointer:
         self.rank = self.group.rank
         thread = FlushThread()
         self._retention = _retain.Retention(self.dirpath, self.config.keep_last, later=thread.then)
-        self._writer, self._tiers = self._open_store()
-        self._seq, self.backend, self.pool = self._start_io()
+        self._writer, self._tiers = _session.open_store(self.dirpath, self.config, self.group, self._retention)
+        self._seq, self.backend, self.pool = _session.start_io(self.dirpath, self.config, self._writer, self._tiers)
         self._flusher = Flusher(self.backend, self.pool, self.config, self.dirpath, self.group,
                                 listeners=self._listeners(), thread=thread)
         if self._tiers is not None:
@@ -108,57 +112,7 @@ class Checkpointer:
         self._layout_cache = LayoutCache()
         self.selector = Selector(model, self.config, layers, self.group)
 
-    # ------------------------------------------------------------ opening
-
-    def _open_store(self) -> Tuple[Optional[_store.WriterLock], Optional[_tiers.Tiers]]:
-        """Rank 0 locks the store, removes torn leftovers and opens the tiers; every rank learns whether it
-        did, so all of them go on or all refuse together."""
-        writer: Optional[_store.WriterLock] = None
-        tiers: Optional[_tiers.Tiers] = None
-        refused: Optional[str] = None
-        if self.rank == 0:
-            try:
-                writer, tiers = self._lock_and_clean()
-            except (CheckpointError, OSError) as e:
-                refused = str(e)
-        if self.group.world > 1:  # no rank writes before the leftovers are gone, or all refuse together
-            refused = self.group.exchange(refused)[0]
-        if refused is not None:
-            if tiers is not None:
-                tiers.close()
-            if writer is not None:
-                writer.release()
-            raise CheckpointError(refused)
-        return writer, tiers
-
-    def _lock_and_clean(self) -> Tuple[_store.WriterLock, Optional[_tiers.Tiers]]:
-        """One writer per store: rank 0 holds the lock for the Checkpointer's life, and only the holder
-        cleans up, so no opener ever deletes what another one is still writing."""
-        _store.ensure_layout(self.dirpath)
-        writer = _store.WriterLock(self.dirpath)
-        try:
-            removed = _retain.cleanup(self.dirpath)
-            if removed:
-                log.info("layerckpt: removed %d leftover file(s) of interrupted saves", len(removed))
-            # memory/remote: a bad URL fails here
-            return writer, _tiers.open_tiers(self.dirpath, self.config, self._retention)
-        except BaseException:
-            writer.release()
-            raise
-
-    def _start_io(self) -> Tuple[int, Any, BufferPool]:
-        """The commit number to continue from, the writer backend and the staging buffers."""
-        try:
-            good, _ = _store.read_all(self.dirpath)
-            seq = max((m.seq for m in good.values()), default=0)
-            if self._tiers is not None:  # commit order continues past what the tiers hold
-                seq = max(seq, self._tiers.seq)
-            return seq, make_backend(self.config.backend, self.config.queue_depth), \
-                BufferPool(self.config.chunk_bytes, self.config.staging_bytes)
-        except BaseException:
-            if self._writer is not None:  # a Checkpointer that never came to be holds no lock
-                self._writer.release()
-            raise
+    # ------------------------------------------------------------ opening (the store, the I/O: ``_session``)
 
     def _listeners(self) -> list:
         """What runs after each commit, in order (rank 0): the tiers queue their copies, then the local
@@ -179,7 +133,7 @@ class Checkpointer:
         (after this one's saves in flight end).  A flush in flight also completes before a normal exit."""
         ref = weakref.ref(self)
         owner = _registry.Owner(self.dirpath, functools.partial(_retire, ref))
-        release = weakref.finalize(self, _shutdown, self._flusher, self.backend, self.pool, self._writer,
+        release = weakref.finalize(self, _session.shutdown, self._flusher, self.backend, self.pool, self._writer,
                                    self._tiers, hook, owner, self.group, self._stager)
         owner.claim()
         # It must run before thread pools refuse new work at shutdown, hence threading's exit hooks (run
@@ -358,14 +312,14 @@ class Checkpointer:
         entries, meta = self._gather(extra)
         fname = self._fresh_name(step)
         loss = self._agreed_loss(loss)
-        lazy = self._lazy and _lazy_split(entries, self.model)
+        later = self._lazy and split_later(entries, self.model)
         plan = self.selector.plan(step, fname, entries, self.rank, self.group.world, loss)
         layout = self._layout_cache.plan(plan.write)
         manifest = self._manifest(step, plan, meta, loss, name)
         pending = PendingSave(step, os.path.join(self.dirpath, _store.DATA_DIR, fname))
         job = self._submit(pending, plan, layout, fname, manifest, t0)
         pending.phases["plan"] = time.perf_counter() - t0
-        self._stage(job, lazy, step)
+        start_copy(job, self.pool, self._stager, later or None, step)
         _tell(pending, plan, layout, t0)
         return pending
 
@@ -409,16 +363,6 @@ class Checkpointer:
         self._charge_now[0] = _cost.charge(on_cpu, self._training_threads, threads(self.config.encode_threads))
         return self._charge_now[0]
 
-    def _stage(self, job: FlushJob, lazy: Optional[Dict[str, torch.Tensor]], step: int) -> None:
-        """Copy the save into the pool: on the stager thread under lazy staging, else now."""
-        verify = _unchanged_since(job.layout, lazy, step) if lazy else None
-        after = caller_events(job.layout) if lazy and torch.cuda.is_available() else None
-        copy = functools.partial(_copy, job, self.pool, verify, after, bool(lazy))
-        if lazy:
-            self._stager.start(functools.partial(_quietly, copy), waited=job.pending._add_step_wait)
-        else:
-            copy()
-
     def _fresh_name(self, step: int) -> str:
         """A data file name no committed manifest uses, so a re-save never overwrites committed data."""
         d = os.path.join(self.dirpath, _store.DATA_DIR)
@@ -445,64 +389,6 @@ def _serial():
         torch.set_num_threads(n)
 
 
-def _lazy_split(entries: Entries, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
-    """For lazy staging: replace in ``entries`` what may change before the next optimizer step (buffers,
-    which forward passes update; RNG; extra) by copies, taken now; returns the tensors left to be copied
-    later (parameters, optimizer state) by key, or None (copy everything now) where one of them has no
-    version counter to tell whether it changed meanwhile."""
-    params = set()
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        params.add(local.untyped_storage().data_ptr())
-    later: Dict[str, torch.Tensor] = {}
-    for k, t in entries:
-        if k.startswith(OPTIM) or (k.startswith(MODEL) and t.untyped_storage().data_ptr() in params):
-            later[k] = t
-    try:
-        for t in later.values():
-            t._version
-    except RuntimeError:  # an inference tensor
-        return None
-    for i, (k, t) in enumerate(entries):
-        if k not in later:
-            entries[i] = (k, t.clone())
-    return later
-
-
-def _unchanged_since(layout, later: Dict[str, torch.Tensor], step: int) -> Callable[[], None]:
-    """After the copies: fail the save if a tensor copied late changed since save() (its version counter
-    moved), which only happens outside ``optimizer.step()`` (that waits for the copies)."""
-    seen = [(it.key, it.tensor, it.tensor._version) for it in layout.items if it.key in later]
-
-    def verify() -> None:
-        moved = [k for k, t, v in seen if t._version != v]
-        if moved:
-            raise CheckpointError(
-                f"the checkpoint of step {step} was not committed: {len(moved)} tensor(s) changed while being "
-                f"copied in the background ({', '.join(moved[:3])}{', ...' if len(moved) > 3 else ''}), by "
-                f"something other than optimizer.step(), which waits for the copies; change the weights only "
-                f"through the optimizer's step, or set Config(lazy_staging=False)")
-
-    return verify
-
-
-def _copy(job: FlushJob, pool: BufferPool, verify: Optional[Callable[[], None]], after: Any, lazy: bool) -> None:
-    """Stage ``job``'s bytes into the pool's chunks, handed to the flusher as they fill."""
-    t = time.perf_counter()
-
-    def copied() -> None:  # every byte is in the buffers; the flusher may commit once this returns
-        job.pending.phases["stage"] = time.perf_counter() - t
-        if verify is not None:
-            verify()
-
-    try:
-        stage(job.layout, pool, job.chunks, job.staged, copied, job.crcs if lazy else None, after)
-    except BaseException as e:
-        job.abort_error = e if lazy else None
-        job.chunks.put(ABORT)
-        raise
-
-
 def _is_base(plan, config: Config) -> bool:
     """Whether a save is a base (the first, a due ``base_every``, in full mode too): written self-contained,
     no delta."""
@@ -517,36 +403,6 @@ def _tell(pending: PendingSave, plan, layout, t0: float) -> None:
     pending.layers_total = len(plan.layers)
     pending.layers_persisted = len(plan.persisted)
     pending.max_staleness = max((e.age for e in plan.layers.values()), default=0)
-
-
-def _quietly(fn: Callable[[], None]) -> None:
-    """On the stager thread: a failure is already with the flusher (ABORT), which reports it."""
-    try:
-        fn()
-    except BaseException:  # noqa: BLE001
-        pass
-
-
-def _shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_store.WriterLock],
-              tiers: Optional[_tiers.Tiers] = None, hook=None, owner: Optional[_registry.Owner] = None,
-              group: Optional[_dist.Group] = None, stager: Optional[LazyStager] = None) -> None:
-    try:
-        if hook is not None:
-            hook.remove()
-        if stager is not None:  # its thread ends once the copies it runs are done
-            stager.close()
-        flusher.stop()
-        if tiers is not None:  # after the flusher: no more copies are queued
-            tiers.close()
-        backend.close()
-        pool.close()
-        if writer is not None:
-            writer.release()
-        if group is not None:  # last: no collective of ours is left (see _dist.Group.close)
-            group.close()
-    finally:
-        if owner is not None:  # a newer Checkpointer waiting to take over may lock the store now
-            owner.closed()
 
 
 def _retire(ref: "weakref.ref[Checkpointer]") -> None:

@@ -198,6 +198,11 @@ class Selector:
             self._generation += 1  # what was worked out of the old map is stale (ids of dicts may be reused)
         return self._owner[1]
 
+    @property
+    def _frozen(self) -> frozenset:
+        """The layers whose parameters all have requires_grad off (none before :meth:`owners` first ran)."""
+        return self._owner[2] if self._owner is not None else frozenset()
+
     def _key_layers(self, keys: Tuple[str, ...]) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
         """Each entry key's layer, and each layer's keys (cached while the keys and layers stay the same).
         A row block of an embedding table is a layer of its own, ``<layer>#rows=<a>:<b>``; the shards of a
@@ -304,7 +309,7 @@ class Selector:
         its persisted version where each tensor matches; the proof, the fingerprints taken, no unpriced state."""
         if not self._carries():
             return {}, {}, {}
-        frozen = self._owner[2] if self._owner is not None else frozenset()
+        frozen = self._frozen
         taken = fingerprints({k: t for layer, tensors in held.items() if layer in frozen
                               for k, (t, _) in tensors.items()})
         with self._lock:
@@ -412,7 +417,7 @@ class Selector:
                 shapes, proof: Dict[str, Tuple[bool, bool]]) -> Tuple[Dict[str, policy.LayerState], Set[str]]:
         """Each layer's state for the policy, and the layers that are written whatever it decides: new, or
         whose tensors changed since ``prev`` (added, reshaped, new optimizer state)."""
-        frozen = self._owner[2]  # layers whose parameters all have requires_grad off
+        frozen = self._frozen
         prev_shapes = prev.shapes if isinstance(prev, SavePlan) else self._prev_shapes
         states, forced = {}, set()
         for layer, keys in layer_keys.items():
@@ -453,7 +458,7 @@ class Selector:
         layers' fingerprints, taken to decide (see :meth:`_prove_frozen`)."""
         if self.full:
             return {k: taken[k] for layer in out.persisted for k in held.get(layer, {}) if k in taken}
-        frozen = self._owner[2] if self._owner is not None else frozenset()
+        frozen = self._frozen
         refs: Dict[str, Fingerprint] = {}
         todo: Dict[str, torch.Tensor] = {}
         for layer in out.persisted:
@@ -515,7 +520,7 @@ class Selector:
                                  0.0) for layer, s in now.items()}
                 self.tracker.advance(snaps)
             samples = {layer: snap[0] for layer, snap in snaps.items()}
-            frozen = self._owner[2]
+            frozen = self._frozen
             # what a save that wrote them would fingerprint (_references): frozen layers, table rows, and
             # the unpriced tensors of every layer
             refs = fingerprints({k: t for layer, tensors in held.items() for k, (t, n) in tensors.items()
@@ -523,7 +528,7 @@ class Selector:
             with self._lock:
                 self.fingerprints.persisted([k for tensors in held.values() for k in tensors], refs)
         elif self._carries():  # full mode: what _prove_frozen compares the next save's frozen layers with
-            frozen = self._owner[2] if self._owner is not None else frozenset()
+            frozen = self._frozen
             refs = fingerprints({k: t for layer, tensors in held.items() if layer in frozen
                                  for k, (t, _) in tensors.items()})
             with self._lock:
