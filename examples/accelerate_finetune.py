@@ -34,6 +34,8 @@ from typing import Any, Dict, List
 import torch
 import torch.nn.functional as F
 
+from layerckpt.bench.workload import check_crash_resume, crash_resume_parser, folder_bytes
+
 PHASES = ("reference", "crash", "resume")
 
 
@@ -50,16 +52,6 @@ class Progress:
 
     def load_state_dict(self, d: Dict[str, int]) -> None:
         self.step = d["step"]
-
-
-def _folder_bytes(folder: str) -> int:
-    total = 0
-    for n in os.listdir(folder):
-        try:
-            total += os.path.getsize(os.path.join(folder, n))
-        except FileNotFoundError:  # another rank's temporary file, renamed meanwhile
-            pass
-    return total
 
 
 def child(role: str, args: argparse.Namespace) -> None:
@@ -122,7 +114,7 @@ def child(role: str, args: argparse.Namespace) -> None:
             blocked = time.perf_counter() - t
             pendings.append(list(plugin.last_saves) if plugin else [])
             out["saves"].append({"blocked_s": blocked, "save_return_s": blocked,
-                                 "folder_bytes": _folder_bytes(folder) if acc.is_main_process else 0,
+                                 "folder_bytes": folder_bytes(folder) if acc.is_main_process else 0,
                                  "layerckpt_bytes": sum(p.nbytes for p in plugin.last_saves) if plugin else 0})
     if role == "reference":  # accelerate's own resume, from the newest folder
         acc.wait_for_everyone()  # save_state ends without a barrier: rank 0 may still be writing
@@ -207,14 +199,7 @@ def print_table(s: Dict[str, Any]) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", help="working directory (default: a temporary one, removed afterwards)")
-    ap.add_argument("--pretrain", type=int, default=60, help="pre-training steps (not checkpointed)")
-    ap.add_argument("--finetune", type=int, default=240, help="fine-tuning steps")
-    ap.add_argument("--every", type=int, default=4, help="save_state every N fine-tuning steps")
-    ap.add_argument("--crash-at", type=int, default=170, help="fine-tuning step at which the run is killed")
-    ap.add_argument("--n-layer", type=int, default=6)
-    ap.add_argument("--n-embd", type=int, default=128)
+    ap = crash_resume_parser(__doc__, every="save_state every N fine-tuning steps")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per step and process")
     ap.add_argument("--total-limit", type=int, default=3, help="ProjectConfiguration.total_limit of both runs")
     ap.add_argument("--json", help="also write the figures to this file")
@@ -225,8 +210,7 @@ def main() -> int:
     if args.role:
         child(args.role, args)
         return 0
-    if not 0 < args.crash_at < args.finetune:
-        ap.error("--crash-at must fall inside the fine-tuning steps")
+    check_crash_resume(ap, args)
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     temporary = args.dir is None

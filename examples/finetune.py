@@ -24,7 +24,8 @@ import time
 import torch
 
 import layerckpt
-from layerckpt.bench.workload import make_model, make_optimizer, run, start_finetune
+from layerckpt.bench.workload import (check_crash_resume, crash_resume_parser, make_model, make_optimizer, run,
+                                      start_finetune)
 
 PRETRAIN, FINETUNE = 60, 240
 
@@ -89,14 +90,12 @@ def child(root: str, every: int, crash_at: int, config: str) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", help="working directory (default: a temporary one, removed afterwards)")
-    ap.add_argument("--every", type=int, default=4, help="checkpoint every N fine-tuning steps")
-    ap.add_argument("--crash-at", type=int, default=170, help="fine-tuning step at which the run is killed")
+    ap = crash_resume_parser(__doc__, model=False)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", default="{}",
                     help='layerckpt Config fields as JSON, e.g. \'{"threshold": 0.0}\' for full checkpoints')
     args = ap.parse_args()
+    check_crash_resume(ap, args, FINETUNE)
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
     if args.child:
         child(args.dir, args.every, args.crash_at, args.config)

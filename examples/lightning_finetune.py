@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_layerckpt import LayerCheckpoint
 from layerckpt.bench.lightning_workload import FineTuneModule
+from layerckpt.bench.workload import check_crash_resume, crash_resume_parser
 
 FINETUNE = 240
 
@@ -123,19 +124,10 @@ def child(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", help="working directory (default: a temporary one, removed afterwards)")
-    ap.add_argument("--every", type=int, default=4, help="checkpoint every N fine-tuning steps")
-    ap.add_argument("--crash-at", type=int, default=170, help="fine-tuning step at which the run is killed")
-    ap.add_argument("--finetune", type=int, default=FINETUNE, help="fine-tuning steps of every run")
-    ap.add_argument("--pretrain", type=int, default=60, help="pre-training steps of the model every run starts from")
-    ap.add_argument("--n-layer", type=int, default=6, help="transformer blocks of the model")
-    ap.add_argument("--n-embd", type=int, default=128, help="width of the model")
+    ap = crash_resume_parser(__doc__)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not 0 < args.every < args.crash_at < args.finetune:
-        ap.error(f"need 0 < --every ({args.every}) < --crash-at ({args.crash_at}) < --finetune ({args.finetune}): "
-                 f"a checkpoint before the kill, and steps after it to resume")
+    check_crash_resume(ap, args)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))

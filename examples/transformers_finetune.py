@@ -27,6 +27,8 @@ from typing import Any, Dict, List
 
 import torch
 
+from layerckpt.bench.workload import check_crash_resume, crash_resume_parser, folder_bytes
+
 PHASES = ("reference", "crash", "resume")
 
 
@@ -55,10 +57,6 @@ def _dataset(args: argparse.Namespace) -> List[Dict[str, torch.Tensor]]:
 
     rows = torch.cat([batch("affine", i, 1)[0] for i in range(args.finetune * args.batch_size)])
     return [{"input_ids": r, "labels": r} for r in rows]
-
-
-def _folder_bytes(folder: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, n)) for d, _, files in os.walk(folder) for n in files)
 
 
 def _timer(role: str, args: argparse.Namespace, out: Dict[str, Any]):
@@ -91,7 +89,7 @@ def _timer(role: str, args: argparse.Namespace, out: Dict[str, Any]):
             if lc is not None:
                 self.pending.append(lc.last_save)
             out["saves"].append({"blocked_s": time.perf_counter() - self.t,
-                                 "bytes": _folder_bytes(os.path.join(a.output_dir, f"checkpoint-{state.global_step}"))})
+                                 "bytes": folder_bytes(os.path.join(a.output_dir, f"checkpoint-{state.global_step}"))})
 
     return Timer()
 
@@ -172,14 +170,7 @@ def print_table(s: Dict[str, Any]) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", help="working directory (default: a temporary one, removed afterwards)")
-    ap.add_argument("--pretrain", type=int, default=60, help="pre-training steps (not checkpointed)")
-    ap.add_argument("--finetune", type=int, default=240, help="fine-tuning steps (Trainer's max_steps)")
-    ap.add_argument("--every", type=int, default=4, help="Trainer's save_steps")
-    ap.add_argument("--crash-at", type=int, default=170, help="fine-tuning step at which the run is killed")
-    ap.add_argument("--n-layer", type=int, default=6)
-    ap.add_argument("--n-embd", type=int, default=128)
+    ap = crash_resume_parser(__doc__, every="Trainer's save_steps", finetune="fine-tuning steps (Trainer's max_steps)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--total-limit", type=int, default=3, help="Trainer's save_total_limit of both runs")
     ap.add_argument("--json", help="also write the figures to this file")
@@ -188,8 +179,7 @@ def main() -> int:
     if args.role:
         child(args.role, args)
         return 0
-    if not 0 < args.crash_at < args.finetune:
-        ap.error("--crash-at must fall inside the fine-tuning steps")
+    check_crash_resume(ap, args)
     temporary = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="layerckpt-transformers-")
     try:

@@ -5,6 +5,8 @@ is stopped and restored sees exactly the data the uninterrupted run saw.
 """
 from __future__ import annotations
 
+import argparse
+import os
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -114,3 +116,44 @@ def post_training_run(root: str, config=None, every: int = 4, crash_at: int = 16
         "losses_after": resumed, "reference_after": want,
         "mean_loss_rel": abs(mean(resumed) - mean(want)) / mean(want), "identical": resumed == want,
     }
+
+
+# ------------------------------------------------------------------ what the crash-and-resume examples share
+
+def crash_resume_parser(doc: Optional[str], every: str = "checkpoint every N fine-tuning steps",
+                        finetune: str = "fine-tuning steps of every run", model: bool = True) -> argparse.ArgumentParser:
+    """The arguments every crash-and-resume example takes (``examples/*_finetune.py``): where it works, the
+    cadence, the step it is killed at and, with ``model``, the run's length and the model's size.  ``every`` and
+    ``finetune`` name the framework's own setting in the help."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", help="working directory (default: a temporary one, removed afterwards)")
+    ap.add_argument("--every", type=int, default=4, help=every)
+    ap.add_argument("--crash-at", type=int, default=170, help="fine-tuning step at which the run is killed")
+    if model:
+        ap.add_argument("--finetune", type=int, default=240, help=finetune)
+        ap.add_argument("--pretrain", type=int, default=60,
+                        help="pre-training steps of the model every run starts from (not checkpointed)")
+        ap.add_argument("--n-layer", type=int, default=6, help="transformer blocks of the model")
+        ap.add_argument("--n-embd", type=int, default=128, help="width of the model")
+    return ap
+
+
+def check_crash_resume(ap: argparse.ArgumentParser, args: argparse.Namespace, finetune: int = 240) -> None:
+    """A run that saves before the kill and has steps after it to resume, or a usage error naming the three."""
+    total = getattr(args, "finetune", finetune)
+    if not 0 < args.every < args.crash_at < total:
+        ap.error(f"need 0 < --every ({args.every}) < --crash-at ({args.crash_at}) < --finetune ({total}): "
+                 f"a checkpoint before the kill, and steps after it to resume")
+
+
+def folder_bytes(folder: str) -> int:
+    """Bytes of the files below ``folder``; a file renamed or removed meanwhile (another rank's temporary file)
+    counts for nothing."""
+    total = 0
+    for d, _, files in os.walk(folder):
+        for n in files:
+            try:
+                total += os.path.getsize(os.path.join(d, n))
+            except FileNotFoundError:
+                pass
+    return total
