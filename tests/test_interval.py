@@ -27,13 +27,14 @@ class Save(layerckpt.PendingSave):
 
 def train(interval, clock, steps, step_s, cost, start=0):
     """``steps`` training steps of ``step_s`` seconds; a save (when due) costs ``cost(step)`` seconds,
-    half in save() and half in the next step.  Returns the steps saved at."""
+    half in save() and half in the next step, and is durable after that step.  Returns the steps saved at."""
     saved = []
     pending = None
     for step in range(start, start + steps):
         clock.t += step_s
-        if pending is not None:  # this step waited for the previous save's copies
+        if pending is not None:  # this step waited for the previous save's copies; then it is durable
             clock.t += pending.step_wait_s
+            pending._done.set()
             pending = None
         if interval.due(step):
             c = cost(step)
@@ -87,11 +88,45 @@ def test_moving_average_and_due_once_per_step():
     iv.saved([Save(2, 0.5), Save(2, 0.5)])  # two models of one save: one checkpoint costing 1s
     clock.t = 3.0
     iv.due(3)
-    assert iv.checkpoint_cost_s == pytest.approx(1.0) and iv.step_s is not None
-    iv.saved(Save(3, 3.0))
+    assert iv.checkpoint_cost_s is None  # still in flight: its cost is still adding up
+    iv.saved(Save(3, 3.0))  # the next save completes the one before
     clock.t = 10.0
     iv.due(4)
-    assert iv.checkpoint_cost_s == pytest.approx(1.0 + 0.3 * (3.0 - 1.0))
+    step = 0.3 * 1.0  # steps 0-2 took 0 s then 1 s: the moving average of the step time
+    assert iv.step_s == pytest.approx(step)
+    # blocked 1 s, and its step took 3 - 1 - 1 = 1 s (less what it blocked) where a step takes 0.3 s
+    assert iv.checkpoint_cost_s == pytest.approx(1.0 + (1.0 - step))
+
+
+def train_slowed(interval, clock, steps, step_s, blocked, slowed, for_steps):
+    """Steps of ``step_s``; a save blocks ``blocked`` s and makes each of the ``for_steps`` steps after it
+    ``slowed`` s longer (its flush shares the machine), then it is durable.  Returns the steps saved at."""
+    saved, flying, left = [], None, 0
+    for step in range(steps):
+        clock.t += step_s
+        if left:
+            clock.t += slowed
+            left -= 1
+            if not left:
+                flying._done.set()
+        if interval.due(step):
+            flying = Save(step, blocked)
+            clock.t += blocked
+            interval.saved(flying)
+            saved.append(step)
+            left = for_steps
+    return saved
+
+
+def test_a_save_that_slows_the_steps_after_it_costs_them_too():
+    clock = Clock()
+    iv = layerckpt.Interval(mtbf=3600, smoothing=1.0, clock=clock)
+    saved = train_slowed(iv, clock, 2000, 0.5, blocked=0.1, slowed=0.4, for_steps=3)
+    assert iv.step_s == pytest.approx(0.5)  # measured on the steps no save shared
+    assert iv.checkpoint_cost_s == pytest.approx(0.1 + 3 * 0.4)  # blocked + the three slowed steps
+    assert iv.steps == round(math.sqrt(2 * 1.3 * 3600) / 0.5)  # 193 steps, where the blocking alone says 54
+    assert saved[1] - saved[0] > 3  # the first save finished before a second one was taken
+    assert [b - a for a, b in zip(saved, saved[1:])][-1] == iv.steps
 
 
 @pytest.mark.parametrize("text,seconds", [("8h", 28800), ("30m", 1800), ("2d", 172800), ("45", 45), (90, 90),
@@ -131,7 +166,8 @@ def test_lightning_saves_at_the_interval_and_logs_it(tmp_path):
     logger = CSVLogger(str(tmp_path), name="logs")
     trainer(10, [cb], str(tmp_path), logger=logger, log_every_n_steps=1).fit(Tiny())
     assert [p.step for p in cb.saves] == [3, 6, 9, 10]  # the interval's, then the end of fit
-    assert iv.checkpoint_cost_s == pytest.approx(cb.saves[2].blocked_s)  # read at the step after it
+    # a save's cost is complete at the first step no save shares after it: at the end of fit, the one of step 6
+    assert iv.checkpoint_cost_s == pytest.approx(cb.saves[1].blocked_s, abs=1e-6)
     rows = list(csv.DictReader(open(os.path.join(logger.log_dir, "metrics.csv"))))
     logged = {int(r["step"]): r for r in rows if r.get("layerckpt/interval_steps")}
     assert sorted(logged) == [3, 6, 9] and all(float(r["layerckpt/interval_steps"]) == 3 for r in logged.values())

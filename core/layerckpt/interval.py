@@ -7,13 +7,16 @@ is smallest at
 
     T = sqrt(2 x C x M)            (Young 1974; Daly 2006 refines it to sqrt(2CM) - C for C < M/2)
 
-:class:`Interval` measures ``C`` (what each save cost training: ``save()``'s return plus the next step's
-wait for the copies, :attr:`layerckpt.PendingSave.blocked_s`) and the step time online, and turns ``T``
-into a number of steps, bounded by ``min_steps`` and ``max_steps``.  A selective checkpoint costs less
-than a full one, so it is taken more often.  Assumptions, as in Young's: failures arrive independently
-at a constant rate (exponential, memoryless) with the given mean; ``C`` is small beside ``M``; the
-restart's own cost does not depend on ``T`` (it does not move the optimum); the cost and step time
-change slowly (they are moving averages over the last saves and steps).
+:class:`Interval` measures ``C`` and the step time online, and turns ``T`` into a number of steps, bounded by
+``min_steps`` and ``max_steps``.  ``C`` is all a save costs the training: what it blocks (``save()``'s return
+plus the next step's wait for the copies, :attr:`layerckpt.PendingSave.blocked_s`) and how much it slows the
+steps after it while its copies, encoding and flush share the machine, until it is durable (those steps' time
+beyond as many steps with no save in flight; a tier's copies after the commit are not counted).  The step time
+is measured on steps with no save in flight; until it is, a save waits for the one before it to be durable and
+for a step that no save shares.  A selective checkpoint costs less than a full one, so it is taken more often.
+Assumptions, as in Young's: failures arrive independently at a constant rate (exponential, memoryless) with the
+given mean; ``C`` is small beside ``M``; the restart's own cost does not depend on ``T`` (it does not move the
+optimum); the cost and step time change slowly (they are moving averages over the last saves and steps).
 """
 from __future__ import annotations
 
@@ -85,11 +88,12 @@ class Interval:
             raise ConfigError(f"Interval(smoothing={smoothing!r}) must be in (0, 1]")
         self.min_steps, self.max_steps, self.smoothing, self.clock = min_steps, max_steps, smoothing, clock
         self.checkpoint_cost_s: Optional[float] = None  # moving average of what one save cost training
-        self.step_s: Optional[float] = None  # moving average of one training step, saves excluded
+        self.step_s: Optional[float] = None  # moving average of one training step with no save in flight
         self.steps = min_steps  # the interval now, in steps
-        self._last: Optional[tuple] = None  # (step, clock) of the previous due() call
+        self._last: Optional[tuple] = None  # (step, clock, whether a save was in flight) of the previous due() call
         self._saved_at: Optional[int] = None  # step of the newest save (before one: the step before the first call)
         self._new: List[List[PendingSave]] = []  # saves since the previous due() call
+        self._open: Optional[_Cost] = None  # the newest save, while its cost to the training is still adding up
 
     def due(self, step: int) -> bool:
         """Whether to checkpoint at ``step``: ``interval`` steps or more since the last save.  Measures the
@@ -98,11 +102,12 @@ class Interval:
         if self._last is not None and step <= self._last[0]:
             return False  # asked again at the same step: measured and answered already
         self._measure(step, now)
-        self._last = (step, now)
+        flying = self._open is not None and not self._open.done()
+        self._last = (step, now, flying)
         if self._saved_at is None:  # the first call comes after one step: counted from the step before
             self._saved_at = step - 1
-        if step - self._saved_at < self.steps:
-            return False
+        if step - self._saved_at < self.steps or (self.step_s is None and self._open is not None):
+            return False  # (no step time yet: a step that no save shares is measured first)
         self._saved_at = step
         return True
 
@@ -131,17 +136,27 @@ class Interval:
                 f"step={self.step_s})")
 
     def _measure(self, step: int, now: float) -> None:
-        """From the time since the previous call: the cost of the saves made at that call, and the rest of it
-        as training steps; then the interval again."""
-        paid = [sum(p.blocked_s for p in g) for g in self._new]
+        """From the time since the previous call: a step time where no save was in flight, else more of the
+        newest save's cost; a save made at that call opens its own (the one before it is then complete)."""
+        paid = sum(p.blocked_s for g in self._new for p in g)
+        if self._new:
+            self._close()
+            self._open = _Cost(self._new)
         self._new = []
-        for c in paid:
-            self.checkpoint_cost_s = self._average(self.checkpoint_cost_s, c)
-        if self._last is None:
-            return
-        last_step, last_t = self._last
-        self.step_s = self._average(self.step_s, max(now - last_t - sum(paid), 0.0) / (step - last_step))
+        if self._last is not None:
+            last_step, last_t, flying = self._last
+            took = max(now - last_t - paid, 0.0)  # the steps' own time, less what the save blocked
+            if self._open is not None and (flying or paid):  # a save shared these steps: they count toward it
+                self._open.add(paid, took, step - last_step)
+            else:
+                self.step_s = self._average(self.step_s, took / (step - last_step))
+                self._close()  # nothing was in flight: the newest save's cost is complete
         self._choose()
+
+    def _close(self) -> None:
+        if self._open is not None:
+            self.checkpoint_cost_s = self._average(self.checkpoint_cost_s, self._open.cost(self.step_s))
+            self._open = None
 
     def _average(self, old: Optional[float], new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -158,3 +173,27 @@ class Interval:
                      "step, bounded to [%d, %s])", steps, self.checkpoint_cost_s, self.mtbf_s, best, self.step_s,
                      self.min_steps, self.max_steps)
         self.steps = steps
+
+
+class _Cost:
+    """One save's cost to the training, adding up over the steps it shares: what it blocked, and the time of
+    those steps beyond as many steps with no save in flight."""
+
+    __slots__ = ("saves", "blocked", "took", "steps")
+
+    def __init__(self, saves: List[List[PendingSave]]):
+        self.saves = [p for g in saves for p in g]
+        self.blocked = self.took = 0.0
+        self.steps = 0
+
+    def done(self) -> bool:
+        return all(p.done() for p in self.saves)
+
+    def add(self, blocked: float, took: float, steps: int) -> None:
+        self.blocked += blocked
+        self.took += took
+        self.steps += steps
+
+    def cost(self, step_s: Optional[float]) -> float:
+        slowed = 0.0 if step_s is None else max(self.took - self.steps * step_s, 0.0)
+        return self.blocked + slowed
