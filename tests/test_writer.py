@@ -173,3 +173,24 @@ def test_checkpoints_stay_verifiable_without_the_native_module(tmp_path):
                        env={**os.environ, "LAYERCKPT_BACKEND": "threads"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "RESTORED 1 True" in r.stdout and "1 of 1 checkpoint(s) verified" in r.stdout
+
+
+def test_the_commit_keeps_every_field_of_an_entry_but_seals_its_crc():
+    """``merge`` builds each committed entry anew from the rank's: every field of TensorEntry must come through."""
+    import dataclasses
+
+    from layerckpt.format._manifest import Manifest, TensorEntry
+    from layerckpt.format._places import seal
+    from layerckpt.write._commit import RankResult, merge
+
+    names = [f.name for f in dataclasses.fields(TensorEntry)]
+    assert names == ["file", "dtype", "shape", "offset", "nbytes", "crc", "enc"]  # a new field: build it in merge
+    e = TensorEntry(file="f.safetensors", dtype="F32", shape=[2, 3], offset=4096, nbytes=24, crc=0x1234,
+                    enc={"codec": "zstd", "blocks": [[4096, 10, 24, 1]], "ref": None})
+    m = Manifest(step=7, seq=1, world_size=1, created=0.0, config={}, files={}, tensors={}, layers={},
+                 model=None, optimizer=None, rng=None, extra=None)
+    merge(m, [RankResult(0, "f.safetensors", 8192, None, tensors={"model/w": e})], "crc32c")
+    got = m.tensors["model/w"]
+    check = B.checksum_function("crc32c")
+    assert got is not e and got.crc == seal(check, "model/w", 0x1234, 7)
+    assert {n: getattr(got, n) for n in names if n != "crc"} == {n: getattr(e, n) for n in names if n != "crc"}

@@ -20,8 +20,8 @@ _INT_BOUND = 10 ** MAX_INT_DIGITS
 def encode(value: Any, key: str, out: Entries, where: str) -> Any:
     """Plain values stay JSON; tensors are appended to ``out`` and replaced by a reference.  What cannot be
     stored and read back as it was raises :class:`CheckpointError` naming ``where``, before anything is staged."""
-    if isinstance(value, torch.Tensor):
-        out.append((key, _storable(value.detach(), where)))
+    if isinstance(value, torch.Tensor):  # (detach() makes a new tensor object: only where autograd tracks it)
+        out.append((key, _storable(value.detach() if value.requires_grad else value, where)))
         return {"__tensor__": key}
     if isinstance(value, np.ndarray):
         out.append((key, _storable(_from_numpy(value, where), where)))
