@@ -98,30 +98,35 @@ def test_moving_average_and_due_once_per_step():
     assert iv.checkpoint_cost_s == pytest.approx(1.0 + (1.0 - step))
 
 
-def train_slowed(interval, clock, steps, step_s, blocked, slowed, for_steps):
+def train_slowed(interval, clock, steps, step_s, blocked, slowed, for_steps, copies=False):
     """Steps of ``step_s``; a save blocks ``blocked`` s and makes each of the ``for_steps`` steps after it
-    ``slowed`` s longer (its flush shares the machine), then it is durable.  Returns the steps saved at."""
-    saved, flying, left = [], None, 0
+    ``slowed`` s longer (its flush shares the machine), then it is durable; with ``copies``, it is durable at once
+    and it is the tiers' copies after its commit that slow those steps.  Returns the steps saved at."""
+    saved, flying, left = [], None, [0]
     for step in range(steps):
         clock.t += step_s
-        if left:
+        if left[0]:
             clock.t += slowed
-            left -= 1
-            if not left:
+            left[0] -= 1
+            if not left[0]:
                 flying._done.set()
         if interval.due(step):
             flying = Save(step, blocked)
+            if copies:
+                flying._done.set()
+                flying._copying = lambda: left[0] > 0
             clock.t += blocked
             interval.saved(flying)
             saved.append(step)
-            left = for_steps
+            left[0] = for_steps
     return saved
 
 
-def test_a_save_that_slows_the_steps_after_it_costs_them_too():
+@pytest.mark.parametrize("copies", [False, True], ids=["its flush", "the tiers' copies after its commit"])
+def test_a_save_that_slows_the_steps_after_it_costs_them_too(copies):
     clock = Clock()
     iv = layerckpt.Interval(mtbf=3600, smoothing=1.0, clock=clock)
-    saved = train_slowed(iv, clock, 2000, 0.5, blocked=0.1, slowed=0.4, for_steps=3)
+    saved = train_slowed(iv, clock, 2000, 0.5, blocked=0.1, slowed=0.4, for_steps=3, copies=copies)
     assert iv.step_s == pytest.approx(0.5)  # measured on the steps no save shared
     assert iv.checkpoint_cost_s == pytest.approx(0.1 + 3 * 0.4)  # blocked + the three slowed steps
     assert iv.steps == round(math.sqrt(2 * 1.3 * 3600) / 0.5)  # 193 steps, where the blocking alone says 54

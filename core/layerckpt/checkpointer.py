@@ -317,6 +317,8 @@ class Checkpointer:
         layout = self._layout_cache.plan(plan.write)
         manifest = self._manifest(step, plan, meta, loss, name)
         pending = PendingSave(step, os.path.join(self.dirpath, _store.DATA_DIR, fname))
+        if self._tiers is not None:  # its work ends with the tiers' copies of it (PendingSave.settled)
+            pending._copying = self._tiers.busy
         job = self._submit(pending, plan, layout, fname, manifest, t0)
         pending.phases["plan"] = time.perf_counter() - t0
         start_copy(job, self.pool, self._stager, later or None, step)

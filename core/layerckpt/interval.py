@@ -10,10 +10,10 @@ is smallest at
 :class:`Interval` measures ``C`` and the step time online, and turns ``T`` into a number of steps, bounded by
 ``min_steps`` and ``max_steps``.  ``C`` is all a save costs the training: what it blocks (``save()``'s return
 plus the next step's wait for the copies, :attr:`layerckpt.PendingSave.blocked_s`) and how much it slows the
-steps after it while its copies, encoding and flush share the machine, until it is durable (those steps' time
-beyond as many steps with no save in flight; a tier's copies after the commit are not counted).  The step time
-is measured on steps with no save in flight; until it is, a save waits for the one before it to be durable and
-for a step that no save shares.  A selective checkpoint costs less than a full one, so it is taken more often.
+steps after it while its copies, encoding and flush, and the memory and remote tiers' copies of it after its
+commit, share the machine (those steps' time beyond as many steps with no save in flight,
+:meth:`layerckpt.PendingSave.settled`).  The step time is measured on steps with no save in flight; until it is,
+a save waits for the one before it to settle and for a step that no save shares.  A selective checkpoint costs less than a full one, so it is taken more often.
 Assumptions, as in Young's: failures arrive independently at a constant rate (exponential, memoryless) with the
 given mean; ``C`` is small beside ``M``; the restart's own cost does not depend on ``T`` (it does not move the
 optimum); the cost and step time change slowly (they are moving averages over the last saves and steps).
@@ -187,7 +187,7 @@ class _Cost:
         self.steps = 0
 
     def done(self) -> bool:
-        return all(p.done() for p in self.saves)
+        return all(p.settled() for p in self.saves)
 
     def add(self, blocked: float, took: float, steps: int) -> None:
         self.blocked += blocked

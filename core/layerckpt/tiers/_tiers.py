@@ -408,6 +408,11 @@ class Tier:
                     self._cv.notify_all()
                 self._tiers.released()
 
+    def busy(self) -> bool:
+        """Whether a copy is queued or running."""
+        with self._cv:
+            return self._queued is not None or self._busy is not None
+
     def drain(self) -> None:
         """Until nothing is queued or copying."""
         with self._cv:
@@ -500,6 +505,10 @@ class Tiers:
         """A copy ended: what it held may go, by the local retention, on the flusher thread."""
         self._hold()
         self.retention.soon()
+
+    def busy(self) -> bool:
+        """Whether any tier has a copy queued or running (what a save still costs the machine after its commit)."""
+        return any(t.busy() for t in self.tiers)
 
     def wait(self) -> None:
         errors = []

@@ -87,9 +87,15 @@ class PendingSave(Pending):
         #: encoded saves only), write (waiting for the disk beyond the copies, checksums and encoding), fdatasync,
         #: commit (ranks agree, the manifest durable), retention (after the commit)
         self.phases: Dict[str, float] = {}
+        self._copying: Optional[Callable[[], bool]] = None  # whether the tiers still copy (rank 0, with tiers)
 
     def _what(self) -> str:
         return f"checkpoint of step {self.step}"
+
+    def settled(self) -> bool:
+        """Durable and committed (:meth:`done`), and the copies to the memory and remote tiers that its commit
+        queued have ended too: all the work this save started is over."""
+        return self.done() and not (self._copying is not None and self._copying())
 
     @property
     def save_return_s(self) -> float:
