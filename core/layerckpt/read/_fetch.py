@@ -28,7 +28,7 @@ from ..write._flush import wait_for_saves
 from ..format._json import loads_strict
 from ..format._manifest import Manifest, load_manifest
 from ..tiers._memtier import memory_path, refusal
-from ..tiers._remote import DATA, MANIFESTS, FsspecStore, is_url
+from ..tiers._remote import DATA, MANIFESTS, FsspecStore, bigger, is_url
 from ..tiers._tiers import COPIES_IN_FLIGHT, read_all, same_store, tier_id, wait_for_tiers
 from ..config import Config
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -136,15 +136,31 @@ class Source:
 
     @contextlib.contextmanager
     def open(self) -> Iterator[View]:
-        """A local view of the composite: the memory tier's own folder, or a temporary folder the remote
-        composite is downloaded into (removed on exit)."""
+        """A local view of the composite: the memory tier's own folder, a ``file://`` remote's own folder (read
+        in place, as the memory tier is: a copy first would read every byte twice), or a temporary folder the
+        remote composite is downloaded into (removed on exit)."""
         t0 = time.perf_counter()
         if self.kind == "memory":
             yield View(self.store.root, self.m.step, self._local_copy(), t0)
             return
+        if getattr(self.store, "local", False):
+            self._not_bigger()
+            yield View(self.store.root, self.m.step, self.store.where(MANIFESTS, self.name), t0)
+            return
         with tempfile.TemporaryDirectory(prefix="layerckpt-fetch-") as tmp:
             self._download(tmp)
             yield View(tmp, self.m.step, self.store.where(MANIFESTS, self.name), t0)
+
+    def _not_bigger(self) -> None:
+        """A tier's data file larger than its manifest records is not the one recorded: refused, as a download
+        refuses it (the reader checks the rest: links, other kinds of file, truncation, checksums)."""
+        for fname, f in sorted(self.m.files.items()):
+            try:
+                have = os.lstat(os.path.join(self.store.root, DATA, fname)).st_size
+            except OSError:  # missing or unreadable: the reader says which
+                continue
+            if have > f.size:
+                raise bigger(self.store.where(DATA, fname), have, f.size)
 
     def _local_copy(self) -> Optional[str]:
         """The local directory's manifest of the same composite (same commit), if it has it."""

@@ -75,14 +75,14 @@ def _local_get(root: str, sub: str, src: str, dst: str, size: Optional[int]) -> 
     fd, st = open_regular(src, _what(sub), follow=False, under=root)
     try:
         if size is not None and st.st_size > size:  # refused before a byte is copied
-            raise _bigger(src, st.st_size, size, _what(sub))
+            raise bigger(src, st.st_size, size, _what(sub))
         copy_capped(lambda n: os.read(fd, n), dst, st.st_size if size is None else size, src, _what(sub),
                     "its manifest records" if size is not None else "it held when opened")
     finally:
         os.close(fd)
 
 
-def _bigger(where: str, have: Optional[int], cap: int, what: str = "data file",
+def bigger(where: str, have: Optional[int], cap: int, what: str = "data file",
             expected: str = "its manifest records") -> CheckpointCorruptError:
     held = f"{have} bytes" if have is not None else "more bytes"
     return CheckpointCorruptError(f"{what} {where} holds {held}, more than the {cap_text(cap)} {expected}; the tier's "
@@ -103,7 +103,7 @@ def copy_capped(read, dst: str, cap: int, where: str, what: str = "data file",
                 return total
             total += len(b)
             if total > cap:
-                raise _bigger(where, None, cap, what, expected)
+                raise bigger(where, None, cap, what, expected)
             view = memoryview(b)
             while view:
                 view = view[os.write(fd, view):]
@@ -232,7 +232,7 @@ class FsspecStore:
         self.fs.invalidate_cache(src)  # the size (and version) now, not a listing's from before
         have = self.fs.size(src)
         if size is not None and have is not None and have > size:
-            raise _bigger(self.where(sub, name), have, size, _what(sub))
+            raise bigger(self.where(sub, name), have, size, _what(sub))
         cap, expected = (size, "its manifest records") if size is not None else (have, "the tier reported for it")
         if cap is None:
             raise CheckpointError(f"{self.where(sub, name)}: the remote reports no size for it; refused")
