@@ -13,7 +13,8 @@ plus the next step's wait for the copies, :attr:`layerckpt.PendingSave.blocked_s
 steps after it while its copies, encoding and flush, and the memory and remote tiers' copies of it after its
 commit, share the machine (those steps' time beyond as many steps with no save in flight,
 :meth:`layerckpt.PendingSave.settled`).  The step time is measured on steps with no save in flight; until it is,
-a save waits for the one before it to settle and for a step that no save shares.  A selective checkpoint costs less than a full one, so it is taken more often.
+a save waits for the one before it to settle and for a step that no save shares.  A selective checkpoint costs
+less than a full one, so it is taken more often.
 Assumptions, as in Young's: failures arrive independently at a constant rate (exponential, memoryless) with the
 given mean; ``C`` is small beside ``M``; the restart's own cost does not depend on ``T`` (it does not move the
 optimum); the cost and step time change slowly (they are moving averages over the last saves and steps).
