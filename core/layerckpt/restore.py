@@ -26,8 +26,8 @@ from .format._codec import decode, tensor_refs
 from .write._gather import model_state, optimizer_params, param_names, rng_values, set_rng_state
 from .format._layout import CODES, DTYPES
 from .format._manifest import Manifest, is_rng, model_key, model_name, parse_once, piece_base
-from .read._reader import (Reader, Window, is_row_sharded, is_sharded, local_boxes, local_rows, open_reader,  # noqa: F401
-                      read_tensors, retry_gone)
+from .read._reader import (Reader, Window, is_row_sharded, is_sharded, local_boxes, local_rows,  # noqa: F401
+                           open_reader, read_tensors, retry_gone)
 from .config import Config
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, StalenessError
 

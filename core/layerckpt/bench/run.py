@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional
 
 from ..io._backend import CHECKSUM, uring_available
 from .cases import (DiskLimits, bench_dcp, bench_layerckpt, bench_overhead, bench_safetensors, bench_selective,
-                          bench_torch_save, build_state, checksum_rate, compression_rate, flat_tensors, memcpy_time,
-                          state_bytes)
+                    bench_torch_save, build_state, checksum_rate, compression_rate, flat_tensors, memcpy_time,
+                    state_bytes)
 from ..config import Config
 from .machine import machine
 

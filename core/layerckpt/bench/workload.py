@@ -121,7 +121,8 @@ def post_training_run(root: str, config=None, every: int = 4, crash_at: int = 16
 # ------------------------------------------------------------------ what the crash-and-resume examples share
 
 def crash_resume_parser(doc: Optional[str], every: str = "checkpoint every N fine-tuning steps",
-                        finetune: str = "fine-tuning steps of every run", model: bool = True) -> argparse.ArgumentParser:
+                        finetune: str = "fine-tuning steps of every run",
+                        model: bool = True) -> argparse.ArgumentParser:
     """The arguments every crash-and-resume example takes (``examples/*_finetune.py``): where it works, the
     cadence, the step it is killed at and, with ``model``, the run's length and the model's size.  ``every`` and
     ``finetune`` name the framework's own setting in the help."""

@@ -33,8 +33,8 @@ from ..errors import CheckpointCorruptError
 
 
 def validated(m: Any, path: str, other_fields: Sequence[str]) -> Dict[str, Any]:
-    """The fields of a :class:`~layerckpt.format._manifest.Manifest` from the parsed manifest ``m`` at ``path``, every one
-    checked; ``other_fields``: its fields besides step, world_size, files, tensors, layers and model."""
+    """The fields of a :class:`~layerckpt.format._manifest.Manifest` from the parsed manifest ``m`` at ``path``,
+    every one checked; ``other_fields``: its fields besides step, world_size, files, tensors, layers and model."""
     _check_header(m, path)
     files = {name: _file_entry(name, e, m["step"], path) for name, e in m["files"].items()}
     tensors = {key: _tensor_entry(key, e, files, path) for key, e in m["tensors"].items()}

@@ -27,8 +27,8 @@ from ..format._codec import Entries
 from ._exact import Fingerprint, Fingerprints, fingerprints
 from ._layers import LayerSpec, group_layers
 from ..format._layout import CODES, ITEMSIZE
-from ..format._manifest import (ROWS, Boxes, FileEntry, LayerEntry, Manifest, RowBlocks, TensorEntry, is_rng, model_name,
-                        param_of, piece_base, shard_pieces)
+from ..format._manifest import (ROWS, Boxes, FileEntry, LayerEntry, Manifest, RowBlocks, TensorEntry, is_rng,
+                                model_name, param_of, piece_base, shard_pieces)
 from .._dist import Group
 from ._track import DriftTracker, LayerSample, Measure, Views, combine
 from ..config import REMOTE_BASES, Config

@@ -19,8 +19,8 @@ import torch
 
 from ..format._codec import Entries, decode, encode
 from ..format._layout import DTYPES
-from ..format._manifest import (EXTRA, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, Boxes, RowBlocks, box_key, param_of, piece_key,
-                        rng_prefix)
+from ..format._manifest import (EXTRA, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, Boxes, RowBlocks, box_key, param_of,
+                                piece_key, rng_prefix)
 from ..errors import CheckpointCorruptError, CheckpointError
 
 
