@@ -50,11 +50,13 @@ def test_the_interval_is_young_s_optimum_in_steps_and_tracks_a_changing_cost():
     iv = layerckpt.Interval(mtbf="8h", min_steps=5, max_steps=100000, smoothing=1.0, clock=clock)
     assert iv.steps == 5  # nothing measured yet: the lower bound
     assert iv.metrics() == {"layerckpt/interval_steps": 5.0, "layerckpt/interval_mtbf_s": 28800.0}
-    train(iv, clock, 200, 0.5, lambda s: 2.0)
+    saved = train(iv, clock, 1000, 0.5, lambda s: 2.0)
+    # before a save's cost is known, a save costs one step: not at the first step, but at sqrt(2 x 0.5 x 8h) / 0.5
+    assert saved[0] == round(math.sqrt(2 * 0.5 * 8 * 3600) / 0.5) - 1  # (counted from the step before the first)
     assert iv.step_s == pytest.approx(0.5) and iv.checkpoint_cost_s == pytest.approx(2.0)
     assert iv.steps == round(math.sqrt(2 * 2.0 * 8 * 3600) / 0.5)  # 679 steps: ~5.7 minutes
     first = iv.steps
-    saved = train(iv, clock, 4000, 0.5, lambda s: 8.0, start=200)  # the saves get 4x as costly
+    saved = train(iv, clock, 4000, 0.5, lambda s: 8.0, start=1000)  # the saves get 4x as costly
     assert iv.checkpoint_cost_s == pytest.approx(8.0)
     assert iv.steps == round(math.sqrt(2 * 8.0 * 8 * 3600) / 0.5) == pytest.approx(2 * first, abs=1)
     gaps = [b - a for a, b in zip(saved, saved[1:])]
@@ -80,7 +82,7 @@ def test_a_cheaper_selective_save_is_taken_more_often_and_the_bounds_hold():
 
 def test_moving_average_and_due_once_per_step():
     clock = Clock()
-    iv = layerckpt.Interval(mtbf="1h", min_steps=3, clock=clock)
+    iv = layerckpt.Interval(mtbf="1h", min_steps=3, max_steps=3, clock=clock)
     assert iv.due(0) is False and iv.due(1) is False
     clock.t = 1.0
     assert iv.due(2) is True

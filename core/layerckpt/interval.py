@@ -13,8 +13,10 @@ plus the next step's wait for the copies, :attr:`layerckpt.PendingSave.blocked_s
 steps after it while its copies, encoding and flush, and the memory and remote tiers' copies of it after its
 commit, share the machine (those steps' time beyond as many steps with no save in flight,
 :meth:`layerckpt.PendingSave.settled`).  The step time is measured on steps with no save in flight; until it is,
-a save waits for the one before it to settle and for a step that no save shares.  A selective checkpoint costs
-less than a full one, so it is taken more often.
+a save waits for the one before it to settle and for a step that no save shares.  Before the first save's cost
+is known, a save is taken to cost one step (so a job, or a job restarted after a failure, does not save at its
+first step: its newest checkpoint is as fresh as it gets).  A selective checkpoint costs less than a full one,
+so it is taken more often.
 Assumptions, as in Young's: failures arrive independently at a constant rate (exponential, memoryless) with the
 given mean; ``C`` is small beside ``M``; the restart's own cost does not depend on ``T`` (it does not move the
 optimum); the cost and step time change slowly (they are moving averages over the last saves and steps).
@@ -66,7 +68,7 @@ class Interval:
 
     Call :meth:`due` once per training step (or every few: the steps between calls are counted); when it
     says yes, save and hand the ``PendingSave`` (or the list of them, one per model) to :meth:`saved`.
-    Until a save's cost is known the interval is ``min_steps``.  Under torch.distributed each rank measures
+    Until a save's cost is known, a save is taken to cost one step.  Under torch.distributed each rank measures
     its own clocks: broadcast rank 0's answer so that every rank saves together (the Lightning callback
     does).  :meth:`metrics` gives the chosen interval and its inputs for a logger.
 
@@ -107,7 +109,7 @@ class Interval:
         self._last = (step, now, flying)
         if self._saved_at is None:  # the first call comes after one step: counted from the step before
             self._saved_at = step - 1
-        if step - self._saved_at < self.steps or (self.step_s is None and self._open is not None):
+        if step - self._saved_at < self.steps or self.step_s is None:
             return False  # (no step time yet: a step that no save shares is measured first)
         self._saved_at = step
         return True
@@ -163,16 +165,19 @@ class Interval:
         return new if old is None else old + self.smoothing * (new - old)
 
     def _choose(self) -> None:
-        best = self.optimum_s()
-        if best is None or not self.step_s:
+        if not self.step_s:
             return
+        # no save's cost known yet: one step's time, the least a save of the training's state plausibly costs
+        best = self.optimum_s() or math.sqrt(2 * self.step_s * self.mtbf_s)
         steps = max(self.min_steps, int(round(best / self.step_s)))
         if self.max_steps is not None:
             steps = min(steps, self.max_steps)
         if steps != self.steps:
-            log.info("layerckpt: checkpoint every %d steps (sqrt(2 x cost %.3gs x MTBF %.3gs) = %.3gs at %.3gs a "
-                     "step, bounded to [%d, %s])", steps, self.checkpoint_cost_s, self.mtbf_s, best, self.step_s,
-                     self.min_steps, self.max_steps)
+            cost = self.step_s if self.checkpoint_cost_s is None else self.checkpoint_cost_s
+            log.info("layerckpt: checkpoint every %d steps (sqrt(2 x cost %.3gs%s x MTBF %.3gs) = %.3gs at %.3gs a "
+                     "step, bounded to [%d, %s])", steps, cost, " (one step: no save measured yet)"
+                     if self.checkpoint_cost_s is None else "", self.mtbf_s, best, self.step_s, self.min_steps,
+                     self.max_steps)
         self.steps = steps
 
 
