@@ -99,8 +99,8 @@ class LayerCheckpoint(ModelCheckpoint):
         staging_dir: with a URL as ``dirpath``, the local directory saves are staged in (see ``dirpath``).
         mtbf: the job's mean time between failures ("8h", "30m", seconds, a timedelta), or a
             :class:`layerckpt.Interval` (for its ``min_steps``/``max_steps``): save every
-            sqrt(2 x C x MTBF) of training, in steps, with C what one save costs training (``stall_ms``)
-            and the step time both measured as training goes (see :class:`layerckpt.Interval` for the
+            sqrt(2 x C x MTBF) of training, in steps, with C what one save costs training (``stall_ms``
+            and the steps it slows until it has settled) and the step time both measured as training goes (see :class:`layerckpt.Interval` for the
             formula and its assumptions).  Takes the place of ``every_n_train_steps``,
             ``train_time_interval`` and ``every_n_epochs``, which may not be given with it.  Rank 0's
             clock decides for every rank; the chosen interval and its inputs are logged at each save
