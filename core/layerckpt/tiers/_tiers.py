@@ -411,12 +411,15 @@ class Tier:
     def busy(self) -> bool:
         """Whether a copy is queued or running."""
         with self._cv:
-            return self._queued is not None or self._busy is not None
+            return self._working()
+
+    def _working(self) -> bool:  # under self._cv
+        return self._queued is not None or self._busy is not None
 
     def drain(self) -> None:
         """Until nothing is queued or copying."""
         with self._cv:
-            while self._queued is not None or self._busy is not None:
+            while self._working():
                 self._cv.wait()
 
     def wait(self) -> None:

@@ -93,8 +93,8 @@ class PendingSave(Pending):
         return f"checkpoint of step {self.step}"
 
     def settled(self) -> bool:
-        """Durable and committed (:meth:`done`), and the copies to the memory and remote tiers that its commit
-        queued have ended too: all the work this save started is over."""
+        """Durable and committed (:meth:`done`), and the memory and remote tiers copy nothing any more (neither
+        what its commit queued nor a later save's): all the work this save started is over."""
         return self.done() and not (self._copying is not None and self._copying())
 
     @property
