@@ -19,7 +19,7 @@ DEFAULT = "run"
 #: bench module -> the options (args attributes) it reads beside --dir, --json and --quiet
 USES: Dict[str, Tuple[str, ...]] = {
     "run": ("preset", "reps", "config", "chunk_bytes", "queue_depth", "only", "remote", "remote_options"),
-    "policy": ("config", "workloads", "plot"),
+    "policy": ("config", "workloads", "plot", "through"),
     "sharded": ("size", "reps", "nproc", "mesh", "encoding"),
     "lightning_io": ("size", "reps"),
     "restore": ("sizes", "cache", "reps"),
@@ -31,7 +31,7 @@ USES: Dict[str, Tuple[str, ...]] = {
 #: the defaults :func:`check` fills in for the mode that runs
 DEFAULTS = {"preset": "gpt2-small", "reps": 3, "size": "gpt2-small", "nproc": 2, "steps_n": 6, "steps_every": 1,
             "sizes": "10MB,50MB,200MB,gpt2-small", "cache": "warm,cold", "cpu_models": "main,gpt2-small",
-            "mtbf": "60", "goodput_steps": 300, "failure": "crash,node", "seed": 0, "cadences": "10,25,50"}
+            "mtbf": "60", "through": "core", "goodput_steps": 300, "failure": "crash,node", "seed": 0, "cadences": "10,25,50"}
 #: where a mode's default differs from DEFAULTS'
 MODE_DEFAULTS = {"goodput": {"size": "gpt2-mini"}}
 
@@ -66,6 +66,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--policy", action="store_true",
                    help="instead: the selection defaults on the workload family (bytes, loss after restore)")
     a.add_argument("--workloads", nargs="+", help="with --policy: which workloads (default: all)")
+    a.add_argument("--through",
+                   help="with --policy: comma-separated, core (the Checkpointer) and/or the adapters lightning, "
+                        "accelerate, trainer: each trains and resumes the family its framework's way "
+                        "(default: core)")
     a.add_argument("--plot", metavar="FILE",
                    help="with --policy: the steps-lost frontiers as a .png, .svg or .pdf (needs matplotlib)")
     a.add_argument("--sharded", action="store_true",
@@ -169,6 +173,10 @@ def _check_policy(args) -> None:
         if unknown:
             raise CheckpointError(f"--workloads: no workload named {', '.join(unknown)}; name some of "
                                   f"{', '.join(WORKLOADS)} (or drop --workloads for all)")
+    if args.through is not None:
+        from .policy_through import parse_through
+
+        parse_through(args.through)  # a wrong name or a framework not installed: refused before any work
     if args.plot:
         from .._cli_run import figure_path
 

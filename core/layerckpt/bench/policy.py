@@ -289,21 +289,34 @@ def format_report(res: Dict[str, Any]) -> str:
     c = res["config"]
     rule = types.SimpleNamespace(threshold=c.get("threshold"), fidelity=c.get("fidelity"),
                                  max_staleness=c.get("max_staleness"))
-    return format_table(res["rows"], rule) + "\n\n" + format_frontier(res["rows"])
+    out = format_table(res["rows"], rule) + "\n\n" + format_frontier(res["rows"]) if res.get("rows") else ""
+    if res.get("through"):
+        from .policy_through import format_table as format_through
+
+        out = (out + "\n\n" if out else "") + format_through(res)
+    return out
 
 
 def main(args) -> int:
     import json
 
+    from . import policy_through
+
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     config = Config.from_yaml(args.config) if args.config else Config()
-    rows = sweep(args.workloads, config, args.dir, frontier=True)
+    through = policy_through.parse_through(args.through)
+    res: Dict[str, Any] = {"config": config.to_dict(),
+                           "rows": sweep(args.workloads, config, args.dir, frontier=True) if "core" in through else []}
+    adapters = [t for t in through if t != "core"]
+    if adapters:
+        policy_through.quiet_frameworks()
+        res["through"] = policy_through.sweep(adapters, args.workloads, config, args.dir, CRASHES)
     if args.json:
         from .machine import machine
 
-        print(json.dumps({"machine": machine(), "config": config.to_dict(), "rows": rows}, default=str))
+        print(json.dumps({"machine": machine(), **res}, default=str))
     else:
-        print(format_report({"config": config.to_dict(), "rows": rows}))
-    if getattr(args, "plot", None):
+        print(format_report(res))
+    if getattr(args, "plot", None) and res["rows"]:
         plot(rows, args.plot)  # skipped where matplotlib is not installed
     return 0

@@ -24,7 +24,8 @@ Views (the marker's second word; without one, the view is told from the JSON's k
 ``sharded``    ``layerckpt bench --sharded``
 ``lightning``  ``layerckpt bench --lightning``
 ``cpu``        ``layerckpt bench --cpu``
-``policy``     ``layerckpt bench --policy`` (both tables)
+``policy``     ``layerckpt bench --policy`` (both tables, and the adapters' where ``--through`` named some)
+``through``    ``layerckpt bench --policy --through ...``: the adapters' table alone
 ``goodput``    ``layerckpt bench --goodput`` (``goodput_report.format_table``)
 =============  ==========================================================================================
 """
@@ -67,6 +68,7 @@ VIEWS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "lightning": _call("lightning_io", "format_table"),
     "cpu": _call("cpu", "format_table"),
     "policy": _call("policy", "format_report"),
+    "through": _call("policy_through", "format_table"),
     "goodput": _call("goodput_report", "format_table"),
 }
 
