@@ -13,7 +13,8 @@ from ..errors import CheckpointError
 
 #: mode flag (the args attribute) -> the bench module that runs it; no flag: ``run``
 MODES: Dict[str, str] = {"sharded": "sharded", "lightning": "lightning_io", "policy": "policy",
-                         "restore": "restore", "steps": "steps", "cpu": "cpu", "goodput": "goodput"}
+                         "restore": "restore", "steps": "steps", "cpu": "cpu", "goodput": "goodput",
+                         "lossy": "lossy"}
 DEFAULT = "run"
 
 #: bench module -> the options (args attributes) it reads beside --dir, --json and --quiet
@@ -26,6 +27,7 @@ USES: Dict[str, Tuple[str, ...]] = {
     "steps": ("size", "steps_n", "steps_every"),
     "cpu": ("cpu_models",),
     "goodput": ("size", "mtbf", "goodput_steps", "failure", "seed", "cadences"),
+    "lossy": ("workloads",),
 }
 
 #: the defaults :func:`check` fills in for the mode that runs
@@ -49,7 +51,7 @@ def _positive(text: str) -> int:
 def add_parser(sub) -> argparse.ArgumentParser:
     a = sub.add_parser("bench", help="time layerckpt against torch.save, safetensors and DCP (one benchmark: the "
                                      "default, or one of --policy, --sharded, --lightning, --restore, --steps, --cpu, "
-                                     "--goodput)")
+                                     "--goodput, --lossy)")
     a.add_argument("--preset", choices=["gpt2-small", "tiny"],
                    help="the default bench: the state to save (default: gpt2-small)")
     a.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
@@ -65,7 +67,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the default bench: the remote tier for 'tiers' (default: a folder beside --dir)")
     a.add_argument("--policy", action="store_true",
                    help="instead: the selection defaults on the workload family (bytes, loss after restore)")
-    a.add_argument("--workloads", nargs="+", help="with --policy: which workloads (default: all)")
+    a.add_argument("--workloads", nargs="+", help="with --policy or --lossy: which workloads (default: all)")
+    a.add_argument("--lossy", action="store_true",
+                   help="instead: a study of bounded-loss codes on the workload family (bytes against raw full "
+                        "checkpoints, loss after one restore and after five; in memory, not through the store)")
     a.add_argument("--through",
                    help="with --policy: comma-separated, core (the Checkpointer) and/or the adapters lightning, "
                         "accelerate, trainer: each trains and resumes the family its framework's way "
@@ -151,7 +156,7 @@ def check(args) -> str:
         from .sharded import parse_mesh
 
         parse_mesh(args.mesh)  # a malformed mesh: its message, before torchrun starts
-    if kind == "policy":
+    if kind in ("policy", "lossy"):
         _check_policy(args)
     for dest, value in DEFAULTS.items():
         if dest in USES[kind] and getattr(args, dest, None) is None:
@@ -166,18 +171,18 @@ _ALL = list(dict.fromkeys(d for uses in USES.values() for d in uses))
 
 
 def _check_policy(args) -> None:
-    if args.workloads:
+    if getattr(args, "workloads", None):
         from .family import WORKLOADS
 
         unknown = [w for w in args.workloads if w not in WORKLOADS]
         if unknown:
             raise CheckpointError(f"--workloads: no workload named {', '.join(unknown)}; name some of "
                                   f"{', '.join(WORKLOADS)} (or drop --workloads for all)")
-    if args.through is not None:
+    if getattr(args, "through", None) is not None:
         from .policy_through import parse_through
 
         parse_through(args.through)  # a wrong name or a framework not installed: refused before any work
-    if args.plot:
+    if getattr(args, "plot", None):
         from .._cli_run import figure_path
 
         figure_path(args.plot, "--plot")  # where plot would write nothing, or fail after the whole run

@@ -269,9 +269,15 @@ def sweep(through: Sequence[str], names: Optional[Sequence[str]], config: Config
 def quiet_frameworks() -> None:
     """The frameworks' per-run banners and warnings about this bench's own choices (a CPU run, no logger, a
     placeholder dataset) off: the table is the output."""
+    import importlib
     import logging
     import warnings
 
+    for module in ("lightning.pytorch", "transformers", "accelerate"):  # each sets its loggers' levels at import
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
     for name in ("lightning.pytorch", "lightning.fabric", "lightning", "transformers", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module=r"lightning\..*")

@@ -26,6 +26,7 @@ Views (the marker's second word; without one, the view is told from the JSON's k
 ``cpu``        ``layerckpt bench --cpu``
 ``policy``     ``layerckpt bench --policy`` (both tables, and the adapters' where ``--through`` named some)
 ``through``    ``layerckpt bench --policy --through ...``: the adapters' table alone
+``lossy``      ``layerckpt bench --lossy``
 ``goodput``    ``layerckpt bench --goodput`` (``goodput_report.format_table``)
 =============  ==========================================================================================
 """
@@ -69,12 +70,15 @@ VIEWS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "cpu": _call("cpu", "format_table"),
     "policy": _call("policy", "format_report"),
     "through": _call("policy_through", "format_table"),
+    "lossy": _call("lossy", "format_table"),
     "goodput": _call("goodput_report", "format_table"),
 }
 
 
 def view_of(res: Dict[str, Any]) -> str:
     """The view a marker without one gets, told from the JSON's keys (the bench that wrote it)."""
+    if "rows" in res and res.get("lossy"):
+        return "lossy"
     if "rows" in res:
         return "policy"
     if "mtbf_s" in res and "free" in res:
