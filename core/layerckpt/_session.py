@@ -68,8 +68,7 @@ def start_io(dirpath: str, config: Config, writer: Optional[_store.WriterLock],
              tiers: Optional[_tiers.Tiers]) -> Tuple[int, Any, BufferPool]:
     """The commit number to continue from, the writer backend and the staging buffers."""
     try:
-        good, _ = _store.read_all(dirpath)
-        seq = max((m.seq for m in good.values()), default=0)
+        seq = _store.max_seq(dirpath)
         if tiers is not None:  # commit order continues past what the tiers hold
             seq = max(seq, tiers.seq)
         return seq, make_backend(config.backend, config.queue_depth), \

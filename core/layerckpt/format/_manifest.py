@@ -141,6 +141,7 @@ class Manifest:
         # the entries are turned into dicts by the encoder as it meets them: no copy of the whole manifest; a
         # tensor's entry, which the composites after it carry unchanged, is serialised once (``_entry_json``)
         d = self._fields()
+        d = {"step": d.pop("step"), "seq": d.pop("seq"), **d}  # first: what orders the composites (``_store.peek``)
         tensors = d.pop("tensors")
         head = json.dumps(d, separators=(",", ":"), allow_nan=True, default=fields_of)
         body = ",".join([_entry_json(k, e) for k, e in tensors.items()])

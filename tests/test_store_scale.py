@@ -1,0 +1,100 @@
+"""What a resume costs does not grow with the composites a store holds (a Trainer or LayerCheckpoint keeping every
+checkpoint): restore() parses the newest manifest alone, and opening a Checkpointer on the store parses none,
+while the newest-by-commit rule, the refusal to fall back past a damaged newer checkpoint, and the clean-up of a
+torn save's files hold as before."""
+import json
+import os
+
+import pytest
+import torch
+
+import layerckpt
+from conftest import trained
+from layerckpt import store
+from layerckpt.errors import CheckpointCorruptError
+from layerckpt.format import _manifest
+
+KEEP_ALL = layerckpt.Config(threshold=0.0, keep_last=0)
+N = 12
+
+
+@pytest.fixture
+def parses(monkeypatch):
+    """Counts the manifests parsed and validated whole (``Manifest.from_dict``)."""
+    count = []
+    real = _manifest.Manifest.from_dict.__func__
+
+    def counted(cls, m, path):
+        count.append(os.path.basename(path))
+        return real(cls, m, path)
+
+    monkeypatch.setattr(_manifest.Manifest, "from_dict", classmethod(counted))
+    return count
+
+
+def _saves(root, steps):
+    model, opt = trained()
+    with layerckpt.Checkpointer(root, model, opt, config=KEEP_ALL) as ck:
+        for step in steps:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01)
+            ck.save(step).wait()
+    return model, opt
+
+
+def test_restore_and_open_parse_no_more_manifests_with_many_composites(tmp_path, parses):
+    root = str(tmp_path / "run")
+    model, opt = _saves(root, range(1, N + 1))
+    assert len(store.steps(root)) == N
+    parses.clear()
+    rep = layerckpt.restore(root, *trained(seed=1))
+    assert rep.step == N and set(parses) == {"step-%08d.json" % N}
+    parses.clear()
+    m2, o2 = trained(seed=2)
+    with layerckpt.Checkpointer(root, m2, o2, config=KEEP_ALL) as ck:
+        assert parses == []  # the commit number and the clean-up read no manifest
+        ck.save(N + 1).wait()
+    assert store.read_manifest(store.resolve(root)).seq == N + 1
+
+
+def test_the_newest_commit_wins_over_a_higher_step_and_an_older_writers_layout(tmp_path):
+    root = str(tmp_path / "run")
+    _saves(root, [10, 20, 30])
+    _saves(root, [15])  # a rollback: resumed from 10 and saved 15, committed after 30
+    assert os.path.basename(store.resolve(root)) == "step-00000015.json"
+    # a manifest whose first bytes do not say its order (another writer's key order) is read whole
+    path = os.path.join(root, "manifests", "step-00000015.json")
+    doc = json.load(open(path))
+    with open(path, "w") as f:
+        json.dump({k: doc[k] for k in reversed(list(doc))}, f)
+    assert os.path.basename(store.resolve(root)) == "step-00000015.json"
+
+
+def test_a_damaged_newest_is_not_skipped_silently(tmp_path):
+    root = str(tmp_path / "run")
+    _saves(root, [1, 2, 3])
+    path = os.path.join(root, "manifests", "step-00000003.json")
+    raw = open(path, "rb").read()
+    assert raw.startswith(b'{"step":3,"seq":3,')
+    with open(path, "wb") as f:  # its first bytes intact, the rest cut off
+        f.write(raw[: len(raw) // 2])
+    with pytest.raises(CheckpointCorruptError, match="step-00000003.json"):
+        layerckpt.restore(root, *trained(seed=1))
+    # the older ones stay readable by step
+    assert layerckpt.restore(root, *trained(seed=1), step=2).step == 2
+
+
+def test_a_torn_saves_files_are_still_removed_on_open(tmp_path):
+    root = str(tmp_path / "run")
+    _saves(root, range(1, 6))
+    data = os.path.join(root, "data")
+    names = sorted(os.listdir(data))
+    torn = os.path.join(data, "step-00000009.rank0.safetensors")  # a save killed before its commit
+    resaved = os.path.join(data, names[-1].replace(".rank0", ".v1.rank0"))  # a re-save of step 5, never committed
+    for p in (torn, resaved):
+        with open(p, "wb") as f:
+            f.write(b"\0" * 4096)
+    m, o = trained(seed=2)
+    layerckpt.Checkpointer(root, m, o, config=KEEP_ALL).close()
+    assert sorted(os.listdir(data)) == names
