@@ -131,7 +131,8 @@ class S3:
         self.requests = []
 
         def logged(environ, start_response):
-            self.requests.append((environ["REQUEST_METHOD"], environ["PATH_INFO"], environ.get("QUERY_STRING", "")))
+            self.requests.append((environ["REQUEST_METHOD"], environ["PATH_INFO"], environ.get("QUERY_STRING", ""),
+                                  environ.get("HTTP_RANGE", "")))
             return app(environ, start_response)
 
         self._server = make_server("127.0.0.1", 0, logged, threaded=True, request_handler=MotoRequestHandler)
@@ -151,7 +152,7 @@ class S3:
 
     def written(self, prefix: str):
         """Object keys under ``prefix`` that got a PUT (whole objects and multipart parts)."""
-        return {p.split(prefix, 1)[1].lstrip("/") for meth, p, _ in self.requests
+        return {p.split(prefix, 1)[1].lstrip("/") for meth, p, *_ in self.requests
                 if meth == "PUT" and prefix in p}
 
     def stop(self):

@@ -139,7 +139,7 @@ def test_remote_retention_follows_local_and_reuses_committed_files(s3, tmp_path)
             assert _remote_names(url, options, "manifests") == local_m
             assert _remote_names(url, options, "data") == local_d == sorted(_referenced(url, options))
     # every data object was put once: a composite's older files were reused, not uploaded again
-    puts = [p for meth, p, q in s3.requests if meth == "PUT" and f"{path}/data/step-0000000" in p]
+    puts = [p for meth, p, q, *_ in s3.requests if meth == "PUT" and f"{path}/data/step-0000000" in p]
     assert len(puts) == len(set(puts)) == 8
     m2 = stack()
     shutil.rmtree(root)
@@ -208,7 +208,7 @@ def test_large_files_go_up_in_parts(s3, tmp_path):
     with layerckpt.Checkpointer(tmp_path / "ck", model, config=cfg) as ck:
         ck.save(1)
     _, path = _fs(url, options)
-    parts = [q for meth, p, q in s3.requests if meth == "PUT" and p.endswith("step-00000001.rank0.safetensors")]
+    parts = [q for meth, p, q, *_ in s3.requests if meth == "PUT" and p.endswith("step-00000001.rank0.safetensors")]
     assert len(parts) == 3 and all("partNumber" in q for q in parts)
     m2 = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)])
     layerckpt.restore(url, m2, config=cfg)

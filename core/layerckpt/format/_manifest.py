@@ -141,7 +141,7 @@ class Manifest:
         # the entries are turned into dicts by the encoder as it meets them: no copy of the whole manifest; a
         # tensor's entry, which the composites after it carry unchanged, is serialised once (``_entry_json``)
         d = self._fields()
-        d = {"step": d.pop("step"), "seq": d.pop("seq"), **d}  # first: what orders the composites (``_store.peek``)
+        d = head_first(d)
         tensors = d.pop("tensors")
         head = json.dumps(d, separators=(",", ":"), allow_nan=True, default=fields_of)
         body = ",".join([_entry_json(k, e) for k, e in tensors.items()])
@@ -204,6 +204,12 @@ def plain(obj: Any) -> Any:
 
 _parsed: "contextvars.ContextVar[Optional[Dict[Tuple[str, int, int, int], Manifest]]]" = contextvars.ContextVar(
     "layerckpt_parsed_manifests", default=None)
+
+
+def head_first(d: Dict[str, Any]) -> Dict[str, Any]:
+    """A manifest's fields with its step and commit number first, as every writer of a manifest lays them out:
+    they order the composites, and a reader takes them from a manifest's first bytes (``_store.peek``)."""
+    return {"step": d["step"], "seq": d["seq"], **{k: v for k, v in d.items() if k not in ("step", "seq")}}
 
 
 @contextlib.contextmanager

@@ -320,8 +320,8 @@ def resolve(root: str, step: Optional[int] = None) -> str:
 
 
 #: how this library's writer starts a manifest (``Manifest.to_json``): the step, then the commit number
-_HEAD = re.compile(rb'^\{"step":(\d{1,19}),"seq":(\d{1,19}),')
-_HEAD_BYTES = 64
+HEAD = re.compile(rb'^\{"step":(\d{1,19}),"seq":(\d{1,19}),')
+HEAD_BYTES = 64
 
 
 def peek(path: str) -> Optional[Tuple[int, int]]:
@@ -330,10 +330,10 @@ def peek(path: str) -> Optional[Tuple[int, int]]:
     :func:`load_manifest` opens it (no link followed, nothing but a regular file)."""
     fd, _ = open_regular(path, "manifest", follow=False)
     try:
-        head = os.read(fd, _HEAD_BYTES)
+        head = os.read(fd, HEAD_BYTES)
     finally:
         os.close(fd)
-    m = _HEAD.match(head)
+    m = HEAD.match(head)
     return (int(m.group(2)), int(m.group(1))) if m else None
 
 

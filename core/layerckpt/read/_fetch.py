@@ -49,24 +49,76 @@ def split_url(url: str) -> Tuple[str, Optional[int]]:
 
 
 def pick(store, step: Optional[int]) -> Tuple[str, Manifest]:
-    """The tier's manifest for ``step``, else its newest committed one (never past a newer damaged one)."""
-    good, bad = read_all(store)
+    """The tier's manifest for ``step``, else its newest committed one (never past a newer damaged one).
+
+    Only that manifest is read whole: the newest is told by the others' first bytes (``_store.peek``, one ranged
+    read each), so a restore from a tier of 2,000 composites reads about what one of 2 does."""
+    names = [n for n in store.names(MANIFESTS) if _store.manifest_step(n) is not None]
     if step is not None:
         name = _store.manifest_name(step)
-        if name in good:
-            return name, good[name]
-        if name in bad:
-            raise damage(store, name, "")
-        have = sorted(m.step for m in good.values())
+        m = _read_one(store, name) if name in names else None
+        if m is not None:
+            return name, m
+        have = sorted(_store.manifest_step(n) for n in names if n != name)
         raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {store.url}; committed steps: {have}")
-    name = _store.newest(good)
-    if name is None:
-        hint = f" ({len(bad)} damaged manifest(s): {', '.join(bad)})" if bad else ""
+    order, bad = [], []
+    for n in names:
+        head = _peek(store, n)
+        if head is not None:
+            order.append((head, n))
+            continue
+        try:
+            m = _read_one(store, n)
+        except CheckpointCorruptError:
+            bad.append(n)
+            continue
+        if m is not None:
+            order.append(((m.seq, m.step), n))
+    chosen: Optional[Tuple[str, Manifest]] = None
+    for _, n in sorted(order, reverse=True):
+        try:
+            m = _read_one(store, n)
+        except CheckpointCorruptError:
+            bad.append(n)
+            continue
+        if m is not None:
+            chosen = (n, m)
+            break
+    if chosen is None:
+        hint = f" ({len(bad)} damaged manifest(s): {', '.join(sorted(bad))})" if bad else ""
         raise CheckpointNotFoundError(f"no committed checkpoint in {store.url}{hint}")
-    newer = [b for b in bad if _store.manifest_step(b) > good[name].step]
-    if newer:  # never fall back silently past a newer checkpoint that was committed and then damaged
-        raise damage(store, newer[-1], f"; it is newer than the newest readable one ({name})")
-    return name, good[name]
+    name, m = chosen
+    for n in names:  # never fall back silently past a newer checkpoint that was committed and then damaged
+        if _store.manifest_step(n) > m.step:
+            try:
+                _read_one(store, n)
+            except CheckpointCorruptError:
+                raise damage(store, n, f"; it is newer than the newest readable one ({name})") from None
+    return name, m
+
+
+def _peek(store, name: str) -> Optional[Tuple[int, int]]:
+    """(seq, step) from the first bytes of the tier's manifest ``name`` (``_store.peek``), None where they do not
+    tell (or cannot be read): then it is read whole."""
+    try:
+        m = _store.HEAD.match(store.head(MANIFESTS, name, _store.HEAD_BYTES))
+    except Exception:  # noqa: BLE001 - a full read says what is wrong, in its own words
+        return None
+    if m is None or int(m.group(1)) != _store.manifest_step(name):
+        return None
+    return int(m.group(2)), int(m.group(1))
+
+
+def _read_one(store, name: str) -> Optional[Manifest]:
+    """The tier's manifest ``name`` read whole and validated; None if retention removed it since the listing;
+    CheckpointCorruptError (``damage``) where it does not parse."""
+    where = store.where(MANIFESTS, name)
+    try:
+        return Manifest.from_dict(loads_strict(store.read(MANIFESTS, name), where), where)
+    except FileNotFoundError:
+        return None
+    except (ValueError, UnicodeDecodeError, CheckpointCorruptError):
+        raise damage(store, name, "") from None
 
 
 def damage(store, name: str, more: str) -> CheckpointCorruptError:

@@ -71,6 +71,14 @@ def _local_read(root: str, path: str, what: str, cap: int) -> bytes:
     return read_regular(path, what, cap, follow=False, under=root)
 
 
+def _local_head(root: str, path: str, what: str, nbytes: int) -> bytes:
+    fd, _ = open_regular(path, what, follow=False, under=root)
+    try:
+        return os.read(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
 def _local_get(root: str, sub: str, src: str, dst: str, size: Optional[int]) -> None:
     fd, st = open_regular(src, _what(sub), follow=False, under=root)
     try:
@@ -187,6 +195,13 @@ class FsspecStore:
                                          f"{what} may hold", path=self.where(sub, name))
         return raw
 
+    def head(self, sub: str, name: str, nbytes: int) -> bytes:
+        """The first ``nbytes`` bytes of a file of the tier (one ranged read)."""
+        path = self._path(sub, name)
+        if self.local:
+            return _local_head(self.root, path, _what(sub), nbytes)
+        return bytes(self.fs.cat_file(path, start=0, end=nbytes))[:nbytes]
+
     def size(self, sub: str, name: str) -> int:
         return int(self.fs.size(self._path(sub, name)))
 
@@ -273,6 +288,9 @@ class LocalStore:
         # a local tier may sit in a shared folder (/dev/shm): no FIFO, device or link is read, and not unbounded
         return _local_read(self.root, self.where(sub, name), what or _what(sub),
                            _json.MAX_JSON_BYTES if cap is None else cap)
+
+    def head(self, sub: str, name: str, nbytes: int) -> bytes:
+        return _local_head(self.root, self.where(sub, name), _what(sub), nbytes)
 
     def size(self, sub: str, name: str) -> int:
         return os.path.getsize(self.where(sub, name))

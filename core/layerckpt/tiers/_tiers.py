@@ -31,7 +31,7 @@ from .. import _faults, _registry
 from ..write import _retain
 from ..format import _store
 from ..format._json import loads_strict
-from ..format._manifest import Manifest
+from ..format._manifest import Manifest, head_first
 from ._memtier import make_private, memory_path
 from ._remote import DATA, MANIFESTS, FsspecStore, LocalStore
 from ..config import REMOTE_BASES, Config
@@ -252,7 +252,7 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
             apply(d, copies, where, m)
         if transcoder is not None:  # what the tier decided for the files it copied now, and why
             d["coding"] = {where[f]: rec for f, rec in transcoder.coding.items() if f in where} or None
-        body = json.dumps(d, separators=(",", ":"), allow_nan=True).encode()
+        body = json.dumps(head_first(d), separators=(",", ":"), allow_nan=True).encode()
         store.put_bytes(MANIFESTS, name, body)  # the tier's commit point: every file it names is whole
     except BaseException:
         if transcoder is not None:
