@@ -286,30 +286,6 @@ def quiet_frameworks() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def format_table(res: Dict[str, Any]) -> str:
-    """The adapters' rows (and the core's, where the run measured it) by workload, then each one's worst restore."""
-    from .policy import LOSS_TARGET, _crash_cell, written_ratio
-
-    rows = [{**r, "through": "core"} for r in res.get("rows", [])] + list(res.get("through", []))
-    order = {t: i for i, t in enumerate(THROUGH)}
-    names = list(dict.fromkeys(r["workload"] for r in rows))
-    rows.sort(key=lambda r: (names.index(r["workload"]), order[r["through"]]))
-    lines = ["through the adapters: each framework's own training loop and resume, the default Config; bytes vs raw "
-             "full checkpoints at the same cadence; loss after restore vs that adapter's uninterrupted run "
-             "(early / middle / late crash; steps the oldest layer trails)",
-             f"{'workload':<17}{'through':<12}{'saves':>6}{'raw':>8}{'written':>9}   "
-             f"{'restores':<47}0.5%"]
-    for r in rows:
-        ok = all(c.get("deviation") is not None and abs(c["deviation"]) <= LOSS_TARGET for c in r["crashes"])
-        cells = "  ".join(_crash_cell(c) for c in r["crashes"])
-        lines.append(f"{r['workload']:<17}{r['through']:<12}{r['saves']:>6}{r['ratio']:>7.1f}x"
-                     f"{written_ratio(r):>8.1f}x   {cells:<47}{'ok' if ok else 'MISSED'}")
-    worst = "; ".join(f"{t} {w * 100:.3f}% over {n} workloads (smallest raw ratio {lo:.1f}x)"
-                      for t, n, w, lo in summary(rows))
-    lines.append(f"worst restore: {worst}")
-    return "\n".join(lines)
-
-
 def summary(rows: List[Dict[str, Any]]) -> List[Tuple[str, int, float, float]]:
     """Per adapter: (name, rows, worst |deviation| over every restore, the smallest raw bytes ratio)."""
     out = []

@@ -69,7 +69,7 @@ VIEWS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "lightning": _call("lightning_io", "format_table"),
     "cpu": _call("cpu", "format_table"),
     "policy": _call("policy", "format_report"),
-    "through": _call("policy_through", "format_table"),
+    "through": _call("policy", "format_through"),
     "lossy": _call("lossy", "format_table"),
     "goodput": _call("goodput_report", "format_table"),
 }
