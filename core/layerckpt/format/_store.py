@@ -277,6 +277,10 @@ def recency(manifests: Dict[str, Manifest]):
     return lambda n: (manifests[n].seq, manifests[n].step)
 
 
+def newest(manifests: Dict[str, Manifest]) -> Optional[str]:
+    return max(manifests, key=recency(manifests), default=None)
+
+
 def resolve(root: str, step: Optional[int] = None) -> str:
     """Path of the manifest to restore: the one for `step`, else the newest committed."""
     root = local_path(root)
