@@ -28,7 +28,15 @@ STEPS = 20  # 4 saves at the family's cadence of 5
 
 @pytest.fixture(autouse=True)
 def quiet():
+    """The frameworks quieted as the bench quiets them, their loggers' levels put back for the tests after."""
+    import logging
+
+    names = ("lightning.pytorch", "lightning.fabric", "lightning", "transformers", "accelerate")
+    levels = {n: logging.getLogger(n).level for n in names}
     policy_through.quiet_frameworks()
+    yield
+    for n, level in levels.items():
+        logging.getLogger(n).setLevel(level)
 
 
 def _row(tmp_path, through: str, config: Config, crashes, name: str = "finetune-1e-4"):
