@@ -340,5 +340,5 @@ def main(args) -> int:
     else:
         print(format_report(res))
     if getattr(args, "plot", None) and res["rows"]:
-        plot(rows, args.plot)  # skipped where matplotlib is not installed
+        plot(res["rows"], args.plot)  # skipped where matplotlib is not installed
     return 0
