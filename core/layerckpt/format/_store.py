@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import stat
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ._json import open_dir, open_regular, read_regular
 from ._manifest import Manifest, load_manifest
@@ -354,38 +354,57 @@ def max_seq(root: str) -> int:
 
 def _newest_listed(root: str) -> Tuple[Optional[str], List[Tuple[int, str]], List[str], int]:
     """The newest committed manifest's name (commit order, then step), read whole and valid; the listing; the
-    names found damaged; how many listed vanished before they were read (retention).
-
-    Only the newest is parsed: the others' order comes from their first bytes (:func:`peek`), so a restore costs
-    the same with 2 composites in the store or 2,000.  A manifest whose first bytes do not tell is read whole."""
+    names found damaged; how many listed vanished before they were read (retention)."""
     listed = list_manifests(root)
-    order: List[Tuple[Tuple[int, int], str, bool]] = []
+
+    def read(name: str) -> Optional[Manifest]:
+        try:
+            return load_manifest(os.path.join(root, MANIFEST_DIR, name))
+        except CheckpointNotFoundError:
+            return None
+
+    name, _, bad, gone = pick_newest([n for _, n in listed], lambda n: peek(os.path.join(root, MANIFEST_DIR, n)),
+                                     read)
+    return name, listed, bad, gone
+
+
+def pick_newest(names: List[str], head: Callable[[str], Optional[Tuple[int, int]]],
+                read: Callable[[str], Optional[Manifest]]) -> Tuple[Optional[str], Optional[Manifest], List[str], int]:
+    """The newest committed of the manifests ``names`` (commit order, then step), of a store or a tier: (its
+    name, it read whole and valid, the names found damaged, how many vanished since the listing).
+
+    Only the newest is parsed: the others' order comes from their first bytes (``head``: (seq, step), or None
+    where they do not tell; :func:`peek`), so a restore costs the same with 2 composites in the store or 2,000.
+    A manifest whose first bytes do not tell is read whole.  ``read`` gives None for a vanished manifest and
+    raises :class:`CheckpointError` for a damaged one."""
+    order: List[Tuple[Tuple[int, int], str, Optional[Manifest]]] = []
     bad: List[str] = []
     gone = 0
-    for step, name in listed:
-        path = os.path.join(root, MANIFEST_DIR, name)
+    for name in names:
         try:
-            head = peek(path)
-            if head is not None and head[1] == step:
-                order.append((head, name, False))
-                continue
-            m = load_manifest(path)
-            order.append(((m.seq, m.step), name, True))
+            h = head(name)
+            m = None if h is not None and h[1] == manifest_step(name) else read(name)
         except CheckpointNotFoundError:
-            gone += 1
+            m, h = None, None
         except CheckpointError:
             bad.append(name)
-    for _, name, read in sorted(order, reverse=True):
-        if read:
-            return name, listed, bad, gone
-        try:
-            load_manifest(os.path.join(root, MANIFEST_DIR, name))
-            return name, listed, bad, gone
-        except CheckpointNotFoundError:
+            continue
+        if m is not None:
+            order.append(((m.seq, m.step), name, m))
+        elif h is not None and h[1] == manifest_step(name):
+            order.append((h, name, None))
+        else:
             gone += 1
+    for _, name, m in sorted(order, key=lambda o: (o[0], o[1]), reverse=True):
+        try:
+            m = m if m is not None else read(name)
         except CheckpointError:
             bad.append(name)
-    return None, listed, bad, gone
+            continue
+        if m is not None:
+            return name, m, bad, gone
+        gone += 1
+    return None, None, bad, gone
 
 
 def is_checkpoint(path: Union[str, os.PathLike]) -> bool:

@@ -61,33 +61,10 @@ def pick(store, step: Optional[int]) -> Tuple[str, Manifest]:
             return name, m
         have = sorted(_store.manifest_step(n) for n in names if n != name)
         raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {store.url}; committed steps: {have}")
-    order, bad = [], []
-    for n in names:
-        head = _peek(store, n)
-        if head is not None:
-            order.append((head, n))
-            continue
-        try:
-            m = _read_one(store, n)
-        except CheckpointCorruptError:
-            bad.append(n)
-            continue
-        if m is not None:
-            order.append(((m.seq, m.step), n))
-    chosen: Optional[Tuple[str, Manifest]] = None
-    for _, n in sorted(order, reverse=True):
-        try:
-            m = _read_one(store, n)
-        except CheckpointCorruptError:
-            bad.append(n)
-            continue
-        if m is not None:
-            chosen = (n, m)
-            break
-    if chosen is None:
+    name, m, bad, _ = _store.pick_newest(names, lambda n: _peek(store, n), lambda n: _read_one(store, n))
+    if m is None:
         hint = f" ({len(bad)} damaged manifest(s): {', '.join(sorted(bad))})" if bad else ""
         raise CheckpointNotFoundError(f"no committed checkpoint in {store.url}{hint}")
-    name, m = chosen
     for n in names:  # never fall back silently past a newer checkpoint that was committed and then damaged
         if _store.manifest_step(n) > m.step:
             try:
