@@ -177,3 +177,18 @@ def stored_byte(entry: dict) -> int:
         return off + n // 2
     return entry["offset"] + entry["nbytes"] // 2
 
+
+@pytest.fixture
+def manifest_parses(monkeypatch):
+    """The base names of the manifests parsed and validated whole (``Manifest.from_dict``), in order."""
+    from layerckpt.format import _manifest
+
+    parsed = []
+    real = _manifest.Manifest.from_dict.__func__
+
+    def counted(cls, m, path):
+        parsed.append(os.path.basename(path))
+        return real(cls, m, path)
+
+    monkeypatch.setattr(_manifest.Manifest, "from_dict", classmethod(counted))
+    return parsed

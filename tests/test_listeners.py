@@ -108,19 +108,10 @@ def test_pins_from_another_directory_are_names_only(tmp_path):
     assert _manifests(tmp_path / "ck") == [1, 3]
 
 
-def test_retention_parses_each_manifest_once_and_sees_one_replaced(tmp_path, monkeypatch):
+def test_retention_parses_each_manifest_once_and_sees_one_replaced(tmp_path, manifest_parses):
     """Retention runs at every commit; a manifest just committed is taken as the object written, never parsed
     back, and one it holds is not parsed again unless its file changed."""
-    from layerckpt.format import _manifest
-
-    parsed = []
-    orig = _manifest.Manifest.from_dict.__func__
-
-    def counting(cls, m, path):
-        parsed.append(os.path.basename(path))
-        return orig(cls, m, path)
-
-    monkeypatch.setattr(_manifest.Manifest, "from_dict", classmethod(counting))
+    parsed = manifest_parses
     model = small_model()
     with layerckpt.Checkpointer(tmp_path, model, config=layerckpt.Config(full=True, keep_last=3)) as ck:
         for step in range(1, 7):

@@ -12,24 +12,9 @@ import layerckpt
 from conftest import trained
 from layerckpt import store
 from layerckpt.errors import CheckpointCorruptError
-from layerckpt.format import _manifest
 
 KEEP_ALL = layerckpt.Config(threshold=0.0, keep_last=0)
 N = 12
-
-
-@pytest.fixture
-def parses(monkeypatch):
-    """Counts the manifests parsed and validated whole (``Manifest.from_dict``)."""
-    count = []
-    real = _manifest.Manifest.from_dict.__func__
-
-    def counted(cls, m, path):
-        count.append(os.path.basename(path))
-        return real(cls, m, path)
-
-    monkeypatch.setattr(_manifest.Manifest, "from_dict", classmethod(counted))
-    return count
 
 
 def _saves(root, steps):
@@ -43,17 +28,17 @@ def _saves(root, steps):
     return model, opt
 
 
-def test_restore_and_open_parse_no_more_manifests_with_many_composites(tmp_path, parses):
+def test_restore_and_open_parse_no_more_manifests_with_many_composites(tmp_path, manifest_parses):
     root = str(tmp_path / "run")
     model, opt = _saves(root, range(1, N + 1))
     assert len(store.steps(root)) == N
-    parses.clear()
+    manifest_parses.clear()
     rep = layerckpt.restore(root, *trained(seed=1))
-    assert rep.step == N and set(parses) == {"step-%08d.json" % N}
-    parses.clear()
+    assert rep.step == N and set(manifest_parses) == {"step-%08d.json" % N}
+    manifest_parses.clear()
     m2, o2 = trained(seed=2)
     with layerckpt.Checkpointer(root, m2, o2, config=KEEP_ALL) as ck:
-        assert parses == []  # the commit number and the clean-up read no manifest
+        assert manifest_parses == []  # the commit number and the clean-up read no manifest
         ck.save(N + 1).wait()
     assert store.read_manifest(store.resolve(root)).seq == N + 1
 
@@ -101,7 +86,7 @@ def test_a_torn_saves_files_are_still_removed_on_open(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["memory", "file"])
-def test_a_restore_from_the_remote_tier_reads_one_manifest_whole(tmp_path, parses, kind):
+def test_a_restore_from_the_remote_tier_reads_one_manifest_whole(tmp_path, manifest_parses, kind):
     pytest.importorskip("fsspec")
     import uuid
 
@@ -114,6 +99,6 @@ def test_a_restore_from_the_remote_tier_reads_one_manifest_whole(tmp_path, parse
             ck.save(step).wait()
     steps = store.steps(url, config=cfg)  # a tier that falls behind copies the newest composite, skipping some
     assert len(steps) >= N // 2 and steps[-1] == N, steps
-    parses.clear()
+    manifest_parses.clear()
     rep = layerckpt.restore(url, *trained(seed=1), config=cfg)
-    assert rep.step == N and set(parses) == {"step-%08d.json" % N}, parses
+    assert rep.step == N and set(manifest_parses) == {"step-%08d.json" % N}, manifest_parses
