@@ -61,10 +61,13 @@ class _Store:
         self.full_raw: List[int] = []  # layer bytes of the whole composite: a full checkpoint's payload
 
     def record(self, m) -> None:
+        from .policy_through import save_bytes
+
+        raw, written, full = save_bytes(m)
         self.saves.append(m.step)
-        self.raw.append(sum(e.nbytes for e in m.layers.values() if e.step == m.step and e.age == 0))
-        self.written.append(sum(f.size for f in m.files.values() if f.step == m.step))
-        self.full_raw.append(sum(e.nbytes for e in m.layers.values()))
+        self.raw.append(raw)
+        self.written.append(written)
+        self.full_raw.append(full)
 
 
 def _stores(w: Workload, config: Config, root: str, frontier: bool) -> Dict[Any, _Store]:

@@ -78,13 +78,17 @@ def written(root: str) -> Dict[str, int]:
     stores = _store_roots(root)
     if len(stores) != 1:
         raise RuntimeError(f"expected one layerckpt store under {root}, found {stores or 'none'}")
-    raw = wrote = full = saves = 0
-    for m in _manifests(stores[0]):
-        saves += 1
-        raw += sum(e.nbytes for e in m.layers.values() if e.step == m.step and e.age == 0)
-        wrote += sum(f.size for f in m.files.values() if f.step == m.step)
-        full += sum(e.nbytes for e in m.layers.values())
-    return {"saves": saves, "bytes": raw, "written_bytes": wrote, "full_bytes": full}
+    each = [save_bytes(m) for m in _manifests(stores[0])]
+    return {"saves": len(each), "bytes": sum(b[0] for b in each), "written_bytes": sum(b[1] for b in each),
+            "full_bytes": sum(b[2] for b in each)}
+
+
+def save_bytes(m) -> Tuple[int, int, int]:
+    """What the composite ``m``'s own save persisted: (layer bytes of the layers it wrote, bytes of the data files
+    it wrote, layer bytes of the whole composite: a full checkpoint's payload)."""
+    return (sum(e.nbytes for e in m.layers.values() if e.step == m.step and e.age == 0),
+            sum(f.size for f in m.files.values() if f.step == m.step),
+            sum(e.nbytes for e in m.layers.values()))
 
 
 def _behind(root: str, nth: int, every: int) -> int:
