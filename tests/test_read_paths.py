@@ -113,3 +113,25 @@ def test_memory_tier_is_read_buffered(tmp_path, monkeypatch):
         shutil.rmtree(memory_path(str(tmp_path)), ignore_errors=True)
     assert_same_tensors(model2.state_dict(), model.state_dict())
     assert_same_optimizer_state(opt2.state_dict(), opt.state_dict())
+
+
+def test_the_ring_is_made_only_for_a_read_that_uses_it(tmp_path, monkeypatch):
+    """A restore whose files are all read buffered (small) never makes an I/O backend (no io_uring probe, no
+    ring); one that reads through O_DIRECT makes one, and both restore bit for bit."""
+    from layerckpt.read import _reader
+
+    made = []
+    real = _reader.make_backend
+    monkeypatch.setattr(_reader, "make_backend", lambda *a: made.append(a) or real(*a))
+    model, opt = _saved(tmp_path)
+    model2, opt2 = trained(seed=1)
+    layerckpt.restore(str(tmp_path), model2, opt2)
+    assert made == []
+    assert_same_tensors(model2.state_dict(), model.state_dict())
+    monkeypatch.setattr(_read, "SMALL_FILE", 0)
+    monkeypatch.setattr(_read, "_cached", lambda path, wants: False)
+    model3, opt3 = trained(seed=2)
+    layerckpt.restore(str(tmp_path), model3, opt3)
+    assert len(made) == 1
+    assert_same_tensors(model3.state_dict(), model.state_dict())
+    assert_same_optimizer_state(opt3.state_dict(), opt.state_dict())

@@ -233,6 +233,8 @@ def source(path: Any, step: Optional[int], config: Optional[Config]) -> Optional
     if not os.path.isdir(root) and os.path.exists(root):
         return None  # a manifest file: that one is read
     wait_for_saves(root)
+    if config is None or not (config.memory_tier or config.remote):
+        return None  # no tier named: the local directory is read (and its reader resolves it, once)
     found: List[_Found] = []
     _local_candidate(root, step, found)
     # only the tiers the caller's Config names: a manifest is data, and its recorded Config never redirects
