@@ -383,18 +383,19 @@ def pick_newest(names: List[str], head: Callable[[str], Optional[Tuple[int, int]
     for name in names:
         try:
             h = head(name)
-            m = None if h is not None and h[1] == manifest_step(name) else read(name)
+            if h is not None and h[1] == manifest_step(name):
+                order.append((h, name, None))
+                continue
+            m = read(name)
         except CheckpointNotFoundError:
-            m, h = None, None
+            m = None
         except CheckpointError:
             bad.append(name)
             continue
-        if m is not None:
-            order.append(((m.seq, m.step), name, m))
-        elif h is not None and h[1] == manifest_step(name):
-            order.append((h, name, None))
-        else:
+        if m is None:
             gone += 1
+        else:
+            order.append(((m.seq, m.step), name, m))
     for _, name, m in sorted(order, key=lambda o: (o[0], o[1]), reverse=True):
         try:
             m = m if m is not None else read(name)
