@@ -101,7 +101,7 @@ class Reader:
         self.cfg = config or Config()
         self.check = checksum_function(self.m.checksum) if self.cfg.verify_checksums else None
         self.bytes_read = 0
-        self._backend = None
+        self.backend = _LazyBackend(self.cfg)  # made at its first use
         self._pool: Optional[BufferPool] = None
 
     def tensors(self, keys: List[str], windows: Optional[Dict[str, "Window"]] = None) -> Dict[str, torch.Tensor]:
@@ -133,12 +133,6 @@ class Reader:
             for t, work in copy_back:
                 t.copy_(work)
 
-    @property
-    def backend(self) -> "_LazyBackend":
-        if self._backend is None:
-            self._backend = _LazyBackend(self.cfg)
-        return self._backend
-
     @contextlib.contextmanager
     def _naming_layers(self) -> Iterator[None]:
         try:
@@ -153,8 +147,7 @@ class Reader:
             raise with_layer(e, self.m) from None
 
     def close(self) -> None:
-        if self._backend is not None:
-            self._backend.close()
+        self.backend.close()
         if self._pool is not None:
             self._pool.close()
 
