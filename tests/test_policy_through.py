@@ -31,9 +31,7 @@ def quiet():
     """The frameworks quieted as the bench quiets them, their loggers' levels put back for the tests after."""
     import logging
 
-    names = ("lightning.pytorch", "lightning.fabric", "lightning", "transformers", "accelerate")
-    levels = {n: logging.getLogger(n).level for n in names}
-    policy_through.quiet_frameworks()
+    levels = policy_through.quiet_frameworks()
     yield
     for n, level in levels.items():
         logging.getLogger(n).setLevel(level)

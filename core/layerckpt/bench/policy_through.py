@@ -270,9 +270,9 @@ def sweep(through: Sequence[str], names: Optional[Sequence[str]], config: Config
     return rows
 
 
-def quiet_frameworks() -> None:
+def quiet_frameworks() -> Dict[str, int]:
     """The frameworks' per-run banners and warnings about this bench's own choices (a CPU run, no logger, a
-    placeholder dataset) off: the table is the output."""
+    placeholder dataset) off: the table is the output.  Returns the levels their loggers had (once imported)."""
     import importlib
     import logging
     import warnings
@@ -282,12 +282,15 @@ def quiet_frameworks() -> None:
             importlib.import_module(module)
         except ImportError:
             pass
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning", "transformers", "accelerate"):
+    names = ("lightning.pytorch", "lightning.fabric", "lightning", "transformers", "accelerate")
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module=r"lightning\..*")
     warnings.filterwarnings("ignore", module=r"transformers\..*")
     warnings.filterwarnings("ignore", module=r"accelerate\..*")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return levels
 
 
 def summary(rows: List[Dict[str, Any]]) -> List[Tuple[str, int, float, float]]:
