@@ -54,6 +54,18 @@ def test_bench_steps_runs_small(tmp_path):
     assert not list(tmp_path.iterdir())  # the bench cleans up after itself
 
 
+def test_bench_steps_every_rounds_runs_small(tmp_path):
+    out = _run([sys.executable, "-m", "layerckpt.cli", "bench", "--steps", "--size", "tiny", "--steps-n", "2",
+                "--steps-every", "2", "--steps-rounds", "3", "--dir", str(tmp_path)])
+    _lines(out, "layerckpt bench --steps: tiny + AdamW, a full checkpoint every 2 steps, 2 steps measured after",
+           "checkpointing", "none ", "layerckpt ", "layerckpt delta ", "layerckpt off ", "dcp async_save ")
+    assert "(each contender 3 times, each round in the reverse order of the one before, the disk settled" in out
+    # one ratio of the default's total time to off's per round, then their mean's
+    assert re.search(r"^the default against encoding='off': [0-9.]+x the mean total time of the measured steps "
+                     r"\(by round: [0-9.]+x, [0-9.]+x, [0-9.]+x\)$", out, re.M), out
+    assert not list(tmp_path.iterdir())
+
+
 # the policy bench has no option for a workload's length: the command's own entry point, run on one workload
 # shortened to 20 steps (4 saves) in the process that runs it
 POLICY = """

@@ -24,7 +24,7 @@ USES: Dict[str, Tuple[str, ...]] = {
     "sharded": ("size", "reps", "nproc", "mesh", "encoding"),
     "lightning_io": ("size", "reps"),
     "restore": ("sizes", "cache", "reps"),
-    "steps": ("size", "steps_n", "steps_every"),
+    "steps": ("size", "steps_n", "steps_every", "steps_rounds"),
     "cpu": ("cpu_models",),
     "goodput": ("size", "mtbf", "goodput_steps", "failure", "seed", "cadences"),
     "lossy": ("workloads",),
@@ -32,6 +32,7 @@ USES: Dict[str, Tuple[str, ...]] = {
 
 #: the defaults :func:`check` fills in for the mode that runs
 DEFAULTS = {"preset": "gpt2-small", "reps": 3, "size": "gpt2-small", "nproc": 2, "steps_n": 6, "steps_every": 1,
+            "steps_rounds": 2,
             "sizes": "10MB,50MB,200MB,gpt2-small", "cache": "warm,cold", "cpu_models": "main,gpt2-small",
             "mtbf": "60", "through": "core", "goodput_steps": 300, "failure": "crash,node", "seed": 0, "cadences": "10,25,50"}
 #: where a mode's default differs from DEFAULTS'
@@ -100,6 +101,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--steps-every", type=_positive,
                    help="with --steps: a full checkpoint every N steps instead, the default Config against "
                         "encoding delta and off forced (default: 1)")
+    a.add_argument("--steps-rounds", type=_positive,
+                   help="with --steps-every N > 1: rounds of every contender, each round in the reverse order of "
+                        "the one before, the disk settled before each contender (default: 2)")
     a.add_argument("--sizes", help="with --restore: comma-separated state sizes (e.g. 10MB) and/or gpt2-small "
                                    "(default: 10MB,50MB,200MB,gpt2-small)")
     a.add_argument("--cache", help="with --restore: page-cache conditions, warm and/or cold (default: warm,cold)")

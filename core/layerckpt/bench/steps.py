@@ -16,6 +16,7 @@ so what a step pays is what a user of that API pays.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -61,11 +62,11 @@ def _train(preset: str, steps: int, warmup: int, seq: int,
 
 
 def run(preset: str = "gpt2-small", steps: int = 6, warmup: int = 2, seq: int = 128,
-        dirpath: Optional[str] = None, every: int = 1) -> Dict[str, Any]:
+        dirpath: Optional[str] = None, every: int = 1, rounds: int = 2) -> Dict[str, Any]:
     """``every`` > 1: a full checkpoint every that many steps, layerckpt's default Config (``encoding='auto'``)
     against ``encoding='delta'`` and ``'off'`` forced, ``dcp.async_save`` at the same cadence, and none, each
-    twice (the second round in reverse order); the overhead is then of the mean total time of the measured
-    steps."""
+    ``rounds`` times (each round in the reverse order of the one before), the disk settled before each
+    contender (:func:`settle`); the overhead is then of the mean total time of the measured steps."""
     seq = min(seq, SIZES[preset].n_positions + 1)
     root = tempfile.mkdtemp(prefix="layerckpt-bench-steps-", dir=dirpath)
     res: Dict[str, Any] = {"preset": preset, "steps": steps, "warmup": warmup, "seq": seq, "every": every,
@@ -75,15 +76,18 @@ def run(preset: str = "gpt2-small", steps: int = 6, warmup: int = 2, seq: int = 
         if every == 1:
             res["runs"]["none"] = _strip(_train(preset, steps, warmup, seq, None))
             res["runs"]["layerckpt"] = _layerckpt(root, preset, steps, warmup, seq, every)
-        else:  # each contender twice, the second round in reverse order: a disk still writing back the one
-            # before weighs on whoever comes next, and the order must not decide the ratios
+        else:  # rounds in alternating order, the disk settled between contenders: a disk still writing back the
+            # one before weighs on whoever comes next, and the order must not decide the ratios
+            res["rounds"] = rounds
             runs: Dict[str, List[Dict[str, Any]]] = {}
             order = ["none", "auto", "delta", "off", "dcp"]
-            for name in order + order[::-1]:
-                runs.setdefault(name, []).append(
-                    _strip(_train(preset, steps, warmup, seq, None)) if name == "none" else
-                    _dcp(root, preset, steps, warmup, seq, every) if name == "dcp" else
-                    _layerckpt(root, preset, steps, warmup, seq, every, encoding=name))
+            for r in range(rounds):
+                for name in order if r % 2 == 0 else order[::-1]:
+                    settle(root)
+                    runs.setdefault(name, []).append(
+                        _strip(_train(preset, steps, warmup, seq, None)) if name == "none" else
+                        _dcp(root, preset, steps, warmup, seq, every) if name == "dcp" else
+                        _layerckpt(root, preset, steps, warmup, seq, every, encoding=name))
             for name, label in zip(order, ["none", "layerckpt", "layerckpt delta", "layerckpt off", "dcp async_save"]):
                 res["runs"][label] = _rounds(runs[name])
         if every == 1:
@@ -99,6 +103,34 @@ def run(preset: str = "gpt2-small", steps: int = 6, warmup: int = 2, seq: int = 
         return res
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def settle(root: str, dirty_bytes: int = 32 << 20, timeout_s: float = 60.0) -> None:
+    """Before a contender: the files of the ones before it deleted, the disk's write-back of what they left
+    dirty ended (``sync``, then Dirty + Writeback in /proc/meminfo below ``dirty_bytes``) and the page cache
+    they filled dropped where this process may (root), so that no contender pays for the one before it."""
+    for f in os.listdir(root):
+        shutil.rmtree(os.path.join(root, f), ignore_errors=True)
+    gc.collect()
+    os.sync()
+    end = time.monotonic() + timeout_s
+    while _dirty() > dirty_bytes and time.monotonic() < end:
+        time.sleep(0.1)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+    except OSError:
+        pass
+
+
+def _dirty() -> int:
+    """Bytes of the page cache not yet on disk (Dirty + Writeback), 0 where /proc/meminfo is not there."""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("Dirty", "Writeback")}
+    except (OSError, ValueError):
+        return 0
+    return sum(kb.values()) * 1024
 
 
 def _rounds(rs: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -204,8 +236,10 @@ def format_table(res: Dict[str, Any]) -> str:
     m = res["machine"]
     every = res.get("every", 1)
     cadence = "a checkpoint after every step" if every == 1 else f"a full checkpoint every {every} steps"
-    over = "" if every == 1 else (" (each contender twice, the second round in reverse order; overhead: the mean total "
-                                  "time of the measured steps against none's)")
+    how = ("twice, the second round in reverse order" if "rounds" not in res else  # a JSON from before --steps-rounds
+           f"{res['rounds']} times, each round in the reverse order of the one before, the disk settled before each")
+    over = "" if every == 1 else (f" (each contender {how}; overhead: the mean total time of the measured steps "
+                                  "against none's)")
     lines = [f"layerckpt bench --steps: {res['preset']} + AdamW, {cadence}, {res['steps']} "
              f"steps measured after {res['warmup']} warm-up ones (batch 1 x {res['seq']} tokens), on {m['cpu']} "
              f"({m['cores']} cores), torch {m['torch']}; medians [min-max]{over}",
@@ -221,11 +255,16 @@ def format_table(res: Dict[str, Any]) -> str:
                      + f"{b['median']:>8.3f} [{b['min']:.3f}-{b['max']:.3f}]".rjust(24)
                      + (f"{w['median']:>8.3f} [{w['min']:.3f}-{w['max']:.3f}]".rjust(24) if (w := r.get("step_wait")) else "")
                      + (f"{sum(r['bytes']) / len(r['bytes']) / 1e6:>10.1f}" if r.get("bytes") else ""))
+    a, o = res["runs"].get("layerckpt", {}), res["runs"].get("layerckpt off", {})
+    if "rounds" in res and "totals_s" in a and "totals_s" in o:
+        per = ", ".join(f"{x / y:.2f}x" for x, y in zip(a["totals_s"], o["totals_s"]))
+        lines.append(f"the default against encoding='off': {a['total_s'] / o['total_s']:.3f}x the mean total time of the "
+                     f"measured steps (by round: {per})")
     return "\n".join(lines)
 
 
 def main(args) -> int:
     res = run(args.size if args.size in SIZES else "gpt2-small", steps=getattr(args, "steps_n", 6),
-              dirpath=args.dir, every=getattr(args, "steps_every", 1) or 1)
+              dirpath=args.dir, every=getattr(args, "steps_every", 1) or 1, rounds=getattr(args, "steps_rounds", 2) or 2)
     print(json.dumps(res) if args.json else format_table(res))
     return 0
