@@ -175,6 +175,17 @@ def test_refusals(tmp_path):
     t = make(tmp_path, attach={})
     with pytest.raises(CheckpointError, match="already attached"):
         transformers_layerckpt.attach(t)
+    # a sharded engine's Trainer (flags Trainer sets from its Accelerator; FSDP and DeepSpeed need GPUs): refused,
+    # one line, nothing wrapped
+    for flag, what in (("is_fsdp_enabled", "FSDP"), ("is_deepspeed_enabled", "DeepSpeed")):
+        t = make(tmp_path)
+        setattr(t, flag, True)
+        save = t._save_checkpoint
+        with pytest.raises(CheckpointError, match=f"this Trainer runs {what}, whose engine saves its own") as e:
+            transformers_layerckpt.attach(t)
+        assert "\n" not in str(e.value) and ("layerckpt.Checkpointer(dir, model, optimizer)" in str(e.value)) == (
+            what == "FSDP")
+        assert t._save_checkpoint == save and not hasattr(t, "layerckpt")
 
 
 def test_a_trainer_whose_wrapped_methods_changed_shape_is_refused(tmp_path, monkeypatch):

@@ -116,9 +116,11 @@ def _check_trainer(trainer: Any) -> None:
         raise CheckpointError(f"attach() needs a transformers.Trainer (or a subclass), got {type(trainer).__name__}")
     for flag, what in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")):
         if getattr(trainer, flag, False):
+            hint = (" For FSDP2 (fully_shard) models outside Trainer, layerckpt.Checkpointer(dir, model, optimizer) "
+                    "on every rank saves and restores each rank's shards" if what == "FSDP" else "")
             raise CheckpointError(
                 f"attach(): this Trainer runs {what}, whose engine saves its own sharded state; layerckpt handles "
-                f"single-process and DDP Trainers: do not attach it for this run")
+                f"single-process and DDP Trainers: do not attach it for this run.{hint}")
 
 
 def _shape(fn: Callable[..., Any]) -> str:
