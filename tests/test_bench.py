@@ -1,6 +1,7 @@
 """`layerckpt bench` runs end to end (tiny preset: a smoke test, not a measurement)."""
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -226,3 +227,20 @@ def test_plot_is_written_where_matplotlib_is_installed(tmp_path):
         assert plot([row], str(out)) is None and not out.exists()
     else:
         assert plot([row], str(out)) == str(out) and out.stat().st_size > 0
+
+
+def test_bench_cpu_splits_a_save_by_thread(tmp_path):
+    """bench --cpu on the main job's model: each layerckpt checkpoint's CPU split by the thread that spent it."""
+    from layerckpt.bench import cpu
+
+    res = cpu.run(models=("main",), dirpath=str(tmp_path), contenders=("torch.save", "layerckpt full"), saves=6)
+    runs = res["models"][0]["runs"]
+    assert "parts_s" not in runs["torch.save"]  # one thread: nothing to split
+    parts = runs["layerckpt full"]["parts_s"]
+    assert {"call", "stager", "flusher", "other"} <= set(parts), parts
+    # the background threads did the copies and the writes; save() on the caller took some of it too
+    assert parts["stager"] > 0 and parts["flusher"] > 0 and parts["call"] > 0, parts
+    assert sum(parts.values()) < 3 * runs["layerckpt full"]["cpu_s"]["max"], parts  # seconds, not nanoseconds
+    table = cpu.format_table(res)
+    assert re.search(r"^  layerckpt full +call [0-9.]+  stager [0-9.]+  flusher [0-9.]+", table, re.M), table
+    assert not list(tmp_path.iterdir())  # each contender's store removed

@@ -20,6 +20,7 @@ import resource
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -37,6 +38,51 @@ CONTENDERS = ("torch.save", "layerckpt", "layerckpt delta", "layerckpt off", "la
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+#: layerckpt's threads by the part of a save they do, from their names (an encoder pool's numbers dropped)
+PARTS = {"layerckpt-stager": "stager", "layerckpt-flusher": "flusher", "layerckpt-encode": "encoders",
+         "layerckpt-fingerprint": "fingerprints"}
+
+
+def _threads() -> Optional[Dict[str, float]]:
+    """CPU seconds so far of this process's threads that do a save's parts (``schedstat``, nanoseconds): the
+    calling thread (``save()`` itself), layerckpt's threads by part (:data:`PARTS`), the kernel's io_uring
+    workers; None where the kernel keeps no per-thread schedstat."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id}
+    me = threading.get_native_id()
+    out: Dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            if tid == str(me):
+                return None
+            continue  # a thread that just ended
+        name = names.get(int(tid), "")
+        part = ("call" if int(tid) == me else "io_uring" if comm.startswith("iou-") else
+                next((v for k, v in PARTS.items() if name.startswith(k)), None))
+        if part is not None:
+            out[part] = out.get(part, 0.0) + ns / 1e9
+    return out
+
+
+def _split(before: Optional[Dict[str, float]], after: Optional[Dict[str, float]], total: float
+           ) -> Optional[Dict[str, float]]:
+    """One checkpoint's CPU by part; ``other``: the rest of ``total`` (torch's worker threads, threads that ended
+    meanwhile)."""
+    if before is None or after is None:
+        return None
+    out = {k: max(0.0, v - before.get(k, 0.0)) for k, v in after.items()}
+    out["other"] = max(0.0, total - sum(out.values()))
+    return out
 
 
 def _model(name: str) -> Tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[int], Optional[float]], int, int]:
@@ -112,11 +158,13 @@ def _floor(model, opt) -> float:
     return statistics.median(out)
 
 
-def run_model(name: str, dirpath: Optional[str], contenders=CONTENDERS) -> Dict[str, Any]:
+def run_model(name: str, dirpath: Optional[str], contenders=CONTENDERS, saves: Optional[int] = None) -> Dict[str, Any]:
+    """``saves``: checkpoints per contender, where not the model's own number (a quick check)."""
     res: Dict[str, Any] = {"model": name, "runs": {}}
     for who in ("step",) + tuple(contenders):
         torch.manual_seed(0)
         model, opt, step, every, n = _model(name)
+        n = saves or n
         res["state_bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
             v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
         root = tempfile.mkdtemp(prefix="layerckpt-bench-cpu-", dir=dirpath)
@@ -139,20 +187,26 @@ def run_model(name: str, dirpath: Optional[str], contenders=CONTENDERS) -> Dict[
                 full = "full" in parts
                 enc = parts[-1] if parts[-1] in ("delta", "off") else "auto"
                 save, close = _layerckpt(root, model, opt, full, enc)
-            cpu, wall, nbytes = [], [], []
+            cpu, wall, nbytes, parts = [], [], [], []
             for s in range(n * every):
                 loss = step(s)
                 if (s + 1) % every:
                     continue
                 time.sleep(PAUSE_S)
+                th = _threads() if who != "torch.save" else None
                 c, w = _cpu(), time.perf_counter()
                 nbytes.append(save(s, loss))
                 cpu.append(_cpu() - c)
                 wall.append(time.perf_counter() - w)
+                parts.append(_split(th, _threads() if th is not None else None, cpu[-1]))
             close()
             skip = min(2, len(cpu) - 1)  # the first saves allocate buffers and write everything
             res["runs"][who] = {"cpu_s": _summary(cpu[skip:]), "wall_s": _summary(wall[skip:]),
                                 "bytes": statistics.mean(nbytes[skip:]), "saves": len(cpu) - skip}
+            split = [p for p in parts[skip:] if p is not None]
+            if split:  # medians by part (they need not add up to the total's median)
+                res["runs"][who]["parts_s"] = {k: statistics.median(p.get(k, 0.0) for p in split)
+                                               for k in sorted({k for p in split for k in p})}
         finally:
             shutil.rmtree(root, ignore_errors=True)
     return res
@@ -162,9 +216,13 @@ def _summary(xs: List[float]) -> Dict[str, Any]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
 
 
-def run(models=MODELS, dirpath: Optional[str] = None, contenders=CONTENDERS) -> Dict[str, Any]:
+def run(models=MODELS, dirpath: Optional[str] = None, contenders=CONTENDERS, saves: Optional[int] = None
+        ) -> Dict[str, Any]:
     return {"machine": machine(), "torch_threads": torch.get_num_threads(),
-            "models": [run_model(m, dirpath, contenders) for m in models]}
+            "models": [run_model(m, dirpath, contenders, saves) for m in models]}
+
+
+_PART_ORDER = ("call", "stager", "flusher", "encoders", "fingerprints", "io_uring", "other")
 
 
 def format_table(res: Dict[str, Any]) -> str:
@@ -188,6 +246,14 @@ def format_table(res: Dict[str, Any]) -> str:
                          + f"{c['median'] / floor:>9.1f}x"
                          + (f"{c['median'] / ts['cpu_s']['median']:>14.2f}x" if ts else " " * 15)
                          + f"{x['wall_s']['median'] * 1e3:>10.1f}{x['bytes'] / 1e6:>12.1f}")
+        split = [(who, x["parts_s"]) for who, x in r["runs"].items() if x.get("parts_s")]
+        if split:
+            lines.append("where layerckpt's CPU went, ms (medians by thread): call = save() on the training thread, "
+                         "stager = the copies and their CRC32C, flusher = writes, commit and retention, other = "
+                         "torch's threads and threads that ended")
+            for who, p in split:
+                lines.append(f"  {who:<22}" + "  ".join(f"{k} {p[k] * 1e3:.1f}" for k in _PART_ORDER if k in p)
+                             + "".join(f"  {k} {v * 1e3:.1f}" for k, v in p.items() if k not in _PART_ORDER))
     lines.append("torch.save: no fsync (as Lightning's ModelCheckpoint); layerckpt: durable (fdatasync) and committed")
     return "\n".join(lines)
 
