@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -220,6 +221,38 @@ def test_a_slow_remote_gets_encoded_copies_while_the_disk_gets_raw_bytes(tmp_pat
         layerckpt.restore(url, fresh, fopt, step=step)
         assert_same_tensors(fresh.state_dict(), states[step][0])
         assert_same_optimizer_state(fopt.state_dict(), states[step][1])
+
+
+def test_a_remote_is_timed_on_its_uploads_not_on_the_encoding_before_them(tmp_path, monkeypatch):
+    """The remote's rate is its bytes over the time an upload ran: were the encoding of its copies counted
+    in, a slow encoder would make the remote look slow, which makes encoding look more worth it."""
+    from layerckpt.write import _transcode
+
+    slow = _transcode.Transcoder._encode
+
+    def encode(self, *a, **kw):
+        time.sleep(0.01)  # an encoder far slower than the folder the copies go to
+        return slow(self, *a, **kw)
+
+    monkeypatch.setattr(_transcode.Transcoder, "_encode", encode)
+    cfg = layerckpt.Config(full=True, keep_last=0, remote="file://" + str(tmp_path / "remote"))
+    model, opt = trained()
+    seen = []
+    with layerckpt.Checkpointer(tmp_path / "ck", model, opt, config=cfg) as ck:
+        _fixed(ck, 20e9)
+        tc = ck._tiers.tiers[0].transcoder
+        tc.sink.cap = 1e3  # a remote taken for 1 kB/s whatever it measures: once estimated, copies are encoded
+        observe = tc.sink.observe
+        tc.sink.observe = lambda n, sec: (seen.append((n, sec, tc.encoded_bytes)), observe(n, sec))
+        for step in range(1, 5):
+            _train(model, opt)
+            ck.save(step).wait()
+            ck.wait()
+        encodes = len(_manifest(tmp_path / "ck", 4)["tensors"])
+    encoded = [(n, sec) for (n, sec, after), (_, _, before) in zip(seen[1:], seen) if after > before]
+    assert encoded  # copies that were encoded, 10 ms a tensor: none of that is the remote's time
+    for n, sec in encoded:
+        assert n > 0 and sec < 0.5 * 0.01 * encodes, (n, sec, encodes)
 
 
 @pytest.mark.parametrize("encoding", ["off", "auto", "delta"])

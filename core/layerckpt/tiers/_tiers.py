@@ -200,6 +200,31 @@ def renamed(m: Manifest, where: Dict[str, str]) -> dict:
     return d
 
 
+class Busy:
+    """The wall time during which at least one of several overlapping uploads ran: what a tier's rate is
+    measured over.  Encoding a copy's next part while its last one uploads is not the tier's time (counted in,
+    it would make the tier look slower the more is encoded for it, and so encode more)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running = 0
+        self._since = 0.0
+        self.seconds = 0.0
+
+    def __enter__(self) -> "Busy":
+        with self._lock:
+            if not self._running:
+                self._since = time.perf_counter()
+            self._running += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._running -= 1
+            if not self._running:
+                self.seconds += time.perf_counter() - self._since
+
+
 def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: AbstractSet[str],
          transcoder=None, bases_only: bool = False) -> Tuple[int, int, int]:
     """Copy the composite ``m`` (committed in ``root`` as ``name``) to the tier, commit it there, apply the
@@ -222,28 +247,32 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
             taken.add(name)
             return name
 
+    busy = Busy()
+
+    def upload(path: str, name: str) -> None:
+        with busy:
+            store.put_file(path, DATA, name)
+
     def put(f: str) -> None:
         src = os.path.join(root, _store.DATA_DIR, f)
         modes = transcoder.modes(m, f, bases_only) if transcoder is not None else None
         if modes is None:
-            store.put_file(src, DATA, where[f])
+            upload(src, where[f])
             n = m.files[f].size
         else:
-            copies[f] = transcoder.write(root, f, m, modes, where[f], lambda: fresh(f),
-                                         lambda path, name: store.put_file(path, DATA, name))
+            copies[f] = transcoder.write(root, f, m, modes, where[f], lambda: fresh(f), upload)
             n = sum(copies[f][2].values())
         with lock:
             sent[0] += n
         _faults.point("tier.file-copied")
 
-    t0 = time.perf_counter()
     try:
         if todo:
             with ThreadPoolExecutor(min(COPIES_IN_FLIGHT, len(todo)), thread_name_prefix="layerckpt-copy") as ex:
                 for fut in [ex.submit(put, f) for f in todo]:
                     fut.result()
-        if transcoder is not None and sent[0]:  # the tier's rate, over every upload at once
-            transcoder.sink.observe(sent[0], time.perf_counter() - t0)
+        if transcoder is not None and sent[0]:  # the tier's rate: its bytes over the time an upload ran
+            transcoder.sink.observe(sent[0], busy.seconds)
         _faults.point("tier.data-copied")
         d = renamed(m, where)
         if copies:
