@@ -404,6 +404,87 @@ def test_memory_tier_holds_the_newest_composite_only(shm_root):
     assert_same_state(model, m)
 
 
+def _uploads(monkeypatch):
+    """The files the memory tier copied (LocalStore.put_file) and the remote uploaded (FsspecStore.put_file)."""
+    from layerckpt.tiers import _remote
+
+    seen = {"memory": [], "remote": []}
+    for kind, cls in (("memory", _remote.LocalStore), ("remote", _remote.FsspecStore)):
+        def put(self, src, sub, name, _put=cls.put_file, _kind=kind):
+            _put(self, src, sub, name)  # (one that failed: a copy in memory removed meanwhile, the next tried)
+            seen[_kind].append(src)
+
+        monkeypatch.setattr(cls, "put_file", put)
+    return seen
+
+
+def _restores_from_each_tier(shm_root, url, cfg, model, step):
+    m = stack()
+    assert layerckpt.restore(shm_root, m, config=cfg).step == step  # the memory tier's
+    assert_same_state(model, m)
+    shutil.rmtree(shm_root)
+    shutil.rmtree(memory_path(str(shm_root)))
+    m = stack()
+    assert layerckpt.restore(url, m).step == step  # the remote's alone
+    assert_same_state(model, m)
+
+
+def test_the_tiers_take_each_file_from_its_copy_in_memory_not_from_the_disk(shm_root, tmp_path, monkeypatch):
+    """The flusher copies each file it writes into the memory tier's folder from the staging buffers: the
+    memory tier moves that copy into place and the remote uploads from memory; neither reads the disk."""
+    seen = _uploads(monkeypatch)
+    url = "file://" + str(tmp_path / "remote")
+    cfg = SELECTIVE.replace(memory_tier=True, remote=url, encoding="off")
+    model = stack()
+    with layerckpt.Checkpointer(shm_root, model, config=cfg) as ck:
+        for step in range(1, 8):
+            move(model, step)
+            ck.save(step).wait()
+            ck.wait()
+    mem = memory_path(str(shm_root))
+    assert seen["memory"] == []  # nothing copied into the memory tier: every file linked there
+    assert len(seen["remote"]) == 7 and all(src.startswith(mem + os.sep) for src in seen["remote"]), seen["remote"]
+    assert os.listdir(os.path.join(mem, "incoming")) == []  # every staged copy taken or swept
+    for n in os.listdir(os.path.join(mem, "data")):  # byte for byte the files on the disk
+        with open(os.path.join(mem, "data", n), "rb") as a, open(shm_root / "data" / n, "rb") as b:
+            assert a.read() == b.read(), n
+    _restores_from_each_tier(shm_root, url, cfg, model, 7)
+
+
+def test_without_a_copy_in_memory_the_tiers_read_the_disk(shm_root, tmp_path, monkeypatch):
+    """/dev/shm full while the flusher copies: the copy is dropped (no save fails) and the tiers copy from the
+    disk as they would without it; an earlier process's staged copies are not trusted."""
+    import types
+
+    from layerckpt.write import _writeloop
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_writeloop, "os", types.SimpleNamespace(**{**vars(os), "pwrite": full}))
+    seen = _uploads(monkeypatch)
+    mem = memory_path(str(shm_root))
+    os.makedirs(os.path.join(mem, "incoming"))
+    with open(os.path.join(mem, "incoming", "step-00000001.rank0.safetensors"), "wb") as f:
+        f.write(b"an earlier process's")
+    url = "file://" + str(tmp_path / "remote")
+    cfg = SELECTIVE.replace(memory_tier=True, remote=url, encoding="off")
+    model = stack()
+    with layerckpt.Checkpointer(shm_root, model, config=cfg) as ck:
+        assert os.listdir(os.path.join(mem, "incoming")) == []
+        for step in range(1, 4):
+            move(model, step)
+            ck.save(step).wait()
+            ck.wait()
+    disk = str(shm_root / "data") + os.sep
+    assert len(seen["memory"]) == 3 and all(src.startswith(disk) for src in seen["memory"]), seen
+    # the remote reads the disk, or the memory tier's copy of it once there
+    assert len(seen["remote"]) == 3 and all(src.startswith((disk, os.path.join(mem, "data") + os.sep))
+                                            for src in seen["remote"]), seen
+    assert os.listdir(os.path.join(mem, "incoming")) == []  # no part left behind
+    _restores_from_each_tier(shm_root, url, cfg, model, 3)
+
+
 # ------------------------------------------------------------------ bandwidth cap, bases only
 
 def test_bandwidth_cap_is_shared_by_concurrent_uploads(s3, tmp_path):

@@ -100,6 +100,7 @@ class Checkpointer:
             if self._flusher.cost is not None:  # encoding='auto': a remote gets encoded what pays there
                 box = self._charge_now  # not self: the tier must not keep the Checkpointer alive
                 self._tiers.attach(self._flusher.cost, lambda: box[0])
+            self._flusher.staged_copy = self._tiers.staged_copy
             self._tiers.catch_up()
         self._pending: List[PendingSave] = []
         self._closed = False

@@ -18,6 +18,7 @@ what its manifests do not reference.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -25,10 +26,10 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AbstractSet, Dict, List, Optional, Tuple, Union
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from .. import _faults, _registry
-from ..write import _retain
+from ..write import _commit, _retain
 from ..format import _store
 from ..format._json import loads_strict
 from ..format._manifest import Manifest, head_first
@@ -40,6 +41,7 @@ from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFound
 log = logging.getLogger("layerckpt")
 
 COPIES_IN_FLIGHT = 4  # files copied at once by one tier
+INCOMING = "incoming"  # the memory tier's folder of the staged copies the flusher makes (Tiers.incoming)
 wait_for_tiers = _registry.wait_for_tiers  # read your writes: this process's copies into a tier URL or folder
 
 
@@ -226,15 +228,22 @@ class Busy:
 
 
 def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: AbstractSet[str],
-         transcoder=None, bases_only: bool = False) -> Tuple[int, int, int]:
+         transcoder=None, bases_only: bool = False, sources: Optional[Sources] = None,
+         placed: Optional[Dict[str, Tuple[str, Any]]] = None) -> Tuple[int, int, int]:
     """Copy the composite ``m`` (committed in ``root`` as ``name``) to the tier, commit it there, apply the
     tier's retention.  ``transcoder`` (``_transcode.Transcoder``): a file whose tensors encoding pays for on
-    this tier goes as an encoded copy (``bases_only``: no deltas).  Returns (files copied, files the tier
-    already held, bytes uploaded)."""
+    this tier goes as an encoded copy (``bases_only``: no deltas).  ``sources``: copies of a local file in
+    memory to take it from instead of the disk (see :meth:`Tiers.sources`); ``placed`` (the memory tier's):
+    kept up to date, as each lands, with where every file of ``m`` is on the tier.  Returns (files copied,
+    files the tier already held, bytes uploaded)."""
     good, bad = read_all(store)
     listed = store.names(DATA)
     done = transcoder.done if transcoder is not None else {}
     where, todo = place(m, good, listed, done)
+    sigs = _entries(m)  # what a copy in memory of a file must hold to stand for it
+    if placed is not None:
+        for f in set(where) - set(todo):
+            placed[f] = (store.where(DATA, where[f]), sigs.get(f))
     copies = {f: done[f] for f in where if f not in todo and f in done and where[f] == done[f][0][0]}
     sent = [0]
     taken = set(listed) | set(where.values()) | {n for tm in good.values() for n in tm.files}
@@ -257,7 +266,11 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
         src = os.path.join(root, _store.DATA_DIR, f)
         modes = transcoder.modes(m, f, bases_only) if transcoder is not None else None
         if modes is None:
-            upload(src, where[f])
+            if not _from_memory(store, sources(f, sigs.get(f)) if sources is not None else (), m.files[f].size,
+                                where[f], upload):
+                upload(src, where[f])
+            if placed is not None:
+                placed[f] = (store.where(DATA, where[f]), sigs.get(f))
             n = m.files[f].size
         else:
             copies[f] = transcoder.write(root, f, m, modes, where[f], lambda: fresh(f), upload)
@@ -292,7 +305,36 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
     _faults.point("tier.committed")
     good[name] = Manifest.from_dict(d, store.where(MANIFESTS, name))
     retain(store, good, bad, keep_last, pinned)
+    if placed is not None:
+        for f in [f for f in placed if f not in where]:
+            placed.pop(f, None)
     return len(todo), len(where) - len(todo), sent[0]
+
+
+#: (local data file name, the entries a copy of it must hold) -> [(path of a copy of it in memory, whether the
+#: tier may link the file itself into place)]
+Sources = Callable[[str, Any], List[Tuple[str, bool]]]
+
+
+def _from_memory(store, candidates, size: int, name: str, upload: Callable[[str, str], None]) -> bool:
+    """Copy a local data file to the tier ``name`` from the first of its copies in memory that is still there
+    (a copy may be removed at any time: then the next is tried); False where none was."""
+    for path, movable in candidates:
+        try:
+            if os.path.getsize(path) != size:
+                continue
+            if movable:  # the memory tier's own staged copy: linked into place, not copied (the staged name
+                # stays for the other tiers to read, until swept; a later staged copy is a new file)
+                dst = store.where(DATA, name)
+                _commit.unlink_quietly(dst + ".tmp")
+                os.link(path, dst + ".tmp")
+                os.replace(dst + ".tmp", dst)
+            else:
+                upload(path, name)
+            return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 def retain(store, good: Dict[str, Manifest], bad: List[str], keep_last: int, pinned: AbstractSet[str]) -> None:
@@ -338,6 +380,10 @@ class Tier:
         self.bytes_sent = 0  # bytes of data files uploaded (encoded copies at their encoded size)
         #: Config(encoding='auto'), the remote tier: encodes what pays on it (``_transcode``); see Tiers.attach
         self.transcoder = None
+        self.sources: Optional[Sources] = None  # copies in memory of the local files (Tiers.sources)
+        #: the memory tier's: local data file -> (its path on the tier, the entries it holds), for the newest
+        #: composite copied (and the one being copied, as its files land)
+        self.placed: Dict[str, Tuple[str, Any]] = {}
         self.seq = 0  # the highest commit number the tier held at open
         self.newest: Optional[Tuple[int, int]] = None  # (seq, step) of its newest composite at open
         _registry.tier_opened(root, self)
@@ -399,6 +445,8 @@ class Tier:
             due = force or self.error is not None or self.offered % self.every == 0
         self.offered += 1
         if not due:
+            if not self.busy():
+                self._tiers.past(self, m.step)
             return
         snapshot = Manifest.from_dict(m.to_dict(), "manifest")  # the flusher's object lives on
         with self._cv:
@@ -420,7 +468,8 @@ class Tier:
             try:
                 pinned = self._tiers.pinned() if self.pins else frozenset()
                 copied, reused, sent = push(self.store, self.root, name, m, self.keep_last, pinned, self.transcoder,
-                                            bases_only=self.every == REMOTE_BASES)
+                                            bases_only=self.every == REMOTE_BASES, sources=self.sources,
+                                            placed=self.placed if self.kind == "memory" else None)
                 self.files_copied += copied
                 self.files_reused += reused
                 self.bytes_sent += sent
@@ -436,6 +485,7 @@ class Tier:
                     self._busy = None
                     self._cv.notify_all()
                 self._tiers.released()
+                self._tiers.past(self, m.step)
 
     def busy(self) -> bool:
         """Whether a copy is queued or running."""
@@ -490,6 +540,50 @@ class Tiers:
         for t in self.tiers:
             t.open(identity)
         self.seq = max(t.seq for t in self.tiers)
+        #: where the flusher puts a copy of each data file it writes, made from the same staging buffers as
+        #: it writes them (memory tier only): the memory tier moves it into place instead of reading the file
+        #: back from the disk, and the remote tier uploads from memory
+        self.incoming: Optional[str] = None
+        self._past: Dict[str, float] = {}  # tier kind -> the step of the composite it last copied or skipped
+        memory = next((t for t in self.tiers if t.kind == "memory"), None)
+        if memory is not None:
+            self.incoming = os.path.join(memory.store.root, INCOMING)
+            shutil.rmtree(self.incoming, ignore_errors=True)  # an earlier process's: unknown bytes
+            os.mkdir(self.incoming, 0o700)
+            for t in self.tiers:
+                t.sources = functools.partial(self.sources, memory, t is memory)
+
+    def staged_copy(self, fname: str) -> Optional[str]:
+        """Where the flusher may put a copy in memory of the data file ``fname`` it writes; None: nowhere."""
+        return None if self.incoming is None else os.path.join(self.incoming, fname)
+
+    def sources(self, memory: Tier, own: bool, f: str, entries: Any) -> List[Tuple[str, bool]]:
+        """The copies in memory of the local data file ``f`` (its tensors' ``entries``), for the memory tier
+        (``own``: the staged copy, to link into place) or another tier (the staged copy, else the memory
+        tier's where it holds the same entries, to read).  The staged copy holds what the flusher wrote last
+        under that name, as the local file does."""
+        staged = os.path.join(self.incoming, f)
+        if own:
+            return [(staged, True)]
+        held = memory.placed.get(f)
+        return [(staged, False)] + ([(held[0], False)] if held is not None and held[1] == entries else [])
+
+    def past(self, tier: Tier, step: float) -> None:
+        """``tier`` copied (or skipped) the composite of ``step``: the staged copies of files of that step or
+        before are done with once every tier is past them (a file a later composite carries from a skipped
+        one is read from the disk)."""
+        with self._lock:
+            self._past[tier.kind] = step
+            if self.incoming is None or len(self._past) < len(self.tiers):
+                return
+            upto = min(self._past.values())
+        for n in os.listdir(self.incoming):
+            at = _store.data_step(n)
+            if at is not None and at[0] <= upto:
+                try:
+                    os.unlink(os.path.join(self.incoming, n))
+                except FileNotFoundError:
+                    pass
 
     def attach(self, cost, charge) -> None:
         """``Config(encoding='auto')``: the remote tier encodes what the cost model ``cost`` (the flusher's,
@@ -555,6 +649,10 @@ class Tiers:
     def close(self) -> None:
         for t in self.tiers:
             t.close()
+        if self.incoming is not None:  # every copy is made: the staged copies are done with
+            with self._lock:
+                self._past = {t.kind: float("inf") for t in self.tiers}
+            self.past(self.tiers[0], float("inf"))
 
 
 def open_tiers(root: str, config: Config, retention: _retain.Retention) -> Optional[Tiers]:

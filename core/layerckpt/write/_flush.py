@@ -24,7 +24,7 @@ from ..format._layout import DTYPES, Layout
 from ..format._manifest import Manifest
 from ._stage import BufferPool
 from ..format._store import fsync_dir
-from ._writeloop import WriteLoop, as_checkpoint_error, discard
+from ._writeloop import Tee, WriteLoop, as_checkpoint_error, discard
 from ..config import Config
 from ..errors import CheckpointError, CheckpointWriteError
 
@@ -218,6 +218,8 @@ class Flusher:
         self._encoders: Optional[ThreadPoolExecutor] = None
         self._probing: List[Future] = []  # probe encodes still running (see _cost.Probes)
         self._hurry = threading.Event()  # a save() waits for the save flushing now: stop encoding it
+        #: where to put a copy in memory of a data file written raw (the memory tier's, ``Tiers.staged_copy``)
+        self.staged_copy: Optional[Callable[[str], Optional[str]]] = None
 
     def hurry(self) -> None:
         """A ``save()`` waits for the save flushing now: the rest of it is written without encoding, so that
@@ -314,14 +316,19 @@ class Flusher:
             self._discard(job)
             raise CheckpointWriteError(e.errno or errno.EIO, path) from None
         loop, probe = self._loop(job, path)
+        tee = self._tee(job, loop)
         try:
             crcs = loop.run(fd, direct, job.layout.size, phases=job.pending.phases)
         except BaseException as e:
+            if tee is not None:
+                tee.drop()
             failed = e
             if direct and isinstance(e, OSError) and e.errno == errno.EINVAL:
                 failed = _diagnose_einval(path, job.layout.size, e)
             _commit.unlink_quietly(path)
             raise failed
+        if tee is not None:
+            tee.finish(job.layout.size)
         crcs = [job.crcs.get(i, c) for i, c in enumerate(crcs)]
         encoded = isinstance(loop, _encwrite.EncodingLoop)
         if encoded:
@@ -335,6 +342,21 @@ class Flusher:
                 self._probing = [p for p in self._probing if not p.done()]
                 self._probing.append(self._encoder_threads().submit(probe.run))
         return crcs
+
+    def _tee(self, job: FlushJob, loop: WriteLoop) -> Optional[Tee]:
+        """A copy in memory of this job's file, where one is wanted and the file is written raw (the staging
+        buffers hold its bytes as they go to the disk)."""
+        where = self.staged_copy(job.fname) if self.staged_copy is not None else None
+        if where is None or isinstance(loop, _encwrite.EncodingLoop):
+            return None
+        try:
+            tee = Tee(where)
+        except OSError as e:
+            log.debug("layerckpt: no copy in memory of %s: %s", job.fname, e)
+            return None
+        first = loop.tap
+        loop.tap = tee.tap if first is None else lambda *a: (first(*a), tee.tap(*a))
+        return tee
 
     def _loop(self, job: FlushJob, path: str) -> "Tuple[WriteLoop, Optional[_cost.ProbeSave]]":
         """The write loop of this job: encoded unless ``Config.encoding='off'``, or 'auto' decides that no

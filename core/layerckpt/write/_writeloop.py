@@ -13,6 +13,7 @@ writer a ``torch.save`` file (nothing to checksum).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import queue
 import threading
@@ -25,6 +26,8 @@ from ..format._layout import align_up
 from ._stage import BufferPool, Chunk, Handoff, Signal, StagedChunk
 from ..config import ALIGN
 from ..errors import CheckpointError, CheckpointWriteError
+
+log = logging.getLogger("layerckpt")
 
 
 def discard(chunks: "queue.Queue[Handoff]", pool: BufferPool) -> None:
@@ -199,3 +202,50 @@ class Writes:
         self._owed.clear()
         self._owed_ids.clear()
         self._written.clear()
+
+
+class Tee:
+    """A second copy of a file image, in memory (the memory tier's staged copy, ``Tiers.staged_copy``), written
+    from the staging buffers as the write loop is shown them (``WriteLoop.tap``): the tiers then need not
+    read the file back from the disk.  Written beside its place and renamed into it by :meth:`finish`; it
+    never fails the write it copies: an error (a full ``/dev/shm``) drops the copy, and the tiers read the
+    file from the disk as before."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._part = path + ".part"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        self._fd: Optional[int] = os.open(self._part, flags, 0o600)
+
+    def tap(self, base: int, view: memoryview, fill: int) -> None:
+        if self._fd is None:
+            return
+        try:
+            data, done = view[:fill], 0
+            while done < fill:
+                done += os.pwrite(self._fd, data[done:], base + done)
+        except OSError as e:
+            log.debug("layerckpt: no copy in memory of %s: %s", self.path, e)
+            self.drop()
+
+    def finish(self, size: int) -> None:
+        """The image is written whole: the copy takes its place (unless it was dropped)."""
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, size)
+            os.close(self._fd)
+            self._fd = None
+            os.replace(self._part, self.path)
+        except OSError as e:
+            log.debug("layerckpt: no copy in memory of %s: %s", self.path, e)
+            self.drop()
+
+    def drop(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        try:
+            os.unlink(self._part)
+        except OSError:
+            pass
