@@ -541,7 +541,7 @@ class Tiers:
             t.open(identity)
         self.seq = max(t.seq for t in self.tiers)
         #: where the flusher puts a copy of each data file it writes, made from the same staging buffers as
-        #: it writes them (memory tier only): the memory tier moves it into place instead of reading the file
+        #: it writes them (memory tier only): the memory tier links it into place instead of reading the file
         #: back from the disk, and the remote tier uploads from memory
         self.incoming: Optional[str] = None
         self._past: Dict[str, float] = {}  # tier kind -> the step of the composite it last copied or skipped
@@ -577,6 +577,10 @@ class Tiers:
             if self.incoming is None or len(self._past) < len(self.tiers):
                 return
             upto = min(self._past.values())
+        self._sweep(upto)
+
+    def _sweep(self, upto: float) -> None:
+        """Remove the staged copies of files of step ``upto`` or before."""
         for n in os.listdir(self.incoming):
             at = _store.data_step(n)
             if at is not None and at[0] <= upto:
@@ -650,9 +654,7 @@ class Tiers:
         for t in self.tiers:
             t.close()
         if self.incoming is not None:  # every copy is made: the staged copies are done with
-            with self._lock:
-                self._past = {t.kind: float("inf") for t in self.tiers}
-            self.past(self.tiers[0], float("inf"))
+            self._sweep(float("inf"))
 
 
 def open_tiers(root: str, config: Config, retention: _retain.Retention) -> Optional[Tiers]:
