@@ -40,6 +40,19 @@ def test_buckets_are_the_wall_time_split_by_hand():
     assert sum(r["buckets"].values()) == pytest.approx(r["wall_s"]) == pytest.approx(15.0)
     assert (r["steps_done"], r["executed"], r["saves"], r["kills"], r["resumed_at"]) == (6, 7, 1, 1, [0, 3])
     assert r["final_loss"] == 0.5 and r["first_start_s"] == pytest.approx(3.5)  # spawn to step 1, less its work
+    assert r["tail_loss"] == pytest.approx((5 * 1.0 + 0.5) / 6)  # the job's 6 steps, step 4's as redone
+
+
+def test_the_runs_are_compared_on_the_mean_loss_of_their_last_steps():
+    from layerckpt.bench.goodput_account import TAIL, tail_loss
+
+    n = TAIL + 5
+    assert tail_loss({s: float(s) for s in range(1, n + 1)}, n) == pytest.approx(sum(range(6, n + 1)) / TAIL)
+    assert tail_loss({s: 1.0 for s in range(1, n)}, n) is None  # the last step missing: no mean
+    # step 4 done twice: the second process's loss counts, the one that led to the end
+    again = [dict(a, events=[dict(e, loss=2.0) if e["e"] == "step" and e["s"] == 4 and a["killed"] is None
+                             else e for e in a["events"]]) for a in ATTEMPTS]
+    assert account(again, 6, 1.0)["tail_loss"] == pytest.approx((4 * 1.0 + 2.0 + 0.5) / 6)
 
 
 def test_lost_time_and_the_optimum_against_the_failure_free_run():

@@ -38,6 +38,16 @@ def read_progress(path: str) -> List[Dict[str, Any]]:
     return out
 
 
+TAIL = 10  # the last steps whose mean loss compares the runs (one batch's loss is as noisy as the batch)
+
+
+def tail_loss(losses: Dict[int, float], steps: int) -> Optional[float]:
+    """The mean loss of the job's last :data:`TAIL` steps on the path that reached the end (each step's batch is the
+    same in every run: a paired comparison); None where one is missing."""
+    tail = [losses.get(s) for s in range(max(1, steps - TAIL + 1), steps + 1)]
+    return None if any(x is None for x in tail) else sum(tail) / len(tail)
+
+
 def account(attempts: List[Dict[str, Any]], steps: int, base_s: float) -> Dict[str, Any]:
     """Buckets and counts of one contender's attempts, each ``{"spawned": t, "killed": t or None, "events": [...]}``
     in order, the last one reaching ``steps``; ``base_s`` is the failure-free median step."""
@@ -45,6 +55,7 @@ def account(attempts: List[Dict[str, Any]], steps: int, base_s: float) -> Dict[s
     done: set = set()
     executed = saves = 0
     final_loss: Optional[float] = None
+    losses: Dict[int, float] = {}  # step -> its loss on the path that reached the end (a redone step's last)
     first_start: Optional[float] = None
     prev_end: Optional[float] = None
     for a in attempts:
@@ -71,6 +82,7 @@ def account(attempts: List[Dict[str, Any]], steps: int, base_s: float) -> Dict[s
             b["compute" if e["s"] not in done else "redone"] += base_s
             b["warmup" if first else "checkpoint"] += (e["t"] - t) - base_s
             done.add(e["s"])
+            losses[e["s"]] = e["loss"]
             first, t = False, e["t"]
             if e["s"] == steps:
                 final_loss = e["loss"]
@@ -81,7 +93,7 @@ def account(attempts: List[Dict[str, Any]], steps: int, base_s: float) -> Dict[s
         prev_end = end
     wall = prev_end - attempts[0]["spawned"]
     return {"buckets": b, "wall_s": wall, "steps_done": len(done), "executed": executed, "saves": saves,
-            "final_loss": final_loss, "first_start_s": first_start,
+            "final_loss": final_loss, "tail_loss": tail_loss(losses, steps), "first_start_s": first_start,
             "kills": sum(a["killed"] is not None for a in attempts),
             "resumed_at": [next((e["step"] for e in a["events"] if e["e"] == "restored"), None) for a in attempts]}
 
