@@ -429,9 +429,16 @@ def _restores_from_each_tier(shm_root, url, cfg, model, step):
     assert_same_state(model, m)
 
 
-def test_the_tiers_take_each_file_from_its_copy_in_memory_not_from_the_disk(shm_root, tmp_path, monkeypatch):
+@pytest.mark.parametrize("links", [True, False])
+def test_the_tiers_take_each_file_from_its_copy_in_memory_not_from_the_disk(shm_root, tmp_path, monkeypatch, links):
     """The flusher copies each file it writes into the memory tier's folder from the staging buffers: the
-    memory tier moves that copy into place and the remote uploads from memory; neither reads the disk."""
+    memory tier links that copy into place (or copies it, where its file system links no file) and the remote
+    uploads from memory; neither reads the disk."""
+    if not links:
+        def link(*a):
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", link)
     seen = _uploads(monkeypatch)
     url = "file://" + str(tmp_path / "remote")
     cfg = SELECTIVE.replace(memory_tier=True, remote=url, encoding="off")
@@ -442,7 +449,11 @@ def test_the_tiers_take_each_file_from_its_copy_in_memory_not_from_the_disk(shm_
             ck.save(step).wait()
             ck.wait()
     mem = memory_path(str(shm_root))
-    assert seen["memory"] == []  # nothing copied into the memory tier: every file linked there
+    incoming = os.path.join(mem, "incoming") + os.sep
+    if links:
+        assert seen["memory"] == []  # nothing copied into the memory tier: every file linked there
+    else:
+        assert len(seen["memory"]) == 7 and all(src.startswith(incoming) for src in seen["memory"]), seen
     assert len(seen["remote"]) == 7 and all(src.startswith(mem + os.sep) for src in seen["remote"]), seen["remote"]
     assert os.listdir(os.path.join(mem, "incoming")) == []  # every staged copy taken or swept
     for n in os.listdir(os.path.join(mem, "data")):  # byte for byte the files on the disk

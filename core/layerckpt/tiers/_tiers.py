@@ -323,18 +323,27 @@ def _from_memory(store, candidates, size: int, name: str, upload: Callable[[str,
         try:
             if os.path.getsize(path) != size:
                 continue
-            if movable:  # the memory tier's own staged copy: linked into place, not copied (the staged name
-                # stays for the other tiers to read, until swept; a later staged copy is a new file)
-                dst = store.where(DATA, name)
-                _commit.unlink_quietly(dst + ".tmp")
-                os.link(path, dst + ".tmp")
-                os.replace(dst + ".tmp", dst)
-            else:
+            if not (movable and _link(path, store.where(DATA, name))):
                 upload(path, name)
             return True
         except FileNotFoundError:
             continue
     return False
+
+
+def _link(path: str, dst: str) -> bool:
+    """The memory tier's own staged copy linked into place, not copied (the staged name stays for the other
+    tiers to read until swept; a later staged copy is a new file); False where the folder's file system
+    links no file (the copy is then made)."""
+    _commit.unlink_quietly(dst + ".tmp")
+    try:
+        os.link(path, dst + ".tmp")
+    except FileNotFoundError:
+        raise
+    except OSError:
+        return False
+    os.replace(dst + ".tmp", dst)
+    return True
 
 
 def retain(store, good: Dict[str, Manifest], bad: List[str], keep_last: int, pinned: AbstractSet[str]) -> None:
@@ -547,11 +556,16 @@ class Tiers:
         self._past: Dict[str, float] = {}  # tier kind -> the step of the composite it last copied or skipped
         memory = next((t for t in self.tiers if t.kind == "memory"), None)
         if memory is not None:
-            self.incoming = os.path.join(memory.store.root, INCOMING)
-            shutil.rmtree(self.incoming, ignore_errors=True)  # an earlier process's: unknown bytes
-            os.mkdir(self.incoming, 0o700)
-            for t in self.tiers:
-                t.sources = functools.partial(self.sources, memory, t is memory)
+            incoming = os.path.join(memory.store.root, INCOMING)
+            shutil.rmtree(incoming, ignore_errors=True)  # an earlier process's: unknown bytes
+            try:
+                os.mkdir(incoming, 0o700)
+            except OSError as e:  # the tiers then read the disk
+                log.warning("layerckpt: %s cannot be made (%s); the tiers copy from the disk", incoming, e)
+            else:
+                self.incoming = incoming
+                for t in self.tiers:
+                    t.sources = functools.partial(self.sources, memory, t is memory)
 
     def staged_copy(self, fname: str) -> Optional[str]:
         """Where the flusher may put a copy in memory of the data file ``fname`` it writes; None: nowhere."""
@@ -581,12 +595,16 @@ class Tiers:
 
     def _sweep(self, upto: float) -> None:
         """Remove the staged copies of files of step ``upto`` or before."""
-        for n in os.listdir(self.incoming):
+        try:
+            names = os.listdir(self.incoming)
+        except OSError:  # the folder was removed under the run: nothing staged is left to remove
+            return
+        for n in names:
             at = _store.data_step(n)
             if at is not None and at[0] <= upto:
                 try:
                     os.unlink(os.path.join(self.incoming, n))
-                except FileNotFoundError:
+                except OSError:
                     pass
 
     def attach(self, cost, charge) -> None:
