@@ -602,10 +602,7 @@ class Tiers:
         for n in names:
             at = _store.data_step(n)
             if at is not None and at[0] <= upto:
-                try:
-                    os.unlink(os.path.join(self.incoming, n))
-                except OSError:
-                    pass
+                _commit.unlink_quietly(os.path.join(self.incoming, n))
 
     def attach(self, cost, charge) -> None:
         """``Config(encoding='auto')``: the remote tier encodes what the cost model ``cost`` (the flusher's,

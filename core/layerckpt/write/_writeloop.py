@@ -26,6 +26,7 @@ from ..format._layout import align_up
 from ._stage import BufferPool, Chunk, Handoff, Signal, StagedChunk
 from ..config import ALIGN
 from ..errors import CheckpointError, CheckpointWriteError
+from ._commit import unlink_quietly
 
 log = logging.getLogger("layerckpt")
 
@@ -245,7 +246,4 @@ class Tee:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        try:
-            os.unlink(self._part)
-        except OSError:
-            pass
+        unlink_quietly(self._part)
