@@ -97,6 +97,7 @@ def cmd_inspect(args) -> int:
     for kind, (raw, st) in sorted(_by_kind(m, stored).items()):
         print(f"  {kind:<24}{raw / 1e6:>10.2f} -> {st / 1e6:>8.2f}  ({raw / max(st, 1):.2f}x)")
     _print_coding(m)
+    _print_lossy(m)
     for key, b in (m.blocks or {}).items():
         print(f"row blocks: {key} {tuple(b.shape)} {b.dtype} in {len(b.rows)} blocks of up to "
               f"{max(z - a for a, z in b.rows)} rows")
@@ -120,6 +121,20 @@ def _print_coding(m: Manifest) -> None:
             n, b = r.get("tensors"), r.get("bytes")
             size = f"{n} tensors, {b / 1e6:.2f} MB" if isinstance(n, int) and isinstance(b, (int, float)) else ""
             print(f"  {str(k):<24}{str(r.get('mode')):<10}{size}: {r.get('why')}")
+
+
+def _print_lossy(m: Manifest) -> None:
+    """The tensors stored with bounded loss (``Config(encoding='lossy')``), and the error each was restored with."""
+    coded = [(k, e.enc["lossy"]) for k, e in sorted(m.tensors.items()) if e.enc and e.enc.get("lossy")]
+    if not coded:
+        return
+    print("bounded loss (Config.encoding 'lossy'): the error each tensor restores with; a weight's in steps of "
+          "training (RMS error over one step's RMS move), a moment's relative to its RMS value:")
+    for k, r in coded:
+        scale = r.get("move") if r.get("code") == "qdelta" else r.get("rms")
+        rel = r["rms_err"] / scale if scale else 0.0
+        what = f"{rel:.3g} steps" if r.get("code") == "qdelta" else f"{rel:.3%} of its RMS"
+        print(f"  {k:<40}{r.get('code'):<8}RMS error {r['rms_err']:.3g} ({what}), largest {r['max_err']:.3g}")
 
 
 def _stored(e) -> int:

@@ -16,7 +16,7 @@ from .io._units import ALIGN, GiB, KiB, MiB, parse_size  # noqa: F401 - their ho
 from ._url import check_config
 from .errors import ConfigError
 
-ENCODINGS = ("auto", "delta", "compress", "off")  # Config.encoding's choices
+ENCODINGS = ("auto", "delta", "compress", "off", "lossy")  # Config.encoding's choices
 REMOTE_BASES = "base"  # Config.remote_every: base composites only
 FIDELITY = 0.004  # Config.fidelity's default
 
@@ -153,7 +153,14 @@ class Config:
     into byte planes, zstd-compressed; raw where that does not pay), keeping a host copy of each reference
     (as much host memory as the state the references cover); 'compress' compresses each tensor on its own
     (byte planes + zstd, no reference kept); 'off' writes raw bytes.  The remote tier gets what the disk
-    got."""
+    got.  'lossy' (opt-in; restores are then not bit for bit) is 'delta' with bounded loss on fp32 training
+    state of 64 KiB and more: a weight with a reference is stored as its difference from it rounded to a
+    quantum of ``lossy_quantum`` times the RMS by which one training step moved it since (each element within
+    half a quantum; the reference, a self-contained version, stays lossless, so errors never add up along
+    the versions), Adam's ``exp_avg`` and SGD's momentum as block-wise ``lossy_bits``-bit codes, ``exp_avg_sq``
+    as block-wise codes of its logarithm (a relative error bound); everything else, and whatever a code does
+    not fit (NaN, inf), as 'delta'.  Each tensor's error is recorded in the manifest (``layerckpt inspect``,
+    and the restore report's ``quantization``)."""
     delta_chain: int = 8
     """Where tensors are delta-encoded (``encoding='delta'``, or 'auto' where a delta pays): a tensor is
     encoded against its reference for at most this many versions, then written self-contained again (a new
@@ -177,6 +184,14 @@ class Config:
     force.  Refused beside an explicit ``fidelity``, a ``threshold`` other than 0.0 or a ``budget_bytes``.
     ``threshold=0.0`` (without budget_bytes) is the same mode: both spellings give an equal Config, with
     ``full=True`` and ``threshold=0.0``.  ``Config.replace(full=False)`` returns to the fidelity rule."""
+    # added after ``full``, to keep the fields' places
+    lossy_quantum: float = 2.0
+    """``encoding='lossy'``: a weight delta's quantum, in units of the RMS by which one training step moved the
+    tensor since its reference: each element is restored within half of it (2.0: within one step's move).
+    Larger writes fewer bytes and restores further from the saved state."""
+    lossy_bits: int = 8
+    """``encoding='lossy'``: the width of the optimizer moments' codes, 8 or 4 bits (4 halves their bytes; its
+    error is 18x larger: ``layerckpt inspect`` shows what it was)."""
 
     def __post_init__(self) -> None:
         self._check_selection()
@@ -242,6 +257,13 @@ class Config:
                               f"{self.encoding!r}")
         _number(self, "delta_chain", int, lo=1)
         _number(self, "encode_threads", int, lo=0, hi=1024)
+        _number(self, "lossy_quantum", float, lo=0.0)
+        if not 0 < self.lossy_quantum <= 1e6:
+            raise ConfigError(f"Config.lossy_quantum must be above 0 (a fraction of one step's move; 2.0: within one "
+                              f"step's move of the saved weights), at most 1e6, got {self.lossy_quantum!r}")
+        _number(self, "lossy_bits", int)
+        if self.lossy_bits not in (4, 8):
+            raise ConfigError(f"Config.lossy_bits must be 8 or 4, got {self.lossy_bits!r}")
 
     def _check_tiers(self) -> None:
         """Where copies go and how many stay; the remote_* fields only with a remote."""
@@ -339,7 +361,7 @@ GROUPS: Dict[str, Tuple[str, ...]] = {
     "selection": ("full", "fidelity", "threshold", "budget_bytes", "max_staleness", "base_every", "drift_sample",
                   "row_block_bytes", "layers"),
     "io": ("staging_bytes", "chunk_bytes", "queue_depth", "max_inflight", "lazy_staging", "backend", "direct_io",
-           "encoding", "delta_chain", "encode_threads"),
+           "encoding", "delta_chain", "encode_threads", "lossy_quantum", "lossy_bits"),
     "tiers": ("keep_last", "memory_tier", "remote", "remote_options", "remote_every", "remote_bandwidth"),
     "restore": ("verify_checksums", "restore_rng"),
 }

@@ -46,6 +46,9 @@ class _Summary:
     layers: Dict[str, int]  # layer -> step its newest version was persisted at
     staleness: Dict[str, int]  # layer -> checkpoints it lags the restored step
     max_staleness: int
+    #: layer -> the RMS error of its weights in steps of training, where stored with bounded loss
+    #: (``Config(encoding='lossy')``, ``Manifest.quantization``); empty for a lossless checkpoint
+    quantization: Dict[str, float]
     bytes_read: int
     extra: Dict[str, Any]
     #: the manifest read; a remote tier's URL, or the local directory's own copy of the memory tier's
@@ -169,7 +172,7 @@ def _summary(r: Reader, tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
     m = r.m
     ages = {name: e.age for name, e in m.layers.items()}
     return dict(step=m.step, layers={name: e.step for name, e in m.layers.items()}, staleness=ages,
-                max_staleness=max(ages.values(), default=0), bytes_read=r.bytes_read,
+                max_staleness=max(ages.values(), default=0), quantization=m.quantization(), bytes_read=r.bytes_read,
                 extra=decode(m.extra or {}, tensors), manifest=r.mpath)
 
 

@@ -12,7 +12,9 @@ staging-chunk boundaries fall, so a partial read decodes only the blocks it need
   zigzag-mapped so small changes of either sign have many leading zero bits, then byte planes as above.
   Measured on the bench family's fine-tunes (fp32 AdamW, 5 steps apart): the weights 1.71x (XOR: 1.66x),
   ``exp_avg_sq`` 1.61x (1.49x); bf16 weights 5.5x (4.9x);
-- ``SAME``: bit-identical to the reference: nothing stored.
+- ``SAME``: bit-identical to the reference: nothing stored;
+- ``QDELTA``, ``QMOM``, ``QSQ``: bounded-loss codes of fp32 state (``Config(encoding='lossy')`` only; see
+  ``_qblock``): a weight's quantized difference against its reference, a moment's block-wise codes.
 
 An encoded block's bytes start with one little-endian u32 per plane: the plane's stored length (equal to
 the plane's size when it is stored raw).  Decoding is the exact inverse; the tensor's CRC32C over its raw
@@ -20,52 +22,29 @@ bytes, checked after decoding, covers what is restored.
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import CheckpointCorruptError
 from ..io._backend import native_planes
+from ._qblock import QDELTA, QMOM, QSQ, decode as _qblock_decode
+from ._zstd import LEVEL, PAYS as _PAYS, bad as _bad, compressor as _compressor, inflate as _inflate
 
 CODEC = "lc1"  # the manifest's name for this encoding
 BLOCK = 1 << 20  # raw bytes per block at most
 RAW, PLANES, DELTA, SAME = 0, 1, 2, 3
-MODES = (RAW, PLANES, DELTA, SAME)
+# QDELTA, QMOM, QSQ = 4, 5, 6: bounded loss (``_qblock``)
+MODES = (RAW, PLANES, DELTA, SAME, QDELTA, QMOM, QSQ)
+LOSSY = (QDELTA, QMOM, QSQ)
 ESIZES = (1, 2, 4, 8)  # element sizes a delta is taken in
-READS_REF = (DELTA, SAME)  # the modes whose blocks decode on top of the reference's bytes
-LEVEL = 1  # zstd level: the measured knee (higher levels bought < 2% more on the family, at 2-4x the time)
+READS_REF = (DELTA, SAME, QDELTA)  # the modes whose blocks decode on top of the reference's bytes
 _SAMPLE = 1 << 15  # bytes of a plane compressed first to tell whether the plane is worth compressing
-_PAYS = 0.96  # a plane (or a block) is stored compressed only below this fraction of its raw size
 #: a delta is stored only below this fraction of the block's self-contained size (its reference's): a restore
 #: reads the reference too, so a delta that saves less would cost more time than it saves bytes
 MARGIN = 0.8
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-_local = threading.local()
-
-
-def _zstd():
-    import zstandard
-
-    return zstandard
-
-
-def _compressor():
-    c = getattr(_local, "cctx", None)
-    if c is None:
-        c = _local.cctx = _zstd().ZstdCompressor(level=LEVEL, write_checksum=False)
-    return c
-
-
-def _decompressor():
-    d = getattr(_local, "dctx", None)
-    if d is None:
-        d = _local.dctx = _zstd().ZstdDecompressor()
-    return d
-
 
 def warm() -> None:
     """Create this thread's zstd contexts and run them once, so that an encoder thread's first block is
@@ -188,6 +167,11 @@ def decode_block(mode: int, data: memoryview, out: np.ndarray, esize: int, where
             raise _bad(where, f"a raw block of {out.size} bytes carries {len(data)}")
         out[:] = np.frombuffer(data, dtype=np.uint8)
         return
+    if mode in LOSSY:
+        if esize != 4:
+            raise _bad(where, f"a bounded-loss block holds fp32 elements, not elements of {esize} bytes")
+        _qblock_decode(mode, data, out, where)
+        return
     if out.size % esize:
         raise _bad(where, f"a block of {out.size} bytes is not whole elements of {esize} bytes")
     from_planes(_unpack_planes(data, out.size, esize, where), out, esize, mode == DELTA)
@@ -210,25 +194,6 @@ def _unpack_planes(data: memoryview, n: int, esize: int, where: str) -> np.ndarr
         x[k * plane:(k + 1) * plane] = np.frombuffer(part, dtype=np.uint8) if size == plane else _inflate(
             part, plane, where)
     return x
-
-
-def _inflate(part: memoryview, n: int, where: str) -> np.ndarray:
-    z = _zstd()
-    try:
-        claimed = z.frame_content_size(part)
-        if claimed != n:
-            raise _bad(where, f"a compressed plane claims {claimed} bytes, expected {n}")
-        got = _decompressor().decompress(part, max_output_size=n)
-    except z.ZstdError as e:
-        raise _bad(where, f"a compressed plane does not decode ({e})") from None
-    if len(got) != n:
-        raise _bad(where, f"a compressed plane decoded to {len(got)} bytes, expected {n}")
-    return np.frombuffer(got, dtype=np.uint8)
-
-
-def _bad(where: str, msg: str) -> CheckpointCorruptError:
-    return CheckpointCorruptError(f"damaged encoded block in {where}: {msg}; the file is damaged: run "
-                                  f"`layerckpt verify`, or restore an older step")
 
 
 def reads_ref(blocks: List[List[int]]) -> bool:

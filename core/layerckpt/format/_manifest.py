@@ -107,6 +107,19 @@ class Manifest:
         """Each layer's staleness in steps: how far its persisted version trails this composite."""
         return {name: self.step - e.step for name, e in self.layers.items()}
 
+    def quantization(self) -> Dict[str, float]:
+        """Of each layer whose weights were stored with bounded loss (``Config(encoding='lossy')``): the RMS error
+        of its weights in steps of training, the error over the RMS by which one step moved them (the largest
+        of its tensors'): a layer restored 0.6 steps' move off, as a stale layer is some steps behind."""
+        out: Dict[str, float] = {}
+        for name, layer in self.layers.items():
+            for k in layer.tensors:
+                e = self.tensors.get(k)
+                rec = e.enc.get("lossy") if e is not None and e.enc else None
+                if rec and rec.get("code") == "qdelta" and rec.get("move"):
+                    out[name] = max(out.get(name, 0.0), rec["rms_err"] / rec["move"])
+        return out
+
     def rng_for(self, rank: int) -> Optional[Dict[str, Any]]:
         """A rank's own RNG states when the checkpoint has them, else rank 0's."""
         if rank > 0 and str(rank) in (self.rng_ranks or {}):

@@ -189,6 +189,7 @@ def _tensor_entry(key: str, e: Any, files: Dict[str, FileEntry], path: str) -> T
     enc = e.get("enc")
     if enc is not None:
         _check_enc(key, enc, nbytes, f.size, name, files, path)
+        _check_lossy(key, enc, dtype, path)
     elif offset + nbytes > f.size:
         raise _corrupt(path, f"tensor {key!r} claims bytes {offset}..{offset + nbytes} of file "
                              f"{name!r}, which the manifest says holds {f.size}", tensor=key)
@@ -216,6 +217,29 @@ def _check_enc(key: str, enc: Any, nbytes: int, size: int, fname: str, files: Di
         raise _corrupt(path, f"tensor {key!r} has a malformed reference (file: one the manifest lists; step, "
                              f"rank, size and crc: integers; blocks: a list)", tensor=key)
     _check_blocks(key, ref["blocks"], nbytes, files[ref["file"]].size, ref["file"], (0, 1), path, " (its reference)")
+
+
+_LOSSY_CODES = {"qdelta": "move", "qmom": "rms", "qsq": "rms"}  # a bounded-loss code -> what its error is against
+
+
+def _check_lossy(key: str, enc: dict, dtype: str, path: str) -> None:
+    """Bounded-loss blocks (``Config(encoding='lossy')``) only in an fp32 tensor, and its record of the error
+    they made (``_encwrite._lossy_record``): finite, non-negative numbers."""
+    from ._encode import LOSSY
+
+    rec = enc.get("lossy")
+    coded = any(b[3] in LOSSY for b in enc["blocks"])
+    if coded and dtype != "F32":
+        raise _corrupt(path, f"tensor {key!r} of dtype {dtype} has bounded-loss blocks, which only fp32 tensors "
+                             f"have", tensor=key)
+    if rec is None:
+        return
+    against = _LOSSY_CODES.get(rec.get("code")) if isinstance(rec, dict) else None
+    if against is None or not all(isinstance(rec.get(k), (int, float)) and not isinstance(rec.get(k), bool)
+                                  and math.isfinite(rec[k]) and rec[k] >= 0 for k in ("max_err", "rms_err", against)):
+        raise _corrupt(path, f"tensor {key!r} has a malformed record of its bounded-loss error ({_short(rec)}: "
+                             f"code one of {sorted(_LOSSY_CODES)}; max_err, rms_err and {against or 'its scale'}: "
+                             f"finite numbers >= 0)", tensor=key)
 
 
 def _check_blocks(key: str, blocks: list, nbytes: int, size: int, fname: str, modes, path: str,

@@ -324,6 +324,13 @@ else:  # pragma: no cover
     copy_crc32c = None
 
 
+def checksum_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """``checksum`` of bytes A then B from ``checksum`` of each and B's length."""
+    from ._crc32c import POLY, combine
+
+    return combine(crc_a, crc_b, len_b, POLY if CHECKSUM == "crc32c" else 0xEDB88320)
+
+
 def checksum_function(name: str):
     if name == "crc32c":
         if _uring is not None:

@@ -17,12 +17,13 @@ POLY = 0x82F63B78  # reflected Castagnoli polynomial
 LANES = 4096
 
 
-def _table() -> np.ndarray:
+@functools.lru_cache(maxsize=2)
+def _table(poly: int = POLY) -> np.ndarray:
     t = np.zeros(256, dtype=np.uint32)
     for i in range(256):
         c = i
         for _ in range(8):
-            c = (c >> 1) ^ (POLY if c & 1 else 0)
+            c = (c >> 1) ^ (poly if c & 1 else 0)
         t[i] = c
     return t
 
@@ -30,8 +31,8 @@ def _table() -> np.ndarray:
 TABLE = _table()
 
 
-def _zero_byte(reg: int) -> int:
-    return int(TABLE[reg & 0xFF]) ^ (reg >> 8)
+def _zero_byte(reg: int, table: np.ndarray = TABLE) -> int:
+    return int(table[reg & 0xFF]) ^ (reg >> 8)
 
 
 def _apply(cols: List[int], v: int) -> int:
@@ -45,10 +46,11 @@ def _apply(cols: List[int], v: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _shift(nbytes: int) -> tuple:
+def _shift(nbytes: int, poly: int = POLY) -> tuple:
     """The linear map taking a CRC register over ``nbytes`` zero bytes, as 32 columns."""
     result = [1 << j for j in range(32)]  # identity
-    base = [_zero_byte(1 << j) for j in range(32)]
+    table = _table(poly)
+    base = [_zero_byte(1 << j, table) for j in range(32)]
     n = nbytes
     while n:
         if n & 1:
@@ -83,3 +85,9 @@ def crc32c(buf, crc: int = 0) -> int:
             reg = _apply(shift, reg) ^ r
         data = data[lanes * width:]
     return _serial(reg, data) ^ 0xFFFFFFFF
+
+
+def combine(crc_a: int, crc_b: int, len_b: int, poly: int = POLY) -> int:
+    """The CRC of bytes A then B from the CRC of each and B's length (zlib's ``crc32_combine``; ``poly``, the
+    reflected polynomial: CRC32C's, or 0xEDB88320 for zlib's CRC32)."""
+    return _apply(list(_shift(len_b, poly)), crc_a) ^ crc_b

@@ -12,6 +12,11 @@ where each tensor's blocks are and how each was encoded (``TensorEntry.enc``).
 :class:`Refs` keeps, per tensor, its reference: a host copy of the bytes of its newest self-contained
 version, and where the store holds it.  A delta refers to a reference only once that reference's save is
 committed; a save that fails forgets the references it was writing.
+
+Under ``Config(encoding='lossy')`` the fp32 weights that have a reference are stored as bounded-loss deltas
+against it (``_qblock``), the moments as bounded-loss codes of their own; a tensor's self-contained versions,
+which become references, stay lossless.  The manifest's checksum of such a tensor is over the bytes a restore
+decodes (the encoder decodes each block it codes), and its entry records the error the codes made.
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ import numpy as np
 
 from ..format import _encode
 from .. import _faults
-from ..io._backend import checksum
+from ..format import _qblock
+from ..io._backend import checksum, checksum_combine
 from ..format._layout import DTYPES, Layout, align_up
 from ..format._manifest import FileEntry, TensorEntry
 from ._stage import StagedChunk, anon_buffer
@@ -37,6 +43,7 @@ from ._writeloop import WriteLoop
 
 MIN_REF = 64 * KiB  # smaller tensors are compressed on their own each time: no copy kept for them
 WRITER = "layerckpt"
+LOSSY = ("qdelta", "qmom", "qsq")  # the bounded-loss modes a plan may give an item (``_qblock``)
 
 
 def threads(n: int) -> int:
@@ -62,9 +69,11 @@ class _Ref:
 class Refs:
     """Per tensor key, its reference (see the module docstring).  Used by the flusher thread only."""
 
-    def __init__(self, delta: bool, chain: int):
+    def __init__(self, delta: bool, chain: int, quantum: float = 0.0, bits: int = 8):
         self.delta = delta
         self.chain = chain
+        self.quantum = quantum  # Config(encoding='lossy'): a weight delta's quantum, in steps' moves
+        self.bits = bits  # and its moment codes' width
         self._refs: Dict[str, _Ref] = {}
         self._pending: Dict[str, _Ref] = {}  # written self-contained by the save in flight
         self._used: List[str] = []  # encoded against their reference by the save in flight
@@ -74,22 +83,31 @@ class Refs:
         return sum(r.data.nbytes for r in self._refs.values()) + sum(r.data.nbytes for r in self._pending.values())
 
     def plan(self, layout: Layout, self_contained: bool, frozen: AbstractSet[str] = frozenset(),
-             modes: Optional[List[str]] = None) -> "ItemPlan":
+             modes: Optional[List[str]] = None, step: int = 0) -> "ItemPlan":
         """For each item of the save about to be written: its reference (or None: self-contained), and the
         buffer its bytes are copied into to become the next reference (or None).  ``frozen``: keys of frozen
         layers, rewritten only if they change: no host copy is kept for them.  ``modes``: per item, 'raw'
         (stored as it is, not encoded, no reference kept), 'compress' or 'delta' (``Config(encoding='auto')``'s
-        decisions); None: every item 'delta' (or 'compress' where this Refs makes no deltas)."""
-        out = ItemPlan([], [], {})
+        decisions), or under ``Config(encoding='lossy')`` 'qdelta' (a delta as 'delta', bounded-loss where it
+        has a reference), 'qmom' or 'qsq' (bounded-loss codes of its own, no reference kept); None: every item
+        'delta' (or 'compress' where this Refs makes no deltas).  ``step``: the save's (a bounded-loss delta's
+        quantum is a fraction of one step's move since its reference)."""
+        out = ItemPlan([], [], {}, quantum=self.quantum, bits=self.bits)
         for i, it in enumerate(layout.items):
             mode = modes[i] if modes is not None else "delta" if self.delta else "compress"
+            if mode in ("qmom", "qsq"):
+                self._refs.pop(it.key, None)
+                out.refs.append(None)
+                out.news.append(None)
+                out.lossy[i] = (mode, 0)
+                continue
             if mode == "raw":
                 self._refs.pop(it.key, None)  # a save in flight that encodes against it holds its bytes
                 out.refs.append(None)
                 out.news.append(None)
                 out.raw.add(i)
                 continue
-            delta = self.delta and mode == "delta"
+            delta = self.delta and mode in ("delta", "qdelta")
             es = it.tensor.element_size()
             r = self._refs.get(it.key)
             usable = (delta and not self_contained and r is not None and r.where is not None
@@ -101,6 +119,8 @@ class Refs:
                 out.refs.append(r.data)
                 out.news.append(None)
                 out.where[i] = r.where
+                if mode == "qdelta":
+                    out.lossy[i] = (mode, max(1, step - r.where["step"]))
                 out.starts[i] = _starts(r.where["blocks"])
                 self._used.append(it.key)
                 continue
@@ -157,6 +177,10 @@ class ItemPlan:
     #: item -> {raw start of each of its reference's blocks: (stored length, raw length)}
     starts: Dict[int, Dict[int, Tuple[int, int]]] = field(default_factory=dict)
     raw: set = field(default_factory=set)  # items stored as they are, not encoded
+    #: item -> (its bounded-loss code, steps since its reference): ``Config(encoding='lossy')``
+    lossy: Dict[int, Tuple[str, int]] = field(default_factory=dict)
+    quantum: float = 0.0
+    bits: int = 8
 
     def rival(self, i: int, start: int, length: int) -> Optional[int]:
         """The stored size of item ``i``'s reference's block of raw bytes [start, start + length), if it has
@@ -218,18 +242,39 @@ def chunk_blocks(layout: Layout, chunk_bytes: int) -> Dict[int, List[Tuple[int, 
 
 Record = Tuple[int, int, int, int, int, int]  # item, start in the tensor, raw length, mode, start in the output, length
 Observed = Tuple[int, int, int, float]  # item, raw length, stored length, CPU seconds: one block's encode
+#: a block of a bounded-loss item: item, the checksum of the bytes it restores to, raw length, whether coded
+#: with loss, its largest element error, the sum of its squared errors and of its squared move (or values)
+Restored = Tuple[int, int, int, bool, float, float, float]
+
+
+def _lossy_block(raw: np.ndarray, ref: Optional[np.ndarray], esize: int, code: str, steps: int, plan: ItemPlan,
+                 rival: Optional[int]) -> Tuple[int, Optional[bytes], Tuple[int, bool, float, float, float]]:
+    """(mode, encoded bytes, (checksum of what it restores to, coded with loss, largest error, summed squared
+    error, summed squared move or value)) of one block of a bounded-loss item; lossless where its code does
+    not fit it, unchanged (``SAME``) where it equals its reference."""
+    if ref is not None and np.array_equal(raw, ref):
+        return _encode.SAME, b"", (checksum(raw), False, 0.0, 0.0, 0.0)
+    got = _qblock.encode(code, raw, ref, plan.quantum, steps, plan.bits)
+    if got is None:
+        mode, data = _encode.encode_block(raw, ref, esize, rival)
+        return mode, data, (checksum(raw), False, 0.0, 0.0, 0.0)
+    mode, data, restored, emax, esq, ss = got
+    return mode, data, (checksum(restored), True, emax, esq, ss)
 
 
 def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Layout, plan: ItemPlan,
-                 hurry: Optional[threading.Event] = None) -> Tuple[int, List[Record], float, List[Observed]]:
+                 hurry: Optional[threading.Event] = None
+                 ) -> Tuple[int, List[Record], float, List[Observed], List[Restored]]:
     """Encode a staged buffer's blocks, compacted in place at its start; returns (bytes, records, seconds,
-    what each block's encode took and gave).  Once ``hurry`` is set the blocks left are stored as they are
-    (self-contained), nothing compressed; items ``plan.raw`` are always stored as they are."""
+    what each block's encode took and gave, what each block of a bounded-loss item restores to).  Once
+    ``hurry`` is set the blocks left are stored as they are (self-contained), nothing compressed; items
+    ``plan.raw`` are always stored as they are."""
     t0 = time.perf_counter()
     arr = s.chunk.tensor.numpy()
     pos = 0
     recs: List[Record] = []
     seen: List[Observed] = []
+    restored: List[Restored] = []
     for i, a, b in blocks:
         it = layout.items[i]
         raw = arr[a - s.base:b - s.base]
@@ -238,8 +283,15 @@ def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Lay
         if new is not None:
             new[ra:rb] = raw
         ref = plan.refs[i]
+        lossy = plan.lossy.get(i)
         if i in plan.raw or (hurry is not None and hurry.is_set()):
             mode, data = _encode.RAW, None
+            if lossy is not None:
+                restored.append((i, checksum(raw), b - a, False, 0.0, 0.0, 0.0))
+        elif lossy is not None:
+            mode, data, got = _lossy_block(raw, None if ref is None else ref[ra:rb], it.tensor.element_size(),
+                                           lossy[0], lossy[1], plan, None if ref is None else plan.rival(i, ra, rb - ra))
+            restored.append((i, got[0], b - a, *got[1:]))
         else:
             mode, data, stored, cpu = _encode.encode_timed(
                 raw, None if ref is None else ref[ra:rb], it.tensor.element_size(),
@@ -254,7 +306,7 @@ def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Lay
             arr[pos:pos + n] = np.frombuffer(data, dtype=np.uint8)
         recs.append((i, ra, b - a, mode, pos, n))
         pos += n
-    return pos, recs, time.perf_counter() - t0, seen
+    return pos, recs, time.perf_counter() - t0, seen, restored
 
 
 class EncodingLoop(WriteLoop):
@@ -283,6 +335,9 @@ class EncodingLoop(WriteLoop):
         self._fd = -1
         self._direct = False
         self.encode_s = 0.0  # seconds the encoder threads spent on this file, summed over them
+        #: bounded-loss item -> [checksum of its restored bytes so far, blocks coded with loss, largest error,
+        #: summed squared error, summed squared move or value]
+        self._restored: Dict[int, List[Any]] = {}
 
     # the WriteLoop's steps, encoded
     def _pump(self, fd: int, direct: bool) -> None:
@@ -329,7 +384,8 @@ class EncodingLoop(WriteLoop):
             _faults.point("flush.checksum")
             s = self._waiting.popleft()
             for i, a, b in s.segs:
-                self.writes.crcs[i] = checksum(s.chunk.view[a:b], self.writes.crcs[i])
+                if i not in self.plan.lossy:  # (a bounded-loss item's is over the bytes it restores to)
+                    self.writes.crcs[i] = checksum(s.chunk.view[a:b], self.writes.crcs[i])
             blocks = self.blocks.get(s.base // self.C, [])
             self._encoding.append((s, self.exec.submit(encode_chunk, s, blocks, self.layout, self.plan, self.hurry)))
 
@@ -340,8 +396,9 @@ class EncodingLoop(WriteLoop):
             s, fut = self._encoding.popleft()
             want -= 1
             try:
-                n, recs, took, seen = fut.result()
+                n, recs, took, seen, restored = fut.result()
                 self.encode_s += took
+                self._fold(restored)
                 if self.observe is not None and seen:
                     self.observe(seen)
                 self.hurried += self.hurry.is_set() and any(r[3] == _encode.RAW for r in recs)
@@ -349,6 +406,19 @@ class EncodingLoop(WriteLoop):
                 self.writes.pool.release(s.chunk)
                 raise
             self._write(s, n, recs)
+
+    def _fold(self, restored: List[Restored]) -> None:
+        """Each bounded-loss item's checksum and errors, over its blocks in order."""
+        for i, crc, n, coded, emax, esq, ss in restored:
+            r = self._restored.get(i)
+            if r is None:
+                self._restored[i] = [crc, int(coded), emax, esq, ss]
+                continue
+            r[0] = checksum_combine(r[0], crc, n)
+            r[1] += coded
+            r[2] = max(r[2], emax)
+            r[3] += esq
+            r[4] += ss
 
     def _write(self, s: StagedChunk, n: int, recs: List[Record]) -> None:
         off = self.size
@@ -373,9 +443,15 @@ class EncodingLoop(WriteLoop):
             # tensor's reference still, which the saves after this one may encode against, so every composite
             # lists its file and retention keeps it (a restore reads only the reference blocks a delta needs)
             enc = {"codec": _encode.CODEC, "blocks": blocks, "ref": self.plan.where.get(i)}
+            crc = crcs[i]
+            got = self._restored.get(i)
+            if got is not None:
+                crc = got[0]
+                if got[1]:
+                    enc["lossy"] = _lossy_record(self.plan.lossy[i], it.nbytes // 4, *got[2:])
             out[it.key] = TensorEntry(file=fname, dtype=DTYPES[it.tensor.dtype], shape=list(it.tensor.shape),
                                       offset=blocks[0][0] if blocks else self.reserve, nbytes=it.nbytes,
-                                      crc=crcs[i], enc=enc)
+                                      crc=crc, enc=enc)
         return out
 
     def _abandon_encodes(self) -> None:
@@ -390,6 +466,20 @@ class EncodingLoop(WriteLoop):
             self.writes.pool.release(s.chunk)
         self._waiting.clear()
 
+
+
+def _lossy_record(lossy: Tuple[str, int], n: int, emax: float, esq: float, ss: float) -> Dict[str, Any]:
+    """The manifest's record of a tensor stored with bounded loss: its code, its largest and RMS element error,
+    and the RMS of what the error is measured against: a weight's move per step since its reference (so
+    ``rms_err / move`` is the error in steps of training), a moment's values."""
+    code, steps = lossy
+    out = {"code": code, "max_err": emax, "rms_err": (esq / max(1, n)) ** 0.5}
+    rms = (ss / max(1, n)) ** 0.5
+    if code == "qdelta":
+        out["move"] = rms / max(1, steps)
+    else:
+        out["rms"] = rms
+    return out
 
 
 def _write_header(fd: int, header: bytes) -> None:

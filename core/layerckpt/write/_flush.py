@@ -209,7 +209,8 @@ class Flusher:
         self.root = root
         self.listeners = tuple(listeners)
         self.thread = thread if thread is not None else FlushThread()
-        self.refs = _encwrite.Refs(config.encoding in ("delta", "auto"), config.delta_chain)
+        self.refs = _encwrite.Refs(config.encoding in ("delta", "auto", "lossy"), config.delta_chain,
+                                   config.lossy_quantum, config.lossy_bits)
         #: Config(encoding='auto'): what encoding each kind of tensor gives and costs, and the local disk's rate
         self.cost = _cost.CostModel() if config.encoding == "auto" else None
         self.probes = _cost.Probes(self.cost) if self.cost is not None else None
@@ -373,7 +374,9 @@ class Flusher:
                 return loop, probe
         elif self.config.encoding == "off":
             return WriteLoop(self.backend, self.pool, job.chunks, path, **kw), None
-        plan = self.refs.plan(job.layout, job.self_contained, job.frozen, modes)
+        elif self.config.encoding == "lossy":
+            modes = [_lossy_mode(it.key, it.tensor, it.nbytes, it.key in job.frozen) for it in job.layout.items]
+        plan = self.refs.plan(job.layout, job.self_contained, job.frozen, modes, job.pending.step)
         loop = _encwrite.EncodingLoop(self.backend, self.pool, job.chunks, path, layout=job.layout, plan=plan,
                                       pool_exec=self._encoder_threads(), chunk_bytes=self.pool.chunk_bytes,
                                       hurry=self._hurry, observe=self._observer(job, plan), **kw)
@@ -431,6 +434,15 @@ class Flusher:
 
     def _discard(self, job: FlushJob) -> None:
         discard(job.chunks, self.pool)
+
+
+def _lossy_mode(key: str, tensor, nbytes: int, frozen: bool) -> str:
+    """``Config(encoding='lossy')``: how a tensor is written (``_encwrite.Refs.plan``'s modes): fp32 training
+    state of ``MIN_REF`` bytes and more with bounded loss, by its role; everything else as 'delta'."""
+    if DTYPES.get(tensor.dtype) != "F32" or nbytes < _encwrite.MIN_REF or frozen:
+        return "delta"
+    role = _cost.kind(key, "F32").split(" ")[1]
+    return {"weight": "qdelta", "exp_avg": "qmom", "momentum": "qmom", "exp_avg_sq": "qsq"}.get(role, "delta")
 
 
 _as_checkpoint_error = as_checkpoint_error  # the one conversion, shared with the torch-file writer

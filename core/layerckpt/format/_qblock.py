@@ -1,0 +1,231 @@
+"""Bounded-loss blocks: what ``Config(encoding='lossy')`` stores for fp32 training state (``_encode`` holds the
+blocks they sit in; ``_lossy`` is the study of these codes on whole tensors).
+
+Three block modes, each decoded with IEEE basic arithmetic or integer operations alone, so that a restore on
+any machine gives back, bit for bit, the bytes the writer decoded and checksummed (no ``exp2``/``log2``, whose
+last bit varies between math libraries):
+
+- ``QDELTA`` (weights): ``ref + step * code``, the difference against the tensor's reference (its newest
+  self-contained version, stored lossless) rounded to a quantum ``step``, integer codes 1, 2 or 4 bytes wide.
+  ``step`` is ``fraction`` times the RMS by which one training step moved the block's elements since the
+  reference (its move over the steps between, divided by them): each element is restored within ``step / 2``
+  (plus the rounding of one fp32 sum).  Errors never add up along the versions: every delta refers to the
+  lossless reference, never to another delta.
+- ``QMOM`` (signed moments: Adam's ``exp_avg``, SGD's momentum): block-wise absmax over ``GROUP`` elements, 8
+  or 4 bits: each element within ``absmax(group) / (2 * L)``, L = 127 (8 bits) or 7 (4 bits).
+- ``QSQ`` (second moments, non-negative): the fp32 bit pattern, a piecewise-linear log2 of the value, rounded
+  to ``s`` units in each group's own [lowest, highest] pattern of the non-zero values, ``s`` the smallest
+  step that spreads that range over the codes; code 0 keeps exact zeros.  Each value is within a relative
+  error of ``s / 2 ** 24``: about ``range_in_octaves / 508`` at 8 bits (``/ 28`` at 4), never rounded to 0
+  (Adam divides by its root) nor raised to its group's largest.
+
+A block's bytes: a 12-byte header (``<BBxxIf``: the code width, 1 where the codes are zstd-compressed, the
+number of fp32 scales, the delta's step), the scales, then the codes.  A block the code does not fit (a
+non-finite value, a negative second moment, a delta of more than 2 ** 24 quanta, codes no smaller than the
+raw bytes) is left to the lossless modes.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Optional, Tuple
+
+import numpy as np
+
+from ._zstd import PAYS, bad as _bad, compressor, inflate
+
+QDELTA, QMOM, QSQ = 4, 5, 6  # their modes among ``_encode``'s
+GROUP = 2048  # elements per scale of QMOM and QSQ
+HEAD = struct.Struct("<BBxxIf")
+_CODE = {1: np.int8, 2: np.int16, 4: np.int32}
+#: (mode, the block's bytes, the bytes it restores to, the largest error of an element, the sum of the squared
+#: errors, the sum of the squared values the error is measured against: a delta's, a moment's) of one block
+Coded = Tuple[int, bytes, np.ndarray, float, float, float]
+
+
+def _pack(codes: np.ndarray) -> np.ndarray:
+    """Codes below 16 (uint8), two a byte, the first in the low nibble."""
+    c = codes if codes.size % 2 == 0 else np.concatenate([codes, codes[:1] * 0])
+    return c[0::2] | (c[1::2] << 4)
+
+
+def _unpack(packed: np.ndarray, n: int) -> np.ndarray:
+    out = np.empty(packed.size * 2, dtype=np.uint8)
+    out[0::2] = packed & 15
+    out[1::2] = packed >> 4
+    return out[:n]
+
+
+def _groups(x: np.ndarray, fill) -> np.ndarray:
+    pad = -x.size % GROUP
+    if pad:
+        x = np.concatenate([x, np.full(pad, fill, dtype=x.dtype)])
+    return x.reshape(-1, GROUP)
+
+
+def _out(mode: int, width: int, scales: np.ndarray, step: float, codes: np.ndarray, raw_n: int) -> Optional[bytes]:
+    """The block's bytes, None where they would not be smaller than the raw ones."""
+    body = codes.tobytes()
+    packed = compressor().compress(body)
+    z = len(packed) < len(body)
+    out = b"".join([HEAD.pack(width, z, scales.size, step), scales.astype("<f4").tobytes(), packed if z else body])
+    return out if len(out) < int(PAYS * raw_n) else None
+
+
+def _errors(restored: np.ndarray, x: np.ndarray, ss: Optional[float] = None) -> Tuple[float, float, float]:
+    """(largest error, summed squared error, ``ss`` or the summed squared values of ``x``)."""
+    e = restored - x
+    emax = float(max(e.max(), -e.min())) if e.size else 0.0
+    esq = float(np.dot(e, e))
+    ss = float(np.dot(x, x)) if ss is None else ss
+    if not np.isfinite(esq + ss):  # beyond fp32's range: in float64
+        e64 = e.astype(np.float64)
+        esq = float(np.dot(e64, e64))
+        x64 = x.astype(np.float64)
+        ss = float(np.dot(x64, x64))
+    return emax, esq, ss
+
+
+def encode(code: str, raw: np.ndarray, ref: Optional[np.ndarray], fraction: float, steps: int, bits: int
+           ) -> Optional[Coded]:
+    """One block of fp32 bytes (``raw``) in the bounded-loss ``code`` ('qdelta' against ``ref``'s same bytes,
+    'qmom', 'qsq'), or None where it does not fit (the block goes lossless)."""
+    if raw.size % 4:
+        return None
+    x = raw.view(np.float32)
+    if code == "qdelta":
+        return _encode_delta(x, ref.view(np.float32), fraction, steps, raw.size)
+    return (_encode_moment if code == "qmom" else _encode_sq)(x, bits, raw.size)
+
+
+def _encode_delta(x: np.ndarray, r: np.ndarray, fraction: float, steps: int, n: int) -> Optional[Coded]:
+    d = x - r
+    ss = float(np.dot(d, d))
+    if not np.isfinite(ss):  # a non-finite value in either, or a move beyond fp32's range
+        d64 = d.astype(np.float64)
+        ss = float(np.dot(d64, d64))
+        if not np.isfinite(ss):
+            return None
+    move = (ss / max(1, d.size)) ** 0.5 / max(1, steps)
+    step = np.float32(fraction * move)
+    if not (np.isfinite(step) and step > 0):
+        return None
+    q = np.divide(d, step, out=d)
+    np.rint(q, out=q)
+    top = float(max(q.max(), -q.min()))
+    width = 1 if top <= 127 else 2 if top <= 32767 else 4 if top < 2 ** 24 else 0
+    if not width:
+        return None
+    codes = q.astype(_CODE[width])
+    restored = np.multiply(q, step, out=q)  # as the decoder does: ref + step * code
+    restored = np.add(r, restored, out=restored)
+    out = _out(QDELTA, width, np.empty(0, np.float32), float(step), codes, n)
+    return None if out is None else (QDELTA, out, restored.view(np.uint8), *_errors(restored, x, ss))
+
+
+def _encode_moment(x: np.ndarray, bits: int, n: int) -> Optional[Coded]:
+    if not np.isfinite(np.dot(x, x)) and not np.isfinite(x).all():  # (a finite sum: every value finite)
+        return None
+    top = 2 ** (bits - 1) - 1
+    g = _groups(x, 0)
+    scale = np.maximum(g.max(axis=1), -g.min(axis=1)) / np.float32(top)
+    inv = np.where(scale > 0, np.float32(1) / np.where(scale > 0, scale, np.float32(1)), np.float32(0))
+    q = g * inv[:, None]
+    np.rint(q, out=q)
+    np.clip(q, -top, top, out=q)
+    q += np.float32(0)  # -0.0 to +0.0, as an integer code decodes
+    codes = q.reshape(-1)[:x.size].astype(np.int8)
+    restored = np.multiply(q, scale[:, None], out=q).reshape(-1)[:x.size]  # as the decoder does
+    if bits == 4:
+        codes = _pack((codes + top).astype(np.uint8))
+    out = _out(QMOM, bits, scale, 0.0, codes, n)
+    return None if out is None else (QMOM, out, restored.view(np.uint8), *_errors(restored, x))
+
+
+def _sq_step(lo: np.ndarray, hi: np.ndarray, bits: int) -> np.ndarray:
+    return np.maximum(1, -(-(hi - lo) // (2 ** bits - 2)))
+
+
+def _encode_sq(x: np.ndarray, bits: int, n: int) -> Optional[Coded]:
+    """(Non-negative finite fp32 bit patterns are 0 to 0x7F7FFFFF: every sum below stays within int32.)"""
+    if not (float(x.min()) >= 0 and np.isfinite(x.max())):  # (NaN is not >= 0)
+        return None
+    g = _groups(x, 0).view(np.int32)
+    zero = g <= 0  # +0.0, and -0.0 (the pattern -2 ** 31): the same value
+    lo = np.where(zero, np.int32(0x7FFFFFFF), g).min(axis=1)
+    hi = g.max(axis=1)
+    empty = lo > hi  # a group of zeros
+    lo[empty] = 0
+    hi = np.maximum(hi, 0)
+    s = _sq_step(lo, hi, bits)
+    c = np.floor((g - lo[:, None] + s[:, None] // 2) / s[:, None].astype(np.float64))
+    np.clip(c, 0, 2 ** bits - 2, out=c)
+    codes = c.astype(np.int32) + 1
+    codes[zero] = 0
+    restored = _sq_restore(codes, lo, hi, s).reshape(-1)[:x.size]
+    codes = codes.reshape(-1)[:x.size].astype(np.uint8)
+    if bits == 4:
+        codes = _pack(codes)
+    scales = np.stack([lo, hi], axis=1).reshape(-1).astype(np.int32).view(np.float32)
+    out = _out(QSQ, bits, scales, 0.0, codes, n)
+    return None if out is None else (QSQ, out, restored.view(np.uint8), *_errors(restored, x))
+
+
+def _sq_restore(codes: np.ndarray, lo: np.ndarray, hi: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Values (fp32) of QSQ codes (rows of GROUP), each group's [lo, hi] bit patterns and step (int32 sums:
+    ``lo + (code - 1) * s`` is at most ``hi + s / 2``, below 2 ** 31)."""
+    pat = np.minimum(lo[:, None] + (codes.astype(np.int32) - 1) * s[:, None].astype(np.int32), hi[:, None])
+    pat[codes == 0] = 0
+    return pat.view(np.float32)
+
+
+def decode(mode: int, data: memoryview, out: np.ndarray, where: str) -> None:
+    """Decode one bounded-loss block into ``out`` (its raw bytes' place; for QDELTA it holds the reference's);
+    ``where`` names it in the error a damaged block raises."""
+
+    def bad(msg: str):
+        return _bad(where, msg)
+
+    if len(data) < HEAD.size:
+        raise bad("a bounded-loss block is shorter than its header")
+    width, z, nscales, step = HEAD.unpack_from(data)
+    if out.size % 4:
+        raise bad(f"a bounded-loss block of {out.size} bytes is not whole fp32 elements")
+    n = out.size // 4
+    groups = -(-n // GROUP)
+    if mode == QDELTA:
+        ok, want, ncodes = width in _CODE and nscales == 0 and np.isfinite(step) and step > 0, 0, n * width
+    else:
+        ok = width in (4, 8) and z in (0, 1)
+        want = groups * (2 if mode == QSQ else 1)
+        ncodes = n if width == 8 else -(-n // 2)
+    if not ok or z not in (0, 1) or nscales != want:
+        raise bad("a bounded-loss block's header is malformed")
+    pos = HEAD.size + 4 * nscales
+    if len(data) < pos:
+        raise bad("a bounded-loss block is shorter than its scales")
+    body = data[pos:]
+    if z:
+        codes = inflate(body, ncodes, where)
+    elif len(body) != ncodes:
+        raise bad(f"a bounded-loss block holds {len(body)} bytes of codes, expected {ncodes}")
+    else:
+        codes = np.frombuffer(body, dtype=np.uint8)
+    dest = out.view(np.float32)
+    if mode == QDELTA:
+        c = codes.view(_CODE[width]).astype(np.float32)
+        dest[:] = dest + np.float32(step) * c
+        return
+    scales = np.frombuffer(data[HEAD.size:pos], dtype="<f4")
+    if mode == QMOM:
+        top = 2 ** (width - 1) - 1
+        q = codes.view(np.int8) if width == 8 else _unpack(codes, n).astype(np.int8) - np.int8(top)
+        if not np.isfinite(scales).all():
+            raise bad("a bounded-loss block's scales are not finite")
+        dest[:] = (_groups(q.astype(np.float32), 0) * scales[:, None]).reshape(-1)[:n]
+        return
+    c = codes if width == 8 else _unpack(codes, n)
+    lohi = scales.view(np.int32).reshape(-1, 2)
+    lo, hi = lohi[:, 0], lohi[:, 1]
+    if bool((lo < 0).any() or (hi < lo).any() or (hi >= 0x7F800000).any()):
+        raise bad("a bounded-loss block's value ranges are malformed")
+    dest[:] = _sq_restore(_groups(c, 0), lo, hi, _sq_step(lo, hi, width)).reshape(-1)[:n]
