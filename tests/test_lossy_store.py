@@ -1,0 +1,231 @@
+"""Config(encoding='lossy') through the store: every element within its code's bound of the saved state, at every
+step (errors never add up: each delta refers to a lossless reference), what no code fits stays lossless, the
+error is recorded and reported, damage is refused."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import layerckpt
+from layerckpt.format import _encode
+
+QUANTUM = 2.0
+GROUP = 2048
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128))
+
+
+def _train(model, opt, step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 128, generator=g)
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def _saves(root, n=6, config=None, poison=None):
+    """A save after every step of an AdamW run; returns each step's (model, optimizer) state as saved."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = config or layerckpt.Config(encoding="lossy", full=True, keep_last=0, delta_chain=3)
+    states = {}
+    with layerckpt.Checkpointer(root, model, opt, config=cfg) as ck:
+        for step in range(1, n + 1):
+            _train(model, opt, step)
+            if poison is not None and step == n:
+                poison(model)
+            ck.save(step).wait()
+            states[step] = ({k: v.clone() for k, v in model.state_dict().items()},
+                            {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()})
+    return states
+
+
+def _manifest(root, step):
+    with open(os.path.join(root, "manifests", f"step-{step:08d}.json")) as f:
+        return json.load(f)
+
+
+def _restored(root, step):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    report = layerckpt.restore(root, model, opt, step=step)
+    return model.state_dict(), opt.state_dict()["state"], report
+
+
+def _blocks(entry):
+    """(raw start in elements, elements, mode) of each block of an entry."""
+    out, pos = [], 0
+    for _, _, rlen, mode in entry["enc"]["blocks"]:
+        out.append((pos // 4, rlen // 4, mode))
+        pos += rlen
+    return out
+
+
+def _check_weight(entry, saved, ref, got, steps):
+    """Each element of a bounded-loss delta block within half of its block's quantum (one fp32 rounding more)."""
+    s, r, g = (t.reshape(-1).double() for t in (saved, ref, got))
+    coded = 0
+    for a, n, mode in _blocks(entry):
+        err = (g[a:a + n] - s[a:a + n]).abs().max().item()
+        if mode == _encode.QDELTA:
+            d = s[a:a + n] - r[a:a + n]
+            quantum = QUANTUM * d.pow(2).mean().sqrt().item() / steps
+            assert err <= quantum / 2 * (1 + 1e-5) + 2 * np.spacing(np.float32(s[a:a + n].abs().max().item()))
+            coded += 1
+        else:
+            assert err == 0.0, f"a lossless block ({mode}) restored {err} off"
+    return coded
+
+
+def _check_moment(entry, saved, got):
+    s, g = saved.reshape(-1).double(), got.reshape(-1).double()
+    for a, n, mode in _blocks(entry):
+        assert mode == _encode.QMOM
+        for j in range(a, a + n, GROUP):
+            part = slice(j, min(j + GROUP, a + n))
+            assert (g[part] - s[part]).abs().max() <= s[part].abs().max() / 254 * (1 + 1e-6)
+
+
+def _check_sq(entry, saved, got):
+    """In bit patterns: each non-zero value within half a step of its group's range spread over 254 codes; zeros
+    exact."""
+    s, g = saved.reshape(-1).numpy().view(np.int32).astype(np.int64), got.reshape(-1).numpy().view(np.int32)
+    for a, n, mode in _blocks(entry):
+        assert mode == _encode.QSQ
+        for j in range(a, a + n, GROUP):
+            part = s[j:min(j + GROUP, a + n)]
+            nz = part > 0
+            step = max(1, math.ceil((part[nz].max() - part[nz].min()) / 254)) if nz.any() else 1
+            diff = np.abs(g[j:j + part.size].astype(np.int64) - part)
+            assert (diff[nz] <= step // 2 + 1).all() and (diff[~nz] == 0).all()
+
+
+def test_every_restore_is_within_each_codes_bound_and_errors_never_add_up(tmp_path):
+    states = _saves(tmp_path)
+    coded = 0
+    for step in states:
+        m = _manifest(tmp_path, step)
+        model, opt, report = _restored(tmp_path, step)
+        saved_model, saved_opt = states[step]
+        for name in ("0.weight", "2.weight"):
+            e = m["tensors"][f"model/{name}"]
+            ref = e["enc"]["ref"]
+            if ref is None or e["enc"].get("lossy") is None:  # a self-contained version: a lossless reference
+                assert "lossy" not in e["enc"] and torch.equal(model[name], saved_model[name])
+                continue
+            assert all(b[3] in (_encode.RAW, _encode.PLANES) for b in ref["blocks"]), "a reference is lossless"
+            coded += _check_weight(e, saved_model[name], states[ref["step"]][0][name], model[name],
+                                   step - ref["step"])
+            assert 0.3 < report.quantization[name.split(".")[0]] <= QUANTUM / 2 * 1.01  # within half a quantum
+        for name in ("0.bias", "2.bias"):  # under 64 KiB: lossless
+            assert torch.equal(model[name], saved_model[name])
+        for i, w in ((0, "0.weight"), (2, "2.weight")):
+            _check_moment(m["tensors"][f"optim/{w}/exp_avg"], saved_opt[i]["exp_avg"], opt[i]["exp_avg"])
+            _check_sq(m["tensors"][f"optim/{w}/exp_avg_sq"], saved_opt[i]["exp_avg_sq"], opt[i]["exp_avg_sq"])
+            assert torch.equal(opt[i]["step"], saved_opt[i]["step"])
+    assert coded >= 6  # the weights of most saves were coded with loss, not left lossless
+    out = subprocess.run([sys.executable, "-m", "layerckpt.cli", "verify", str(tmp_path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([sys.executable, "-m", "layerckpt.cli", "inspect", str(tmp_path)], capture_output=True,
+                         text=True)
+    assert "bounded loss" in out.stdout and "model/0.weight" in out.stdout and "qdelta" in out.stdout
+
+
+def test_lossy_writes_fewer_bytes_than_delta_and_the_default_stays_lossless(tmp_path):
+    sizes = {}
+    for enc in ("lossy", "delta", "auto"):
+        root = tmp_path / enc
+        states = _saves(root, n=3, config=layerckpt.Config(encoding=enc, full=True, keep_last=0, delta_chain=8))
+        m = _manifest(root, 3)
+        sizes[enc] = m["files"][f"step-00000003.rank0.safetensors"]["size"]
+        lossy = [k for k, e in m["tensors"].items() if (e.get("enc") or {}).get("lossy")]
+        model, _, report = _restored(root, 3)
+        if enc == "lossy":
+            assert {"model/0.weight", "optim/0.weight/exp_avg", "optim/0.weight/exp_avg_sq"} <= set(lossy)
+        else:
+            assert lossy == [] and report.quantization == {}
+            assert all(torch.equal(model[k], v) for k, v in states[3][0].items())
+    assert sizes["lossy"] * 2.5 < sizes["delta"], sizes
+
+
+def test_what_no_code_fits_stays_lossless(tmp_path):
+    def poison(model):
+        with torch.no_grad():
+            model[0].weight[3, 5] = float("nan")
+            model[2].weight[0, 0] = float("inf")
+
+    states = _saves(tmp_path, n=3, poison=poison)
+    m = _manifest(tmp_path, 3)
+    model, _, _ = _restored(tmp_path, 3)
+    for name in ("0.weight", "2.weight"):
+        e = m["tensors"][f"model/{name}"]
+        assert not any(b[3] in _encode.LOSSY for b in e["enc"]["blocks"]) and "lossy" not in e["enc"]
+        assert torch.equal(model[name].isnan(), states[3][0][name].isnan())
+        ok = ~states[3][0][name].isnan()
+        assert torch.equal(model[name][ok], states[3][0][name][ok])
+
+
+def _lossy_block(root, step, key, mode):
+    e = _manifest(root, step)["tensors"][key]
+    off, n, _, m = next(b for b in e["enc"]["blocks"] if b[3] == mode)
+    return os.path.join(root, "data", e["file"]), off, n
+
+
+@pytest.mark.parametrize("where,message", [("header", "header is malformed"), ("codes", "damaged")])
+def test_a_damaged_bounded_loss_block_is_refused(tmp_path, where, message):
+    _saves(tmp_path, n=3)
+    path, off, n = _lossy_block(tmp_path, 3, "model/0.weight", _encode.QDELTA)
+    with open(path, "r+b") as f:
+        f.seek(off if where == "header" else off + n - 8)
+        b = f.read(1)
+        f.seek(off if where == "header" else off + n - 8)
+        f.write(bytes([3 if where == "header" else b[0] ^ 0x5A]))
+    with pytest.raises(layerckpt.CheckpointCorruptError, match=message):
+        _restored(tmp_path, 3)
+    _restored(tmp_path, 2)  # an earlier step stays restorable
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda t: t["model/0.weight"]["enc"]["lossy"].update(code="bogus"), "malformed record of its bounded-loss"),
+    (lambda t: t["model/0.weight"]["enc"]["lossy"].update(max_err=float("nan")), "malformed record"),
+    (lambda t: t["rng/torch"]["enc"]["blocks"][0].__setitem__(3, _encode.QMOM), "only fp32 tensors"),
+])
+def test_a_manifest_that_misstates_bounded_loss_is_refused_by_name(tmp_path, change, message):
+    _saves(tmp_path, n=3)
+    path = os.path.join(tmp_path, "manifests", "step-00000003.json")
+    with open(path) as f:
+        d = json.load(f)
+    change(d["tensors"])
+    with open(path, "w") as f:
+        f.write(json.dumps(d).replace("NaN", "1e999"))
+    with pytest.raises(layerckpt.CheckpointCorruptError, match=message):
+        _restored(tmp_path, 3)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("lossy_bits", 6, "lossy_bits must be 8 or 4"), ("lossy_quantum", 0.0, "lossy_quantum must be above 0"),
+    ("encoding", "lossless", "encoding must be one of"),
+])
+def test_lossy_settings_are_checked(field, value, message):
+    with pytest.raises(layerckpt.ConfigError, match=message):
+        layerckpt.Config(**{field: value})
+
+
+def test_four_bit_moments_write_fewer_bytes(tmp_path):
+    sizes = {}
+    for bits in (8, 4):
+        root = tmp_path / str(bits)
+        _saves(root, n=2, config=layerckpt.Config(encoding="lossy", lossy_bits=bits, full=True, keep_last=0))
+        e = _manifest(root, 2)["tensors"]["optim/0.weight/exp_avg"]
+        sizes[bits] = sum(b[1] for b in e["enc"]["blocks"])
+        assert e["enc"]["lossy"]["code"] == "qmom"
+    assert sizes[4] < 0.7 * sizes[8], sizes
