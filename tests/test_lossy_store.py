@@ -229,3 +229,34 @@ def test_four_bit_moments_write_fewer_bytes(tmp_path):
         sizes[bits] = sum(b[1] for b in e["enc"]["blocks"])
         assert e["enc"]["lossy"]["code"] == "qmom"
     assert sizes[4] < 0.7 * sizes[8], sizes
+
+
+def test_the_codes_error_is_priced_inside_the_fidelity_allowance():
+    from layerckpt.select import _policy as policy
+
+    layers = {n: policy.LayerState(drift=0.1, age=1, nbytes=1000, frozen=False, cost=0.3, progress=1.0)
+              for n in ("a", "b")}
+    layers["f"] = policy.LayerState(drift=0.0, age=1, nbytes=1000, frozen=True, cost=0.0, progress=5.0,
+                                     unchanged=True)
+    # half a quantum of 2.0 is one step's move: one of the interval's 4 steps, of each unfrozen layer's progress
+    assert policy.quantization_cost(layers, 2.0, 4) == pytest.approx(2 * 1.0 / 4)
+    kw = dict(first=False, base_due=False, max_staleness=10, fidelity=0.1, loss=10.0)  # an allowance of 1.0
+    assert set(policy.decide(layers, **kw).values()) == {policy.SKIP_BUDGET, policy.SKIP_FROZEN}
+    reasons = policy.decide(layers, **kw, reserved=policy.quantization_cost(layers, 2.0, 1))  # 2.0 of the 1.0
+    assert reasons["a"] == reasons["b"] == policy.COST
+
+
+@pytest.mark.parametrize("encoding", ["auto", "lossy"])
+def test_a_lossy_composite_states_the_codes_price_in_its_cost(tmp_path, encoding):
+    """Every layer written at every save: the composite gives up nothing to staleness, and under 'lossy' the
+    codes' price alone."""
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with layerckpt.Checkpointer(tmp_path, model, opt, config=layerckpt.Config(encoding=encoding, fidelity=0.0)) as ck:
+        for step in range(1, 4):
+            _train(model, opt, step)
+            ck.save(step, loss=1.0).wait()
+        m = ck.selector.composite
+    assert all(layer.step == 3 for layer in m.layers.values())
+    assert (m.cost > 0) == (encoding == "lossy")

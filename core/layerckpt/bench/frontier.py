@@ -122,7 +122,8 @@ def format_frontier(rows: List[Dict[str, Any]]) -> str:
         d = f["default"]
         cells = "  ".join(f"k{p['k']}{'~' if p.get('estimated') else ''} {_mb(p['bytes'])}/{p['lost']:.1f}"
                           for p in f["full"])
-        lines.append(f"{r['workload']:<17}{_mb(d['raw']):>9}{_mb(d['bytes']):>9}{f['ratio']:>7.1f}x"
+        name = r["workload"] + ("+lossy" if r.get("encoding") == "lossy" else "")
+        lines.append(f"{name:<17}{_mb(d['raw']):>9}{_mb(d['bytes']):>9}{f['ratio']:>7.1f}x"
                      f"{_default_cell(d):>33}{f['frontier_lost']:>15.1f}  {'ok' if f['ok'] else 'MISSED':<8}  {cells}")
     lines.append("k~: beyond the measured cadences, estimated from every 8's bytes per save; est.lag: the lag the "
                  "composites' manifests estimate (first-order cost, in steps), beside the measured one")

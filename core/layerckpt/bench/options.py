@@ -20,7 +20,7 @@ DEFAULT = "run"
 #: bench module -> the options (args attributes) it reads beside --dir, --json and --quiet
 USES: Dict[str, Tuple[str, ...]] = {
     "run": ("preset", "reps", "config", "chunk_bytes", "queue_depth", "only", "remote", "remote_options"),
-    "policy": ("config", "workloads", "plot", "through"),
+    "policy": ("config", "workloads", "plot", "through", "encodings"),
     "sharded": ("size", "reps", "nproc", "mesh", "encoding"),
     "lightning_io": ("size", "reps"),
     "restore": ("sizes", "cache", "reps"),
@@ -76,6 +76,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="with --policy: comma-separated, core (the Checkpointer) and/or the adapters lightning, "
                         "accelerate, trainer: each trains and resumes the family its framework's way "
                         "(default: core)")
+    a.add_argument("--encodings",
+                   help="with --policy: comma-separated Config.encoding values, each run on every workload, one row "
+                        "apiece (e.g. auto,lossy; default: the config's)")
     a.add_argument("--plot", metavar="FILE",
                    help="with --policy: the steps-lost frontiers as a .png, .svg or .pdf (needs matplotlib)")
     a.add_argument("--sharded", action="store_true",
@@ -182,6 +185,13 @@ def _check_policy(args) -> None:
         if unknown:
             raise CheckpointError(f"--workloads: no workload named {', '.join(unknown)}; name some of "
                                   f"{', '.join(WORKLOADS)} (or drop --workloads for all)")
+    if getattr(args, "encodings", None) is not None:
+        from ..config import ENCODINGS
+
+        bad = [e for e in args.encodings.split(",") if e.strip() not in ENCODINGS]
+        if bad or not args.encodings.strip():
+            raise CheckpointError(f"--encodings: {', '.join(map(repr, bad)) or 'nothing'} given; name some of "
+                                  f"{', '.join(ENCODINGS)}, comma-separated")
     if getattr(args, "through", None) is not None:
         from .policy_through import parse_through
 

@@ -82,10 +82,13 @@ def _stores(w: Workload, config: Config, root: str, frontier: bool) -> Dict[Any,
 
 
 def _full_config(config: Config) -> Config:
-    """``config`` (its engine settings: encoding, chunks, backend...) with every layer at every save.  Older
-    full checkpoints are never restored here: keep two, as users would."""
+    """``config`` (its engine settings: encoding, chunks, backend...) with every layer at every save, lossless
+    (``encoding='lossy'``'s rows are set against the same full checkpoints as the lossless ones).  Older full
+    checkpoints are never restored here: keep two, as users would."""
     selection = ("fidelity", "threshold", "budget_bytes", "full", "keep_last")
     same = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config) if f.init and f.name not in selection}
+    if same["encoding"] == "lossy":
+        same["encoding"] = Config.encoding
     return Config(full=True, keep_last=2, **same)
 
 
@@ -164,7 +167,8 @@ def run(w: Workload, config: Config, root: str, crashes: Sequence[float] = CRASH
     stores = _stores(w, config, root, frontier)
     losses, curve = _train(w, stores, steps, heldout=frontier)
     st = stores["default"]
-    out: Dict[str, Any] = {"workload": w.name, "steps": steps, "every": w.every, "saves": len(st.saves),
+    out: Dict[str, Any] = {"workload": w.name, "encoding": config.encoding, "steps": steps, "every": w.every,
+                           "saves": len(st.saves),
                            "bytes": sum(st.raw), "full_bytes": sum(st.full_raw),
                            "ratio": sum(st.full_raw) / max(sum(st.raw), 1), "written_bytes": sum(st.written),
                            "crashes": [_crash(w, config, st, losses, frac, steps) for frac in crashes]}
@@ -236,15 +240,18 @@ def _frontier(w: Workload, config: Config, stores: Dict[Any, _Store], curve: Lis
 
 
 def sweep(names: Optional[Sequence[str]] = None, config: Optional[Config] = None,
-          dirpath: Optional[str] = None, steps: Optional[int] = None, frontier: bool = False) -> List[Dict[str, Any]]:
+          dirpath: Optional[str] = None, steps: Optional[int] = None, frontier: bool = False,
+          encodings: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+    """Every workload of ``names`` (all: None), with ``config``, or once with each of ``encodings`` in it."""
     config = config or Config()
     rows = []
     for name in names or list(WORKLOADS):
-        root = tempfile.mkdtemp(prefix=f"layerckpt-policy-{name}-", dir=dirpath)
-        try:
-            rows.append(run(WORKLOADS[name], config, root, steps=steps, frontier=frontier))
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+        for enc in encodings or (config.encoding,):
+            root = tempfile.mkdtemp(prefix=f"layerckpt-policy-{name}-", dir=dirpath)
+            try:
+                rows.append(run(WORKLOADS[name], config.replace(encoding=enc), root, steps=steps, frontier=frontier))
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
     return rows
 
 
@@ -270,14 +277,15 @@ def format_table(rows: List[Dict[str, Any]], config: Config) -> str:
     rule = f"threshold={config.threshold}" if config.threshold is not None else f"fidelity={config.fidelity}"
     lines = [f"selection: {rule}, max_staleness={config.max_staleness} checkpoints; bytes vs raw full checkpoints "
              f"at the same cadence: raw (layer payload) and written (data files on disk); restores strict",
-             f"{'workload':<17}{'saves':>6}{'raw':>8}{'written':>9}   loss after restore vs uninterrupted "
-             f"(early / middle / late crash; steps the oldest layer trails)   target"]
+             f"{'workload':<17}{'encoding':>9}{'saves':>6}{'raw':>8}{'written':>9}   loss after restore vs "
+             f"uninterrupted (early / middle / late crash; steps the oldest layer trails)   target"]
     for r in rows:
         cells = "  ".join(_crash_cell(c) for c in r["crashes"])
         target = BYTES_TARGET.get(r["workload"])
         goal = f">={target:.0f}x, 0.5%" if target else "0.5%"
-        lines.append(f"{r['workload']:<17}{r['saves']:>6}{r['ratio']:>7.1f}x{written_ratio(r):>8.1f}x   {cells}   "
-                     f"{goal} {'ok' if meets(r) else 'MISSED'}")
+        enc = r.get("encoding", getattr(config, "encoding", None) or "auto")
+        lines.append(f"{r['workload']:<17}{enc:>9}{r['saves']:>6}{r['ratio']:>7.1f}x{written_ratio(r):>8.1f}x   "
+                     f"{cells}   {goal} {'ok' if meets(r) else 'MISSED'}")
     refused = [(r["workload"], c["step"], c["refused"]) for r in rows for c in r["crashes"] if c.get("refused")]
     refused += [(r["workload"], r["frontier"]["default"]["restored"], r["frontier"]["default"]["refused"])
                 for r in rows if r.get("frontier", {}).get("default", {}).get("refused")]
@@ -291,7 +299,7 @@ def format_report(res: Dict[str, Any]) -> str:
     """What ``layerckpt bench --policy`` prints, from what ``--json`` prints (``{"config": ..., "rows": ...}``)."""
     c = res["config"]
     rule = types.SimpleNamespace(threshold=c.get("threshold"), fidelity=c.get("fidelity"),
-                                 max_staleness=c.get("max_staleness"))
+                                 max_staleness=c.get("max_staleness"), encoding=c.get("encoding"))
     out = format_table(res["rows"], rule) + "\n\n" + format_frontier(res["rows"]) if res.get("rows") else ""
     if res.get("through"):
         out = (out + "\n\n" if out else "") + format_through(res)
@@ -322,6 +330,11 @@ def format_through(res: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _encodings(args) -> Optional[List[str]]:
+    given = getattr(args, "encodings", None)
+    return [e.strip() for e in given.split(",")] if given else None
+
+
 def main(args) -> int:
     import json
 
@@ -331,7 +344,8 @@ def main(args) -> int:
     config = Config.from_yaml(args.config) if args.config else Config()
     through = policy_through.parse_through(args.through)
     res: Dict[str, Any] = {"config": config.to_dict(),
-                           "rows": sweep(args.workloads, config, args.dir, frontier=True) if "core" in through else []}
+                           "rows": sweep(args.workloads, config, args.dir, frontier=True,
+                                         encodings=_encodings(args)) if "core" in through else []}
     adapters = [t for t in through if t != "core"]
     if adapters:
         policy_through.quiet_frameworks()

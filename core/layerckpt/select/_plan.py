@@ -56,6 +56,7 @@ class SavePlan:
     token: object = field(default_factory=object)
     deferred: Dict[str, object] = field(default_factory=dict)
     shapes: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = field(default_factory=dict)  # of every tensor saved
+    step: int = 0  # the save's
 
     @property
     def reasons(self) -> Dict[str, str]:
@@ -372,7 +373,9 @@ class Selector:
             measures, proof = self._measure_across_ranks(layer_keys, measures, proof)
         chain = 0 if prev is None else prev.chain + 1
         states, forced = self._states(prev, layer_keys, measures, nbytes, shapes, proof)
-        reasons = self._decide(states, forced, prev is None, chain, loss)
+        quant = 0.0 if prev is None or self.config.encoding != "lossy" else policy.quantization_cost(
+            states, self.config.lossy_quantum, step - prev.step)
+        reasons = self._decide(states, forced, prev is None, chain, loss, quant)
         persist = {layer for layer, why in reasons.items() if why in policy.WRITE or why in (NEW, "full")}
         # a sharded layer is written by every rank, each its own shards (its unsharded tensors, such as
         # an optimizer's step count, by rank 0); any other layer by one rank, balanced by bytes
@@ -388,8 +391,9 @@ class Selector:
             persisted=persist, chain=chain,
             # the persisted layers' samples become their drift references: copies, taken now
             samples={layer: snaps[layer][0] for layer in persist if layer in snaps},
-            cost=policy.composite_cost(states, persist),
-            progress=sum(st.progress for st in states.values() if not st.frozen), deferred=deferred, shapes=shapes)
+            cost=policy.composite_cost(states, persist) + quant,
+            progress=sum(st.progress for st in states.values() if not st.frozen), deferred=deferred, shapes=shapes,
+            step=step)
         self._planned_now(out, snaps, world, self._references(out, held, taken, unpriced))
         return out
 
@@ -434,8 +438,9 @@ class Selector:
         return states, forced
 
     def _decide(self, states: Dict[str, policy.LayerState], forced: Set[str], first: bool, chain: int,
-                loss: Optional[float]) -> Dict[str, str]:
-        """Why each layer is written or skipped: the policy's reasons, ``NEW`` for a forced layer it skips."""
+                loss: Optional[float], quant: float = 0.0) -> Dict[str, str]:
+        """Why each layer is written or skipped: the policy's reasons, ``NEW`` for a forced layer it skips;
+        ``quant``: the bounded-loss codes' price, reserved from the fidelity allowance."""
         cfg = self.config
         if self.full:  # every layer, but a frozen one proven unchanged since the version the composite holds
             carry = self._carries() and not first and not (cfg.base_every > 0 and chain % cfg.base_every == 0)
@@ -443,7 +448,7 @@ class Selector:
                     for layer, st in states.items()}
         reasons = policy.decide(states, first=first, base_due=cfg.base_every > 0 and chain % cfg.base_every == 0,
                                 threshold=cfg.threshold, fidelity=cfg.fidelity, loss=loss,
-                                max_staleness=cfg.max_staleness, budget_bytes=cfg.budget_bytes)
+                                max_staleness=cfg.max_staleness, budget_bytes=cfg.budget_bytes, reserved=quant)
         for layer in forced:
             if reasons[layer] not in policy.WRITE:
                 reasons[layer] = NEW

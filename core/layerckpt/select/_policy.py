@@ -54,8 +54,10 @@ class LayerState:
 
 def decide(layers: Dict[str, LayerState], *, first: bool, base_due: bool, max_staleness: int,
            threshold: Optional[float] = None, fidelity: float = 0.0, loss: Optional[float] = None,
-           budget_bytes: Optional[int] = None) -> Dict[str, str]:
-    """layer -> reason; reasons in WRITE are persisted now."""
+           budget_bytes: Optional[int] = None, reserved: float = 0.0) -> Dict[str, str]:
+    """layer -> reason; reasons in WRITE are persisted now.  ``reserved``: first-order loss the composite gives up
+    whatever is written (the bounded-loss codes' error, :func:`quantization_cost`), taken from the allowance
+    before any stale layer."""
     if first or base_due:
         why = FIRST if first else BASE
         return {name: why for name in layers}
@@ -78,7 +80,7 @@ def decide(layers: Dict[str, LayerState], *, first: bool, base_due: bool, max_st
         value = {n: layers[n].drift for n in wanted}
         why = DRIFT
     else:
-        wanted = _over_budget(layers, open_, allowance(layers, fidelity, loss))
+        wanted = _over_budget(layers, open_, allowance(layers, fidelity, loss) - reserved)
         out.update({n: SKIP_BUDGET for n in open_ if n not in wanted})
         value = {n: layers[n].cost / max(layers[n].nbytes, 1) for n in wanted}
         why = COST
@@ -113,6 +115,14 @@ def _over_budget(layers: Dict[str, LayerState], names: List[str], allowance: flo
         else:
             wanted.append(name)
     return wanted
+
+
+def quantization_cost(layers: Dict[str, LayerState], quantum: float, interval: int) -> float:
+    """What ``Config(encoding='lossy')``'s weight codes give up, priced as staleness is: each element is restored
+    within ``quantum / 2`` of one step's move, so each layer is priced as ``quantum / 2`` steps stale: that part
+    of its first-order progress over the last interval of ``interval`` steps (a bound: the error is not aligned
+    with the gradient, as a stale layer's missing progress is)."""
+    return quantum / 2 / max(1, interval) * sum(s.progress for s in layers.values() if not s.frozen)
 
 
 def composite_cost(layers: Dict[str, LayerState], persisted) -> float:
