@@ -209,9 +209,19 @@ def test_policy_frontier_end_to_end(tmp_path):
     assert f["default"]["since"] == 2.0 and f["default"]["lag"] == 0.0 and f["ok"]  # only the head trains
     assert r["crashes"][0]["deviation"] == 0.0
     assert f["full_check"] == {"step": 40, "lag": 0.0}  # the newest full checkpoint: accepted, bit for bit
+    assert r["cycles"]["restores"] == 5 and r["cycles"]["deviation"] == 0.0  # the head's state, exact each time
     table = policy.format_table([r], layerckpt.Config()) + "\n" + format_frontier([r])
-    for column in ("raw", "written", "default lost (since+lag)", "est.lag", "frontier@bytes", "k8 "):
+    for column in ("raw", "written", "default lost (since+lag)", "est.lag", "frontier@bytes", "k8 ", "after 5"):
         assert column in table, column
+    lossy = policy.run(WORKLOADS["frozen-backbone"], layerckpt.Config(encoding="lossy"), str(tmp_path / "lossy"),
+                       crashes=(0.5,), steps=40, frontier=True)
+    assert lossy["encoding"] == "lossy" and lossy["written_bytes"] < r["written_bytes"]
+    # its frontier is the same lossless full checkpoints: bit for bit, the same bytes
+    assert lossy["frontier"]["full_check"] == {"step": 40, "lag": 0.0}
+    assert [p["bytes"] for p in lossy["frontier"]["full"]] == [p["bytes"] for p in f["full"]]
+    assert lossy["cycles"]["restores"] == 5 and abs(lossy["cycles"]["deviation"]) < policy.CYCLES_TARGET
+    row = policy.format_table([lossy], layerckpt.Config()).splitlines()[-1]
+    assert row.split()[:2] == ["frozen-backbone", "lossy"] and "1% after 5" in row
 
 
 def test_plot_is_written_where_matplotlib_is_installed(tmp_path):
