@@ -31,9 +31,8 @@ from typing import AbstractSet, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..format import _encode
+from ..format import _encode, _qblock
 from .. import _faults
-from ..format import _qblock
 from ..io._backend import checksum, checksum_combine
 from ..format._layout import DTYPES, Layout, align_up
 from ..format._manifest import FileEntry, TensorEntry
@@ -43,7 +42,6 @@ from ._writeloop import WriteLoop
 
 MIN_REF = 64 * KiB  # smaller tensors are compressed on their own each time: no copy kept for them
 WRITER = "layerckpt"
-LOSSY = ("qdelta", "qmom", "qsq")  # the bounded-loss modes a plan may give an item (``_qblock``)
 
 
 def threads(n: int) -> int:
