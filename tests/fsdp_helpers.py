@@ -5,7 +5,10 @@ Modes: ``save`` trains a sharded model, saves at steps 2, 4 and 6, writes the fu
 ``ROOT/ref.<world>.pt``, trains on, restores step 6 into the same model and checks it bit for bit;
 ``load`` restores the newest composite of ``ROOT/store`` into a fresh sharded model and checks every
 rank's shard against ``ROOT/ref.pt``; ``kill`` commits steps 2 and 4, then rank 1 is killed by SIGKILL
-while step 6 is flushing, before the ranks agree to commit it.
+while step 6 is flushing, before the ranks agree to commit it; ``lossy`` saves a wider model under
+``Config(encoding='lossy')`` (its embedding's shards coded with bounded loss) at steps 2, 4 and 6, writes the
+state saved at 6 to ``ROOT/ref.pt``, trains on, restores step 6 and writes each rank's restored shards to
+``ROOT/restored.<rank>.pt``.
 """
 import os
 import sys
@@ -16,11 +19,12 @@ import torch.distributed as dist
 import layerckpt
 
 VOCAB, DIM, OUT = 101, 8, 5  # uneven shards: 101 rows over 2 ranks are 51 + 50, over 4 ranks 26 * 3 + 23
+WIDE = 512  # the lossy mode's embedding width: a rank's shard of it, 50 or 51 rows, is over 64 KiB
 
 
-def model() -> torch.nn.Module:
+def model(dim: int = DIM) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, DIM), torch.nn.Linear(DIM, OUT), torch.nn.LayerNorm(OUT))
+    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, dim), torch.nn.Linear(dim, OUT), torch.nn.LayerNorm(OUT))
 
 
 def shard(m: torch.nn.Module) -> torch.nn.Module:
@@ -53,6 +57,16 @@ def full_state(m, opt) -> dict:
     return state
 
 
+def full_state_local(m, opt) -> dict:
+    """Every tensor as this rank holds it (its shards), by the names of :func:`full_state`."""
+    names = {id(p): n for n, p in m.named_parameters()}
+    state = {f"model/{n}": t for n, t in m.state_dict().items()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            state[f"optim/{names[id(p)]}/{k}"] = v
+    return state
+
+
 def local_rows(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """The rows of ``whole`` that the (sharded) tensor ``t`` holds."""
     if not hasattr(t, "to_local"):
@@ -79,11 +93,22 @@ def check(m, opt, ref: dict) -> None:
 def main(mode: str, root: str, threshold: float) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    m = shard(model())
+    m = shard(model(WIDE if mode == "lossy" else DIM))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     store = os.path.join(root, "store")
     cfg = layerckpt.Config(threshold=threshold, keep_last=0) if threshold >= 0 else layerckpt.Config(keep_last=0)
-    if mode == "save":
+    if mode == "lossy":
+        with layerckpt.Checkpointer(store, m, opt, layerckpt.Config(encoding="lossy", full=True, keep_last=0)) as ck:
+            for step in (2, 4, 6):
+                ck.save(step, loss=train(m, opt, 2, seed=step)).wait()
+        ref = full_state(m, opt)
+        if rank == 0:
+            torch.save(ref, os.path.join(root, "ref.pt"))
+        train(m, opt, 3, seed=99)
+        assert layerckpt.restore(store, m, opt, strict=False).step == 6
+        torch.save({k: v.to_local().clone() if hasattr(v, "to_local") else v for k, v in full_state_local(m, opt).items()},
+                   os.path.join(root, f"restored.{rank}.pt"))
+    elif mode == "save":
         with layerckpt.Checkpointer(store, m, opt, cfg) as ck:
             for step in (2, 4, 6):
                 loss = train(m, opt, 2, seed=step)
