@@ -8,7 +8,8 @@ have.  Nothing else runs meanwhile (the training waits), so the difference is th
 
 Contenders: ``torch.save`` of the model's and optimizer's state dicts (as Lightning's ModelCheckpoint
 writes them: no fsync), layerckpt's default ``Config`` (selective, ``encoding='auto'``), the same with
-``encoding='delta'`` and ``'off'`` forced, and each of the three in full mode (every layer at every save).
+``encoding='delta'`` and ``'off'`` forced, and each of the three in full mode (every layer at every save);
+``encoding='lossy'`` in full mode (the opt-in bounded-loss codes: what they cost the machine).
 Beside them, the machine's floor for a checkpoint of the state: one copy and one CRC32C of every byte
 (``memcpy + crc32c``), and what one training step costs (``step``) for scale.
 """
@@ -32,7 +33,7 @@ from .machine import machine
 MODELS = ("main", "gpt2-small")
 PAUSE_S = 0.05
 CONTENDERS = ("torch.save", "layerckpt", "layerckpt delta", "layerckpt off", "layerckpt full",
-              "layerckpt full delta", "layerckpt full off")
+              "layerckpt full delta", "layerckpt full off", "layerckpt full lossy")
 
 
 def _cpu() -> float:
@@ -185,7 +186,7 @@ def run_model(name: str, dirpath: Optional[str], contenders=CONTENDERS, saves: O
             else:
                 parts = who.split()
                 full = "full" in parts
-                enc = parts[-1] if parts[-1] in ("delta", "off") else "auto"
+                enc = parts[-1] if parts[-1] in ("delta", "off", "lossy") else "auto"
                 save, close = _layerckpt(root, model, opt, full, enc)
             cpu, wall, nbytes, parts = [], [], [], []
             for s in range(n * every):
