@@ -238,11 +238,15 @@ def test_the_codes_error_is_priced_inside_the_fidelity_allowance():
               for n in ("a", "b")}
     layers["f"] = policy.LayerState(drift=0.0, age=1, nbytes=1000, frozen=True, cost=0.0, progress=5.0,
                                      unchanged=True)
-    # half a quantum of 2.0 is one step's move: one of the interval's 4 steps, of each unfrozen layer's progress
-    assert policy.quantization_cost(layers, 2.0, 4) == pytest.approx(2 * 1.0 / 4)
+    # an RMS error of 2/sqrt(12) steps' move over 4 elements: that over sqrt(4) of one step's progress (a quarter
+    # of the interval's), for each unfrozen layer
+    n = {"a": 4, "b": 4, "f": 1}
+    assert policy.quantization_cost(layers, 2.0, 4, n) == pytest.approx(2 * (2 / 12 ** 0.5) / 2 * 1.0 / 4)
     kw = dict(first=False, base_due=False, max_staleness=10, fidelity=0.1, loss=10.0)  # an allowance of 1.0
     assert set(policy.decide(layers, **kw).values()) == {policy.SKIP_BUDGET, policy.SKIP_FROZEN}
-    reasons = policy.decide(layers, **kw, reserved=policy.quantization_cost(layers, 2.0, 1))  # 2.0 of the 1.0
+    reserved = policy.quantization_cost(layers, 12 ** 0.5, 1, {"a": 1, "b": 1})  # one step's progress each: 2.0
+    assert reserved == pytest.approx(2.0)
+    reasons = policy.decide(layers, **kw, reserved=reserved)  # 2.0 of the 1.0
     assert reasons["a"] == reasons["b"] == policy.COST
 
 

@@ -31,7 +31,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from ._zstd import PAYS, bad as _bad, compressor, inflate
+from ._zstd import PAYS, bad as _bad, codes_compressor, inflate
 
 QDELTA, QMOM, QSQ = 4, 5, 6  # their modes among ``_encode``'s
 GROUP = 2048  # elements per scale of QMOM and QSQ
@@ -65,7 +65,7 @@ def _groups(x: np.ndarray, fill) -> np.ndarray:
 def _out(mode: int, width: int, scales: np.ndarray, step: float, codes: np.ndarray, raw_n: int) -> Optional[bytes]:
     """The block's bytes, None where they would not be smaller than the raw ones."""
     body = codes.tobytes()
-    packed = compressor().compress(body)
+    packed = codes_compressor().compress(body)
     z = len(packed) < len(body)
     out = b"".join([HEAD.pack(width, z, scales.size, step), scales.astype("<f4").tobytes(), packed if z else body])
     return out if len(out) < int(PAYS * raw_n) else None

@@ -27,6 +27,20 @@ def compressor():
     return c
 
 
+def codes_compressor():
+    """zstd for bounded-loss codes (``_qblock``): noise-like small integers, where a match is rare and level 1's
+    search is time lost.  A fast strategy with a one-probe search, 7-byte matches and a 1 MiB window (a block's
+    codes): measured on a GPT-2-small-shaped AdamW state, 2 threads, against level 1: weight deltas' encode 0.57
+    -> 1.18 GB/s, exp_avg 0.60 -> 0.87 GB/s, ratios equal or better (9.30x -> 9.46x)."""
+    c = getattr(_local, "qctx", None)
+    if c is None:
+        z = _zstd()
+        c = _local.qctx = z.ZstdCompressor(compression_params=z.ZstdCompressionParameters(
+            window_log=20, hash_log=10, chain_log=6, search_log=1, min_match=7, target_length=0,
+            strategy=z.STRATEGY_FAST, write_checksum=False, write_content_size=True))
+    return c
+
+
 def _decompressor():
     d = getattr(_local, "dctx", None)
     if d is None:

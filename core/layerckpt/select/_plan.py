@@ -374,7 +374,8 @@ class Selector:
         chain = 0 if prev is None else prev.chain + 1
         states, forced = self._states(prev, layer_keys, measures, nbytes, shapes, proof)
         quant = 0.0 if prev is None or self.config.encoding != "lossy" else policy.quantization_cost(
-            states, self.config.lossy_quantum, step - prev.step)
+            states, self.config.lossy_quantum, step - prev.step,
+            {layer: sum(t.numel() for t in w.values()) for layer, w in weights.items()})
         reasons = self._decide(states, forced, prev is None, chain, loss, quant)
         persist = {layer for layer, why in reasons.items() if why in policy.WRITE or why in (NEW, "full")}
         # a sharded layer is written by every rank, each its own shards (its unsharded tensors, such as

@@ -41,6 +41,10 @@ from ..io._units import KiB
 from ._writeloop import WriteLoop
 
 MIN_REF = 64 * KiB  # smaller tensors are compressed on their own each time: no copy kept for them
+#: a bounded-loss delta's reference is renewed this many times less often than a lossless one's: its errors do not
+#: grow with the distance from it (each delta is rounded against the lossless reference), its codes' width only
+#: with the log of it, and the reference, written lossless, costs as much as 5-10 deltas
+LOSSY_CHAIN = 8
 WRITER = "layerckpt"
 
 
@@ -109,7 +113,8 @@ class Refs:
             es = it.tensor.element_size()
             r = self._refs.get(it.key)
             usable = (delta and not self_contained and r is not None and r.where is not None
-                      and r.data.size == it.nbytes and r.esize == es and r.versions < self.chain)
+                      and r.data.size == it.nbytes and r.esize == es
+                      and r.versions < self.chain * (LOSSY_CHAIN if mode == "qdelta" else 1))
             if usable and r.skip > 0:  # its deltas have not paid lately: self-contained, a fresh reference
                 r.skip -= 1
                 usable = False
