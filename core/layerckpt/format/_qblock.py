@@ -1,5 +1,6 @@
 """Bounded-loss blocks: what ``Config(encoding='lossy')`` stores for fp32 training state (``_encode`` holds the
-blocks they sit in; ``_lossy`` is the study of these codes on whole tensors).
+blocks they sit in; ``_lossy`` holds the whole-tensor codes of the study ``bench --lossy`` measured, whose second
+moment code works on log2 where this one works on the bit pattern).
 
 Three block modes, each decoded with IEEE basic arithmetic or integer operations alone, so that a restore on
 any machine gives back, bit for bit, the bytes the writer decoded and checksummed (no ``exp2``/``log2``, whose
