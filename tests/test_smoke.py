@@ -83,7 +83,7 @@ def test_bench_policy_plot_runs_small(tmp_path):
     work.mkdir()
     out = _run([sys.executable, "-c", POLICY, str(plot), str(work)])
     _lines(out, "selection: fidelity=", "steps lost per crash")
-    assert re.search(r"^cnn +4 +[0-9.]+x +[0-9.]+x ", out, re.M), out  # 4 saves; raw and written ratios
+    assert re.search(r"^cnn +auto +4 +[0-9.]+x +[0-9.]+x ", out, re.M), out  # encoding, 4 saves; raw, written
     assert re.search(r"^cnn .* k1 [0-9.]+M/[0-9.]+ +k2 [0-9.]+M/[0-9.]+ +k4 [0-9.]+M/[0-9.]+", out, re.M), out
     with open(plot, "rb") as f:
         head = f.read(len(PNG))
