@@ -45,15 +45,18 @@ WARM = 3
 ROLES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum_buffer": "momentum"}
 
 
+def role(key: str) -> str:
+    """A tensor's role by its key: weight, an optimizer state key of ROLES, another optimizer state, other."""
+    if key.startswith(MODEL):
+        return "weight"
+    if key.startswith(OPTIM) and key.count("/") >= 2:
+        return ROLES.get(key.split("#", 1)[0].rsplit("/", 1)[1], "state")
+    return "other"
+
+
 def kind(key: str, dtype: str, frozen: bool = False) -> str:
     """A tensor's kind for the cost model: dtype, role (weight, an optimizer state key, other), frozen, rows."""
-    if key.startswith(MODEL):
-        role = "weight"
-    elif key.startswith(OPTIM) and key.count("/") >= 2:
-        role = ROLES.get(key.split("#", 1)[0].rsplit("/", 1)[1], "state")
-    else:
-        role = "other"
-    return f"{dtype} {role}" + (" frozen" if frozen else "") + (" rows" if ROWS in key else "")
+    return f"{dtype} {role(key)}" + (" frozen" if frozen else "") + (" rows" if ROWS in key else "")
 
 
 def charge(on_cpu: bool, training_threads: int, encoder_threads: int, cores: Optional[int] = None) -> float:

@@ -441,8 +441,7 @@ def _lossy_mode(key: str, tensor, nbytes: int, frozen: bool) -> str:
     state of ``MIN_REF`` bytes and more with bounded loss, by its role; everything else as 'delta'."""
     if DTYPES.get(tensor.dtype) != "F32" or nbytes < _encwrite.MIN_REF or frozen:
         return "delta"
-    role = _cost.kind(key, "F32").split(" ")[1]
-    return {"weight": "qdelta", "exp_avg": "qmom", "momentum": "qmom", "exp_avg_sq": "qsq"}.get(role, "delta")
+    return {"weight": "qdelta", "exp_avg": "qmom", "momentum": "qmom", "exp_avg_sq": "qsq"}.get(_cost.role(key), "delta")
 
 
 _as_checkpoint_error = as_checkpoint_error  # the one conversion, shared with the torch-file writer
