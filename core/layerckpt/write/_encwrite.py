@@ -292,8 +292,9 @@ def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Lay
             if lossy is not None:
                 restored.append((i, checksum(raw), b - a, False, 0.0, 0.0, 0.0))
         elif lossy is not None:
-            mode, data, got = _lossy_block(raw, None if ref is None else ref[ra:rb], it.tensor.element_size(),
-                                           lossy[0], lossy[1], plan, None if ref is None else plan.rival(i, ra, rb - ra))
+            part = None if ref is None else ref[ra:rb]
+            mode, data, got = _lossy_block(raw, part, it.tensor.element_size(), lossy[0], lossy[1], plan,
+                                           None if ref is None else plan.rival(i, ra, rb - ra))
             restored.append((i, got[0], b - a, *got[1:]))
         else:
             mode, data, stored, cpu = _encode.encode_timed(

@@ -436,12 +436,15 @@ class Flusher:
         discard(job.chunks, self.pool)
 
 
+_LOSSY_MODES = {"weight": "qdelta", "exp_avg": "qmom", "momentum": "qmom", "exp_avg_sq": "qsq"}  # by role
+
+
 def _lossy_mode(key: str, tensor, nbytes: int, frozen: bool) -> str:
     """``Config(encoding='lossy')``: how a tensor is written (``_encwrite.Refs.plan``'s modes): fp32 training
     state of ``MIN_REF`` bytes and more with bounded loss, by its role; everything else as 'delta'."""
     if DTYPES.get(tensor.dtype) != "F32" or nbytes < _encwrite.MIN_REF or frozen:
         return "delta"
-    return {"weight": "qdelta", "exp_avg": "qmom", "momentum": "qmom", "exp_avg_sq": "qsq"}.get(_cost.role(key), "delta")
+    return _LOSSY_MODES.get(_cost.role(key), "delta")
 
 
 _as_checkpoint_error = as_checkpoint_error  # the one conversion, shared with the torch-file writer
