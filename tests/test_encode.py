@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 import layerckpt
-from layerckpt.format import _encode
+from layerckpt.format import _encode, _planes
 from layerckpt import _faults
 from layerckpt.errors import CheckpointCorruptError, CheckpointError
 from conftest import assert_same_optimizer_state, assert_same_state, train_steps, trained
@@ -242,16 +242,16 @@ def test_an_edited_encoding_is_refused_by_name(tmp_path):
 
 
 def test_native_and_python_planes_agree(monkeypatch):
-    if _encode._NATIVE is None:  # both sides would be the Python planes: nothing to compare
+    if _planes._NATIVE is None:  # both sides would be the Python planes: nothing to compare
         pytest.skip("native module layerckpt.io._uring (with planes) not built")
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.uint8):
         a = _bits((torch.randn(4096, generator=g) * 100).to(dtype))
         b = _bits((torch.randn(4096, generator=g) * 100).to(dtype))
         es = a.size // 4096
-        native = [_encode.plane_bytes(a, ref, es) for ref in (None, b)]
-        monkeypatch.setattr(_encode, "_NATIVE", None)
-        python = [_encode.plane_bytes(a, ref, es) for ref in (None, b)]
+        native = [_planes.plane_bytes(a, ref, es) for ref in (None, b)]
+        monkeypatch.setattr(_planes, "_NATIVE", None)
+        python = [_planes.plane_bytes(a, ref, es) for ref in (None, b)]
         monkeypatch.undo()
         for (x, anyx), (y, anyy) in zip(native, python):
             assert np.array_equal(x, y) and anyx == anyy
@@ -259,9 +259,9 @@ def test_native_and_python_planes_agree(monkeypatch):
             outs = []
             for native_on in (True, False):
                 if not native_on:
-                    monkeypatch.setattr(_encode, "_NATIVE", None)
+                    monkeypatch.setattr(_planes, "_NATIVE", None)
                 out = start.copy()
-                _encode.from_planes(python[1 if add else 0][0], out, es, add)
+                _planes.from_planes(python[1 if add else 0][0], out, es, add)
                 outs.append(out)
                 monkeypatch.undo()
             assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], a)

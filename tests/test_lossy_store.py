@@ -264,3 +264,27 @@ def test_a_lossy_composite_states_the_codes_price_in_its_cost(tmp_path, encoding
         m = ck.selector.composite
     assert all(layer.step == 3 for layer in m.layers.values())
     assert (m.cost > 0) == (encoding == "lossy")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_wide_delta_codes_go_as_zigzag_byte_planes_and_decode_bit_for_bit(monkeypatch, native):
+    """A reference 400 steps old: codes of hundreds of quanta, 2 bytes wide, stored as the byte planes of their
+    zigzag map, smaller than the same codes compressed as they are; native and numpy planes decode alike."""
+    from layerckpt.format import _planes, _qblock
+    from layerckpt.format._zstd import codes_compressor
+
+    if not native:
+        monkeypatch.setattr(_planes, "_NATIVE", None)
+    g = np.random.default_rng(5)
+    ref = g.standard_normal(1 << 16).astype(np.float32)
+    x = (ref + 1e-4 * np.cumsum(g.standard_normal((400, ref.size), dtype=np.float32), axis=0)[-1]
+         + 3e-3 * g.standard_normal(ref.size, dtype=np.float32)).astype(np.float32)
+    mode, data, restored, emax, _, _ = _qblock.encode("qdelta", x.view(np.uint8), ref.view(np.uint8), QUANTUM, 400, 8)
+    width, layout, _, step = _qblock.HEAD.unpack_from(data)
+    assert (mode, width, layout) == (_encode.QDELTA, 2, _qblock.PLANES)
+    codes = np.rint((x - ref) / np.float32(step)).astype(np.int16)
+    assert len(data) < _qblock.HEAD.size + len(codes_compressor().compress(codes.tobytes()))
+    out = ref.copy().view(np.uint8)
+    _qblock.decode(mode, memoryview(data), out, "test")
+    assert np.array_equal(out, restored) and emax <= step / 2 * (1 + 1e-5) + 2 * np.spacing(np.float32(10))
+    assert np.array_equal(out.view(np.float32), ref + np.float32(step) * codes.astype(np.float32))
