@@ -37,8 +37,9 @@ if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
             "layerckpt.io._uring",
-            sources=["csrc/module.c", "csrc/ring.c", "csrc/sys.c", "csrc/crc32c.c", "csrc/planes.c"],
-            depends=["csrc/ring.h", "csrc/sys.h", "csrc/crc32c.h", "csrc/planes.h"],
+            sources=["csrc/module.c", "csrc/ring.c", "csrc/sys.c", "csrc/crc32c.c", "csrc/planes.c",
+                     "csrc/qcodes.c"],
+            depends=["csrc/ring.h", "csrc/sys.h", "csrc/crc32c.h", "csrc/planes.h", "csrc/qcodes.h"],
             extra_compile_args=["-O2", "-Wall", "-Werror", "-std=gnu11"],
         )
     )

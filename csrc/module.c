@@ -21,6 +21,7 @@
 
 #include "crc32c.h"
 #include "planes.h"
+#include "qcodes.h"
 #include "ring.h"
 
 /* The Python objects of one request slot. */
@@ -642,9 +643,144 @@ static PyObject *py_unplanes(PyObject *self, PyObject *args)
 	Py_RETURN_NONE;
 }
 
+/* ---- bounded-loss codes (qcodes.h) ---- */
+
+static int check_floats(Py_buffer *b, const char *what, Py_ssize_t want)
+{
+	if (b->len % 4 || ((uintptr_t)b->buf & 3) || (want >= 0 && b->len != want)) {
+		PyErr_Format(PyExc_ValueError, "%s: %zd bytes, not %s%zd aligned fp32 bytes", what, b->len,
+			     want >= 0 ? "" : "a multiple of 4: ", want >= 0 ? want : 4);
+		return -1;
+	}
+	return 0;
+}
+
+static int check_len(Py_buffer *b, const char *what, Py_ssize_t want)
+{
+	if (b->len != want) {
+		PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd", what, b->len, want);
+		return -1;
+	}
+	return 0;
+}
+
+PyDoc_STRVAR(qcodes_doc,
+"qmom(x, bits, scales, codes, restored) -> (emax, esq, ss) or None\n"
+"qsq(x, bits, lohi, codes, restored) -> (emax, esq, ss) or None\n--\n\n"
+"A moment's bounded-loss codes (layerckpt.format._qblock's QMOM, QSQ) of the fp32 bytes x: the group scales\n"
+"(QSQ: each group's [lo, hi] bit patterns), the codes (bits 8: a byte each; 4: two a byte, low nibble first)\n"
+"and the restored values, written into the given buffers; None where the code does not fit x.");
+
+static PyObject *py_qmoment(PyObject *args, int sq)
+{
+	Py_buffer x, sc, codes, out;
+	int bits, bad;
+	size_t n, groups;
+	double st[3];
+
+	if (!PyArg_ParseTuple(args, sq ? "y*iw*w*w*:qsq" : "y*iw*w*w*:qmom", &x, &bits, &sc, &codes, &out))
+		return NULL;
+	n = (size_t)x.len / 4;
+	groups = (n + LC_QGROUP - 1) / LC_QGROUP;
+	if (bits != 8 && bits != 4) {
+		PyErr_Format(PyExc_ValueError, "bits must be 8 or 4, not %d", bits);
+		goto fail;
+	}
+	if (check_floats(&x, "x", -1) < 0 || check_floats(&out, "restored", x.len) < 0 ||
+	    check_floats(&sc, "scales", (Py_ssize_t)(groups * (sq ? 8 : 4))) < 0 ||
+	    check_len(&codes, "codes", (Py_ssize_t)(bits == 8 ? n : (n + 1) / 2)) < 0)
+		goto fail;
+	Py_BEGIN_ALLOW_THREADS
+	bad = sq ? lc_qsq(x.buf, n, bits, sc.buf, codes.buf, out.buf, st)
+		 : lc_qmom(x.buf, n, bits, sc.buf, codes.buf, out.buf, st);
+	Py_END_ALLOW_THREADS
+	PyBuffer_Release(&x);
+	PyBuffer_Release(&sc);
+	PyBuffer_Release(&codes);
+	PyBuffer_Release(&out);
+	if (bad)
+		Py_RETURN_NONE;
+	return Py_BuildValue("(ddd)", st[0], st[1], st[2]);
+fail:
+	PyBuffer_Release(&x);
+	PyBuffer_Release(&sc);
+	PyBuffer_Release(&codes);
+	PyBuffer_Release(&out);
+	return NULL;
+}
+
+static PyObject *py_qmom(PyObject *self, PyObject *args)
+{
+	return py_qmoment(args, 0);
+}
+
+static PyObject *py_qsq(PyObject *self, PyObject *args)
+{
+	return py_qmoment(args, 1);
+}
+
+PyDoc_STRVAR(qdelta_doc,
+"qdelta_ss(x, r) -> float or None\n"
+"qdelta(x, r, step, codes, restored) -> (top, emax, esq) or None\n--\n\n"
+"A weight's bounded-loss delta (layerckpt.format._qblock's QDELTA) of the fp32 bytes x against r: the sum of\n"
+"the squared differences (None where not finite); then its int32 codes rint((x - r) / step) and the restored\n"
+"r + step * code written into the buffers, with the largest |code| (None where it reaches 2**24).");
+
+static PyObject *py_qdelta_ss(PyObject *self, PyObject *args)
+{
+	Py_buffer x, r;
+	double ss = 0.0;
+	int bad = 1;
+
+	if (!PyArg_ParseTuple(args, "y*y*:qdelta_ss", &x, &r))
+		return NULL;
+	if (check_floats(&x, "x", -1) == 0 && check_floats(&r, "r", x.len) == 0) {
+		Py_BEGIN_ALLOW_THREADS
+		bad = lc_qdelta_ss(x.buf, r.buf, (size_t)x.len / 4, &ss);
+		Py_END_ALLOW_THREADS
+	}
+	PyBuffer_Release(&x);
+	PyBuffer_Release(&r);
+	if (PyErr_Occurred())
+		return NULL;
+	if (bad)
+		Py_RETURN_NONE;
+	return PyFloat_FromDouble(ss);
+}
+
+static PyObject *py_qdelta(PyObject *self, PyObject *args)
+{
+	Py_buffer x, r, codes, out;
+	float step;
+	double top = 0.0, st[3] = {0.0, 0.0, 0.0};
+	int bad = 1;
+
+	if (!PyArg_ParseTuple(args, "y*y*fw*w*:qdelta", &x, &r, &step, &codes, &out))
+		return NULL;
+	if (check_floats(&x, "x", -1) == 0 && check_floats(&r, "r", x.len) == 0 &&
+	    check_floats(&codes, "codes", x.len) == 0 && check_floats(&out, "restored", x.len) == 0) {
+		Py_BEGIN_ALLOW_THREADS
+		bad = lc_qdelta(x.buf, r.buf, (size_t)x.len / 4, step, codes.buf, out.buf, &top, st);
+		Py_END_ALLOW_THREADS
+	}
+	PyBuffer_Release(&x);
+	PyBuffer_Release(&r);
+	PyBuffer_Release(&codes);
+	PyBuffer_Release(&out);
+	if (PyErr_Occurred())
+		return NULL;
+	if (bad)
+		Py_RETURN_NONE;
+	return Py_BuildValue("(ddd)", top, st[0], st[1]);
+}
+
 static PyMethodDef module_methods[] = {
 	{"planes", py_planes, METH_VARARGS, planes_doc},
 	{"unplanes", py_unplanes, METH_VARARGS, unplanes_doc},
+	{"qmom", py_qmom, METH_VARARGS, qcodes_doc},
+	{"qsq", py_qsq, METH_VARARGS, qcodes_doc},
+	{"qdelta_ss", py_qdelta_ss, METH_VARARGS, qdelta_doc},
+	{"qdelta", py_qdelta, METH_VARARGS, qdelta_doc},
 	{"crc32c", py_crc32c, METH_VARARGS, crc32c_doc},
 	{"copy_crc32c", py_copy_crc32c, METH_VARARGS, copy_crc32c_doc},
 	{"probe", py_probe, METH_NOARGS, probe_doc},

@@ -288,3 +288,89 @@ def test_wide_delta_codes_go_as_zigzag_byte_planes_and_decode_bit_for_bit(monkey
     _qblock.decode(mode, memoryview(data), out, "test")
     assert np.array_equal(out, restored) and emax <= step / 2 * (1 + 1e-5) + 2 * np.spacing(np.float32(10))
     assert np.array_equal(out.view(np.float32), ref + np.float32(step) * codes.astype(np.float32))
+
+
+def _numpy_and_native(monkeypatch, fn):
+    from layerckpt.format import _qblock
+
+    if _qblock._NATIVE is None:
+        pytest.skip("native module layerckpt.io._uring (with the bounded-loss codes) not built")
+    native = fn()
+    monkeypatch.setattr(_qblock, "_NATIVE", None)
+    python = fn()
+    monkeypatch.undo()
+    return native, python
+
+
+def _moments(g):
+    """fp32 moments a block may hold: values over many octaves, -0.0, subnormals, a group of zeros and
+    subnormals only (a momentum decayed for hundreds of steps: its scale's reciprocal would overflow), a count
+    of elements that is not whole groups and odd."""
+    n = 3 * GROUP + 1001
+    m = (g.standard_normal(n) * np.exp(g.uniform(-20, 2, n))).astype(np.float32)
+    m[GROUP:2 * GROUP] = 0.0
+    m[5::97] = -0.0
+    m[7::101] = np.float32(1e-42)
+    return m
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_native_and_numpy_moment_codes_agree_bit_for_bit(monkeypatch, bits):
+    from layerckpt.format import _qblock
+
+    g = np.random.default_rng(11)
+    for code, x in (("qmom", _moments(g)), ("qsq", np.abs(_moments(g)) ** 2)):
+        x = x.astype(np.float32)
+        native, python = _numpy_and_native(monkeypatch, lambda: _qblock.encode(code, x.view(np.uint8), None, 2.0, 1,
+                                                                              bits))
+        assert native[0] == python[0] and native[1] == python[1], code
+        assert np.array_equal(native[2], python[2]), code
+        assert np.allclose(native[3:], python[3:], rtol=1e-3, atol=0), code
+        out = np.empty(x.nbytes, np.uint8)
+        _qblock.decode(native[0], memoryview(native[1]), out, "test")
+        assert np.array_equal(out, native[2])
+    for code, bad in (("qmom", np.inf), ("qmom", np.nan), ("qsq", -1e-30), ("qsq", np.nan), ("qsq", np.inf)):
+        x = np.abs(_moments(g))
+        x[GROUP + 3] = bad
+        assert _numpy_and_native(monkeypatch, lambda: _qblock.encode(code, x.view(np.uint8), None, 2.0, 1, bits)) \
+            == (None, None), (code, bad)
+
+
+def test_native_delta_codes_are_numpys_and_decode_to_what_they_checksum(monkeypatch):
+    """The native kernel's codes, for one quantum, are rint((x - r) / step) and restore r + step * code as the
+    decoder does (a reference's -0.0 included); codes of 2^22 quanta and more take its exact path; 2^24 and
+    more, or NaN, do not fit."""
+    from layerckpt.format import _qblock
+
+    if _qblock._NATIVE is None:
+        pytest.skip("native module layerckpt.io._uring (with the bounded-loss codes) not built")
+    g = np.random.default_rng(12)
+    n = 3 * GROUP + 7
+    r = g.standard_normal(n).astype(np.float32)
+    r[::13] = -0.0
+    x = (r + g.standard_normal(n).astype(np.float32) * 1e-3).astype(np.float32)
+    x[::13] = np.float32(-1e-9)  # rounds to code -0: restored must be +0.0, as decoded
+    for step, big in ((np.float32(3e-4), None), (np.float32(1e-9), 5_000_000.0), (np.float32(1e-9), 2.0 ** 24)):
+        xx = x.copy()
+        if big is not None:
+            xx[100] = r[100] + np.float32(big) * step
+        codes, restored = np.empty(n, np.int32), np.empty(n, np.float32)
+        got = _qblock._NATIVE.qdelta(xx, r, float(step), codes, restored)
+        want = np.rint((xx - r) / step)
+        if big == 2.0 ** 24:
+            assert got is None
+            continue
+        assert np.array_equal(codes, want.astype(np.int32))
+        assert np.array_equal(restored.view(np.int32), (r + step * codes.astype(np.float32)).view(np.int32))
+        assert got[0] == np.abs(want).max()
+    xx = x.copy()
+    xx[3] = np.nan
+    assert _qblock._NATIVE.qdelta(xx, r, 1e-3, np.empty(n, np.int32), np.empty(n, np.float32)) is None
+    assert _qblock._NATIVE.qdelta_ss(xx, r) is None
+    for native in (True, False):  # each encoder's block decodes to the bytes it checksums, -0.0 references too
+        if not native:
+            monkeypatch.setattr(_qblock, "_NATIVE", None)
+        mode, data, restored, _, _, _ = _qblock.encode("qdelta", x.view(np.uint8), r.view(np.uint8), 2.0, 3, 8)
+        out = r.copy().view(np.uint8)
+        _qblock.decode(mode, memoryview(data), out, "test")
+        assert np.array_equal(out, restored), native

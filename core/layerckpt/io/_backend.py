@@ -32,6 +32,12 @@ def native_planes():
     return _uring if hasattr(_uring, "planes") else None
 
 
+def native_codes():
+    """The native module where it was built with the bounded-loss code kernels (``qmom``, ``qsq``, ``qdelta``),
+    else None (``format._qblock`` then runs its numpy encoders, which give the same codes)."""
+    return _uring if hasattr(_uring, "qdelta") else None
+
+
 ENV_BACKEND = "LAYERCKPT_BACKEND"
 _logged = set()
 
