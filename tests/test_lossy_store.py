@@ -85,31 +85,34 @@ def _check_weight(entry, saved, ref, got, steps):
     return coded
 
 
-def _check_moment(entry, saved, got):
+def _check_moment(entry, saved, got, bits):
     s, g = saved.reshape(-1).double(), got.reshape(-1).double()
+    levels = 2 ** (bits - 1) - 1
     for a, n, mode in _blocks(entry):
         assert mode == _encode.QMOM
         for j in range(a, a + n, GROUP):
             part = slice(j, min(j + GROUP, a + n))
-            assert (g[part] - s[part]).abs().max() <= s[part].abs().max() / 254 * (1 + 1e-6)
+            assert (g[part] - s[part]).abs().max() <= s[part].abs().max() / (2 * levels) * (1 + 1e-6)
 
 
-def _check_sq(entry, saved, got):
-    """In bit patterns: each non-zero value within half a step of its group's range spread over 254 codes; zeros
-    exact."""
+def _check_sq(entry, saved, got, bits):
+    """In bit patterns: each non-zero value within half a step of its group's range spread over the 2 ** bits - 2
+    steps between its codes; zeros exact."""
     s, g = saved.reshape(-1).numpy().view(np.int32).astype(np.int64), got.reshape(-1).numpy().view(np.int32)
     for a, n, mode in _blocks(entry):
         assert mode == _encode.QSQ
         for j in range(a, a + n, GROUP):
             part = s[j:min(j + GROUP, a + n)]
             nz = part > 0
-            step = max(1, math.ceil((part[nz].max() - part[nz].min()) / 254)) if nz.any() else 1
+            step = max(1, math.ceil((part[nz].max() - part[nz].min()) / (2 ** bits - 2))) if nz.any() else 1
             diff = np.abs(g[j:j + part.size].astype(np.int64) - part)
             assert (diff[nz] <= step // 2 + 1).all() and (diff[~nz] == 0).all()
 
 
-def test_every_restore_is_within_each_codes_bound_and_errors_never_add_up(tmp_path):
-    states = _saves(tmp_path)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_restore_is_within_each_codes_bound_and_errors_never_add_up(tmp_path, bits):
+    states = _saves(tmp_path, config=layerckpt.Config(encoding="lossy", full=True, keep_last=0, delta_chain=3,
+                                                      lossy_bits=bits))
     coded = 0
     for step in states:
         m = _manifest(tmp_path, step)
@@ -128,8 +131,8 @@ def test_every_restore_is_within_each_codes_bound_and_errors_never_add_up(tmp_pa
         for name in ("0.bias", "2.bias"):  # under 64 KiB: lossless
             assert torch.equal(model[name], saved_model[name])
         for i, w in ((0, "0.weight"), (2, "2.weight")):
-            _check_moment(m["tensors"][f"optim/{w}/exp_avg"], saved_opt[i]["exp_avg"], opt[i]["exp_avg"])
-            _check_sq(m["tensors"][f"optim/{w}/exp_avg_sq"], saved_opt[i]["exp_avg_sq"], opt[i]["exp_avg_sq"])
+            _check_moment(m["tensors"][f"optim/{w}/exp_avg"], saved_opt[i]["exp_avg"], opt[i]["exp_avg"], bits)
+            _check_sq(m["tensors"][f"optim/{w}/exp_avg_sq"], saved_opt[i]["exp_avg_sq"], opt[i]["exp_avg_sq"], bits)
             assert torch.equal(opt[i]["step"], saved_opt[i]["step"])
     assert coded >= 6  # the weights of most saves were coded with loss, not left lossless
     out = subprocess.run([sys.executable, "-m", "layerckpt.cli", "verify", str(tmp_path)], capture_output=True,
@@ -212,7 +215,7 @@ def test_a_manifest_that_misstates_bounded_loss_is_refused_by_name(tmp_path, cha
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("lossy_bits", 6, "lossy_bits must be 8 or 4"), ("lossy_quantum", 0.0, "lossy_quantum must be above 0"),
+    ("lossy_bits", 6, "lossy_bits must be 4 or 8"), ("lossy_quantum", 0.0, "lossy_quantum must be above 0"),
     ("encoding", "lossless", "encoding must be one of"),
 ])
 def test_lossy_settings_are_checked(field, value, message):
