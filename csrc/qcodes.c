@@ -5,6 +5,9 @@
  * |v| < 2^22, ties to even as rint), absolute maxima taken on the bit patterns as integers, and the error
  * statistics (which no restore depends on) summed in eight fp32 lanes per group. */
 #pragma GCC optimize("O3", "fp-contract=off", "no-trapping-math")
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#endif
 #include "qcodes.h"
 
 #include <math.h>
@@ -14,8 +17,13 @@
 #define ROUNDER 12582912.0f /* 1.5 * 2^23 */
 #define FINITE_MAX 0x7F7FFFFF /* the largest finite fp32 bit pattern */
 #define LANES 8
-/* an AVX2 build of each kernel beside the baseline one, chosen when loaded (the same IEEE operations either way) */
+/* On x86-64 Linux with GCC, an AVX2 build of each kernel beside the baseline one, chosen when the module loads
+ * (the same IEEE operations either way); elsewhere the baseline build alone. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
 #define CLONES __attribute__((target_clones("avx2", "default"), optimize("O3", "fp-contract=off", "no-trapping-math")))
+#else
+#define CLONES
+#endif
 
 static inline int32_t bits_of(float v)
 {
