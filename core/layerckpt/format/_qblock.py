@@ -27,9 +27,10 @@ scales, the delta's step), the scales, then the codes.  The layouts: 0 the codes
 2 (a delta's 2- or 4-byte codes) zstd of their zigzag map's byte planes, low bytes first: a delta's codes
 spread over hundreds of quanta once the reference is a few hundred steps old, and zstd's byte-wise entropy
 coder sees their high bytes, mostly 0 or 1, apart from their noise-like low bytes (measured on classify-3e-5
-200 steps after the reference: 2.91x -> 3.42x smaller than fp32, against 3.69x for the codes' entropy).  A block the code does not fit (a
-non-finite value, a negative second moment, a delta of more than 2 ** 24 quanta, codes no smaller than the
-raw bytes) is left to the lossless modes.
+200 steps after the reference: 2.91x -> 3.42x smaller than fp32, against 3.69x for the codes' entropy).
+
+A block the code does not fit (a non-finite value, a negative second moment, a delta of more than 2 ** 24
+quanta, codes no smaller than the raw bytes) is left to the lossless modes.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ GROUP = 2048  # elements per scale of QMOM and QSQ
 _TINY = np.finfo(np.float32).tiny  # the least normal fp32
 HEAD = struct.Struct("<BBxxIf")
 _CODE = {1: np.int8, 2: np.int16, 4: np.int32}
-_NATIVE = native_codes()  # one pass per block in C (``csrc/qcodes.c``): the numpy encoders' codes, 2-5x faster
+_NATIVE = native_codes()  # ``csrc/qcodes.c``: the numpy encoders' codes, a pass per group, 2-3x faster
 AS_IS, ZSTD, PLANES = 0, 1, 2  # a block's layouts of its codes (the header's second byte)
 #: (mode, the block's bytes, the bytes it restores to, the largest error of an element, the sum of the squared
 #: errors, the sum of the squared values the error is measured against: a delta's, a moment's) of one block
