@@ -118,7 +118,7 @@ def test_every_restore_is_within_each_codes_bound_and_errors_never_add_up(tmp_pa
         m = _manifest(tmp_path, step)
         model, opt, report = _restored(tmp_path, step)
         saved_model, saved_opt = states[step]
-        for name in ("0.weight", "2.weight"):
+        for name in ("0.weight", "2.weight", "0.bias", "2.bias"):  # biases of 1 KiB and 512 bytes: coded too
             e = m["tensors"][f"model/{name}"]
             ref = e["enc"]["ref"]
             if ref is None or e["enc"].get("lossy") is None:  # a self-contained version: a lossless reference
@@ -128,9 +128,7 @@ def test_every_restore_is_within_each_codes_bound_and_errors_never_add_up(tmp_pa
             coded += _check_weight(e, saved_model[name], states[ref["step"]][0][name], model[name],
                                    step - ref["step"])
             assert 0.3 < report.quantization[name.split(".")[0]] <= QUANTUM / 2 * 1.01  # within half a quantum
-        for name in ("0.bias", "2.bias"):  # under 64 KiB: lossless
-            assert torch.equal(model[name], saved_model[name])
-        for i, w in ((0, "0.weight"), (2, "2.weight")):
+        for i, w in enumerate(("0.weight", "0.bias", "2.weight", "2.bias")):
             _check_moment(m["tensors"][f"optim/{w}/exp_avg"], saved_opt[i]["exp_avg"], opt[i]["exp_avg"], bits)
             _check_sq(m["tensors"][f"optim/{w}/exp_avg_sq"], saved_opt[i]["exp_avg_sq"], opt[i]["exp_avg_sq"], bits)
             assert torch.equal(opt[i]["step"], saved_opt[i]["step"])
@@ -377,3 +375,17 @@ def test_native_delta_codes_are_numpys_and_decode_to_what_they_checksum(monkeypa
         out = r.copy().view(np.uint8)
         _qblock.decode(mode, memoryview(data), out, "test")
         assert np.array_equal(out, restored), native
+
+
+def test_which_tensors_are_coded_with_loss():
+    """fp32 training state of 512 bytes and more, by role; smaller tensors, other dtypes and frozen layers stay
+    lossless ('delta')."""
+    from layerckpt.write._flush import _lossy_mode
+
+    f32, f16 = torch.zeros(1, dtype=torch.float32), torch.zeros(1, dtype=torch.float16)
+    assert _lossy_mode("model/0.weight", f32, 512, False) == "qdelta"
+    assert _lossy_mode("model/0.weight", f32, 508, False) == "delta"
+    assert _lossy_mode("model/0.weight", f32, 1 << 20, True) == "delta"
+    assert _lossy_mode("model/0.weight", f16, 1 << 20, False) == "delta"
+    assert _lossy_mode("optim/0.weight/exp_avg", f32, 512, False) == "qmom"
+    assert _lossy_mode("optim/0.weight/exp_avg_sq", f32, 512, False) == "qsq"

@@ -154,7 +154,7 @@ class Config:
     (as much host memory as the state the references cover); 'compress' compresses each tensor on its own
     (byte planes + zstd, no reference kept); 'off' writes raw bytes.  The remote tier gets what the disk
     got.  'lossy' (opt-in; restores are then not bit for bit) is 'delta' with bounded loss on fp32 training
-    state of 64 KiB and more: a weight with a reference is stored as its difference from it rounded to a
+    state of 512 bytes and more: a weight with a reference is stored as its difference from it rounded to a
     quantum of ``lossy_quantum`` times the RMS by which one training step moved it since (each element within
     half a quantum; the reference, a self-contained version, stays lossless, so errors never add up along
     the versions), Adam's ``exp_avg`` and SGD's momentum as block-wise ``lossy_bits``-bit codes, ``exp_avg_sq``

@@ -41,6 +41,10 @@ from ..io._units import KiB
 from ._writeloop import WriteLoop
 
 MIN_REF = 64 * KiB  # smaller tensors are compressed on their own each time: no copy kept for them
+#: ``Config(encoding='lossy')`` codes fp32 tensors of this many bytes and more (128 elements: a bias, a norm's
+#: weight), keeping a reference copy for a weight's deltas however small: on the bench family's dense workloads
+#: the tensors between this and MIN_REF were a fifth of a save's bytes once the big ones were coded
+LOSSY_MIN = 512
 #: a bounded-loss delta's reference is renewed this many times less often than a lossless one's: its errors do not
 #: grow with the distance from it (each delta is rounded against the lossless reference), its codes' width only
 #: with the log of it, and the reference, written lossless, costs as much as 5-10 deltas
@@ -128,7 +132,8 @@ class Refs:
                 self._used.append(it.key)
                 continue
             out.refs.append(None)
-            if delta and it.nbytes >= MIN_REF and es in _encode.ESIZES and it.key not in frozen:
+            big = it.nbytes >= (LOSSY_MIN if mode == "qdelta" else MIN_REF)
+            if delta and big and es in _encode.ESIZES and it.key not in frozen:
                 self._refs.pop(it.key, None)  # rewritten: no reference until this save commits
                 same = r is not None and r.data.size == it.nbytes
                 data = r.data if same else np.empty(it.nbytes, np.uint8)

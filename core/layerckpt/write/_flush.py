@@ -441,8 +441,8 @@ _LOSSY_MODES = {"weight": "qdelta", "exp_avg": "qmom", "momentum": "qmom", "exp_
 
 def _lossy_mode(key: str, tensor, nbytes: int, frozen: bool) -> str:
     """``Config(encoding='lossy')``: how a tensor is written (``_encwrite.Refs.plan``'s modes): fp32 training
-    state of ``MIN_REF`` bytes and more with bounded loss, by its role; everything else as 'delta'."""
-    if DTYPES.get(tensor.dtype) != "F32" or nbytes < _encwrite.MIN_REF or frozen:
+    state of ``LOSSY_MIN`` bytes and more with bounded loss, by its role; everything else as 'delta'."""
+    if DTYPES.get(tensor.dtype) != "F32" or nbytes < _encwrite.LOSSY_MIN or frozen:
         return "delta"
     return _LOSSY_MODES.get(_cost.role(key), "delta")
 
