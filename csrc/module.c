@@ -665,23 +665,30 @@ static int check_len(Py_buffer *b, const char *what, Py_ssize_t want)
 }
 
 PyDoc_STRVAR(qcodes_doc,
-"qmom(x, bits, scales, codes, restored) -> (emax, esq, ss) or None\n"
+"qmom(x, bits, group, scales, codes, restored) -> (emax, esq, ss) or None\n"
 "qsq(x, bits, lohi, codes, restored) -> (emax, esq, ss) or None\n--\n\n"
-"A moment's bounded-loss codes (layerckpt.format._qblock's QMOM, QSQ) of the fp32 bytes x: the group scales\n"
-"(QSQ: each group's [lo, hi] bit patterns), the codes (bits 8: a byte each; 4: two a byte, low nibble first)\n"
+"A moment's bounded-loss codes (layerckpt.format._qblock's QMOM, QSQ) of the fp32 bytes x: the scale of each\n"
+"group of group elements (QSQ: 2048, each group's [lo, hi] bit patterns), the codes (bits 8: a byte each; 4: two\n"
+"a byte, low nibble first)\n"
 "and the restored values, written into the given buffers; None where the code does not fit x.");
 
 static PyObject *py_qmoment(PyObject *args, int sq)
 {
 	Py_buffer x, sc, codes, out;
 	int bits, bad;
+	Py_ssize_t group = LC_QGROUP;
 	size_t n, groups;
 	double st[3];
 
-	if (!PyArg_ParseTuple(args, sq ? "y*iw*w*w*:qsq" : "y*iw*w*w*:qmom", &x, &bits, &sc, &codes, &out))
+	if (sq ? !PyArg_ParseTuple(args, "y*iw*w*w*:qsq", &x, &bits, &sc, &codes, &out)
+	       : !PyArg_ParseTuple(args, "y*inw*w*w*:qmom", &x, &bits, &group, &sc, &codes, &out))
 		return NULL;
 	n = (size_t)x.len / 4;
-	groups = (n + LC_QGROUP - 1) / LC_QGROUP;
+	if (group < 2 || group > LC_QGROUP || group % 2) {
+		PyErr_Format(PyExc_ValueError, "group must be even, 2 to %d, not %zd", LC_QGROUP, group);
+		goto fail;
+	}
+	groups = (n + (size_t)group - 1) / (size_t)group;
 	if (bits != 8 && bits != 4) {
 		PyErr_Format(PyExc_ValueError, "bits must be 8 or 4, not %d", bits);
 		goto fail;
@@ -692,7 +699,7 @@ static PyObject *py_qmoment(PyObject *args, int sq)
 		goto fail;
 	Py_BEGIN_ALLOW_THREADS
 	bad = sq ? lc_qsq(x.buf, n, bits, sc.buf, codes.buf, out.buf, st)
-		 : lc_qmom(x.buf, n, bits, sc.buf, codes.buf, out.buf, st);
+		 : lc_qmom(x.buf, n, bits, (size_t)group, sc.buf, codes.buf, out.buf, st);
 	Py_END_ALLOW_THREADS
 	PyBuffer_Release(&x);
 	PyBuffer_Release(&sc);

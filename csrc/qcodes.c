@@ -86,8 +86,8 @@ static void pack_nibbles(const unsigned char *c, size_t n, unsigned char *out)
 		out[n / 2] = c[n - 1];
 }
 
-CLONES int lc_qmom(const float *x, size_t n, int bits, float *scales, unsigned char *codes, float *restored,
-	    double stats[3])
+CLONES int lc_qmom(const float *x, size_t n, int bits, size_t group, float *scales, unsigned char *codes,
+		   float *restored, double stats[3])
 {
 	const float top = bits == 4 ? 7.0f : 127.0f;
 	const int off = bits == 4 ? 7 : 0;
@@ -95,8 +95,8 @@ CLONES int lc_qmom(const float *x, size_t n, int bits, float *scales, unsigned c
 	size_t g0, i;
 
 	stats[0] = stats[1] = stats[2] = 0.0;
-	for (g0 = 0; g0 < n; g0 += LC_QGROUP) {
-		const size_t len = g0 + LC_QGROUP < n ? LC_QGROUP : n - g0;
+	for (g0 = 0; g0 < n; g0 += group) {
+		const size_t len = g0 + group < n ? group : n - g0;
 		const float *xg = x + g0;
 		float *rg = restored + g0;
 		unsigned char *cg = bits == 4 ? tmp : codes + g0;
@@ -113,7 +113,7 @@ CLONES int lc_qmom(const float *x, size_t n, int bits, float *scales, unsigned c
 		scale = float_of(m) / top;
 		scale = scale >= 1.17549435e-38f ? scale : 0.0f; /* below the least normal: its inverse overflows */
 		inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-		scales[g0 / LC_QGROUP] = scale;
+		scales[g0 / group] = scale;
 		for (i = 0; i < len; i++) {
 			float q = (xg[i] * inv + ROUNDER) - ROUNDER; /* |x * inv| <= 127 (1 + 2^-23) */
 			int32_t c;

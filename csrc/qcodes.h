@@ -7,13 +7,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define LC_QGROUP 2048 /* elements per scale, _qblock.GROUP */
+#define LC_QGROUP 2048 /* elements per scale at most, _qblock.GROUP */
 
 /* stats: largest |restored - x|, sum of (restored - x)^2, sum of x^2 */
 
-/* Signed moments: block-wise absmax, bits 8 (int8 codes, n bytes) or 4 (code + 7 in nibbles, low first,
- * (n + 1) / 2 bytes); scales: one float per group. */
-int lc_qmom(const float *x, size_t n, int bits, float *scales, unsigned char *codes, float *restored,
+/* Signed moments: absmax over each group of group elements (an even number, at most LC_QGROUP), bits 8 (int8
+ * codes, n bytes) or 4 (code + 7 in nibbles, low first, (n + 1) / 2 bytes); scales: one float per group. */
+int lc_qmom(const float *x, size_t n, int bits, size_t group, float *scales, unsigned char *codes, float *restored,
 	    double stats[3]);
 
 /* Second moments (non-negative): the bit pattern rounded within each group's [lo, hi] of its non-zero values,

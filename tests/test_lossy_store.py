@@ -87,11 +87,11 @@ def _check_weight(entry, saved, ref, got, steps):
 
 def _check_moment(entry, saved, got, bits):
     s, g = saved.reshape(-1).double(), got.reshape(-1).double()
-    levels = 2 ** (bits - 1) - 1
+    levels, group = 2 ** (bits - 1) - 1, 256 if bits == 4 else GROUP  # elements per scale
     for a, n, mode in _blocks(entry):
         assert mode == _encode.QMOM
-        for j in range(a, a + n, GROUP):
-            part = slice(j, min(j + GROUP, a + n))
+        for j in range(a, a + n, group):
+            part = slice(j, min(j + group, a + n))
             assert (g[part] - s[part]).abs().max() <= s[part].abs().max() / (2 * levels) * (1 + 1e-6)
 
 
@@ -281,7 +281,8 @@ def test_wide_delta_codes_go_as_zigzag_byte_planes_and_decode_bit_for_bit(monkey
     x = (ref + 1e-4 * np.cumsum(g.standard_normal((400, ref.size), dtype=np.float32), axis=0)[-1]
          + 3e-3 * g.standard_normal(ref.size, dtype=np.float32)).astype(np.float32)
     mode, data, restored, emax, _, _ = _qblock.encode("qdelta", x.view(np.uint8), ref.view(np.uint8), QUANTUM, 400, 8)
-    width, layout, _, step = _qblock.HEAD.unpack_from(data)
+    width, layout, glog, _, step = _qblock.HEAD.unpack_from(data)
+    assert glog == 0
     assert (mode, width, layout) == (_encode.QDELTA, 2, _qblock.PLANES)
     codes = np.rint((x - ref) / np.float32(step)).astype(np.int16)
     assert len(data) < _qblock.HEAD.size + len(codes_compressor().compress(codes.tobytes()))
@@ -389,3 +390,27 @@ def test_which_tensors_are_coded_with_loss():
     assert _lossy_mode("model/0.weight", f16, 1 << 20, False) == "delta"
     assert _lossy_mode("optim/0.weight/exp_avg", f32, 512, False) == "qmom"
     assert _lossy_mode("optim/0.weight/exp_avg_sq", f32, 512, False) == "qsq"
+
+
+def test_a_four_bit_moment_block_records_its_group_and_older_blocks_still_decode(monkeypatch):
+    """4-bit exp_avg blocks scale every 256 elements, said in the header (log2: 8); a block of the earlier layout
+    (0: 2,048 elements a scale) decodes as before; a group the header cannot mean is refused."""
+    from layerckpt.format import _qblock
+
+    x = _moments(np.random.default_rng(13))
+    mode, data, restored, _, _, _ = _qblock.encode("qmom", x.view(np.uint8), None, 2.0, 1, 4)
+    assert _qblock.HEAD.unpack_from(data)[2:4] == (8, -(-x.size // 256))
+    out = np.empty(x.nbytes, np.uint8)
+    _qblock.decode(mode, memoryview(data), out, "test")
+    assert np.array_equal(out, restored)
+    for glog in (5, 12, 0):
+        bad = bytearray(data)
+        bad[2] = glog
+        with pytest.raises(layerckpt.CheckpointCorruptError, match="header is malformed"):
+            _qblock.decode(mode, memoryview(bytes(bad)), out, "test")
+    monkeypatch.setattr(_qblock, "GROUP4", _qblock.GROUP)  # as blocks were written before the header said it
+    old = _qblock.encode("qmom", x.view(np.uint8), None, 2.0, 1, 4)
+    monkeypatch.undo()
+    assert _qblock.HEAD.unpack_from(old[1])[2] == 0
+    _qblock.decode(old[0], memoryview(old[1]), out, "test")
+    assert np.array_equal(out, old[2])
