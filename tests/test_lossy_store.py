@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt.format import _encode
+from layerckpt.format import _encode, _qblock
 
 QUANTUM = 2.0
 GROUP = 2048
@@ -87,9 +87,10 @@ def _check_weight(entry, saved, ref, got, steps):
 
 def _check_moment(entry, saved, got, bits):
     s, g = saved.reshape(-1).double(), got.reshape(-1).double()
-    levels, group = 2 ** (bits - 1) - 1, 256 if bits == 4 else GROUP  # elements per scale
+    levels = 2 ** (bits - 1) - 1
     for a, n, mode in _blocks(entry):
         assert mode == _encode.QMOM
+        group = _qblock.group_of(mode, bits, n)  # elements per scale
         for j in range(a, a + n, group):
             part = slice(j, min(j + group, a + n))
             assert (g[part] - s[part]).abs().max() <= s[part].abs().max() / (2 * levels) * (1 + 1e-6)
@@ -271,7 +272,7 @@ def test_a_lossy_composite_states_the_codes_price_in_its_cost(tmp_path, encoding
 def test_wide_delta_codes_go_as_zigzag_byte_planes_and_decode_bit_for_bit(monkeypatch, native):
     """A reference 400 steps old: codes of hundreds of quanta, 2 bytes wide, stored as the byte planes of their
     zigzag map, smaller than the same codes compressed as they are; native and numpy planes decode alike."""
-    from layerckpt.format import _planes, _qblock
+    from layerckpt.format import _planes
     from layerckpt.format._zstd import codes_compressor
 
     if not native:
@@ -293,7 +294,6 @@ def test_wide_delta_codes_go_as_zigzag_byte_planes_and_decode_bit_for_bit(monkey
 
 
 def _numpy_and_native(monkeypatch, fn):
-    from layerckpt.format import _qblock
 
     if _qblock._NATIVE is None:
         pytest.skip("native module layerckpt.io._uring (with the bounded-loss codes) not built")
@@ -318,7 +318,6 @@ def _moments(g):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_native_and_numpy_moment_codes_agree_bit_for_bit(monkeypatch, bits):
-    from layerckpt.format import _qblock
 
     g = np.random.default_rng(11)
     for code, x in (("qmom", _moments(g)), ("qsq", np.abs(_moments(g)) ** 2)):
@@ -342,7 +341,6 @@ def test_native_delta_codes_are_numpys_and_decode_to_what_they_checksum(monkeypa
     """The native kernel's codes, for one quantum, are rint((x - r) / step) and restore r + step * code as the
     decoder does (a reference's -0.0 included); codes of 2^22 quanta and more take its exact path; 2^24 and
     more, or NaN, do not fit."""
-    from layerckpt.format import _qblock
 
     if _qblock._NATIVE is None:
         pytest.skip("native module layerckpt.io._uring (with the bounded-loss codes) not built")
@@ -393,10 +391,11 @@ def test_which_tensors_are_coded_with_loss():
 
 
 def test_a_four_bit_moment_block_records_its_group_and_older_blocks_still_decode(monkeypatch):
-    """4-bit exp_avg blocks scale every 256 elements, said in the header (log2: 8); a block of the earlier layout
-    (0: 2,048 elements a scale) decodes as before; a group the header cannot mean is refused."""
-    from layerckpt.format import _qblock
-
+    """4-bit exp_avg blocks scale every 32nd of the block, 256 elements at least, said in the header (log2: 8); a
+    block of the earlier layout (0: 2,048 elements a scale) decodes as before; a group the header cannot mean is
+    refused."""
+    assert [_qblock.group_of(_encode.QMOM, 4, n) for n in (1000, 3072, 16384, 1 << 18)] == [256, 256, 512, 2048]
+    assert _qblock.group_of(_encode.QMOM, 8, 1000) == _qblock.group_of(_encode.QSQ, 4, 1000) == 2048
     x = _moments(np.random.default_rng(13))
     mode, data, restored, _, _, _ = _qblock.encode("qmom", x.view(np.uint8), None, 2.0, 1, 4)
     assert _qblock.HEAD.unpack_from(data)[2:4] == (8, -(-x.size // 256))
