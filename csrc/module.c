@@ -781,7 +781,100 @@ static PyObject *py_qdelta(PyObject *self, PyObject *args)
 	return Py_BuildValue("(ddd)", top, st[0], st[1]);
 }
 
+/* ---- the drift sample's gather (layerckpt.select._track) ---- */
+
+PyDoc_STRVAR(gather_runs_doc,
+"gather_runs(dst, runs) -> None\n--\n\n"
+"Copy the drift sample's fp32 elements into dst, in order: for each (addr, start, stride, count, run, div) of\n"
+"runs, count runs of run elements, the i-th at addr + 4 * (start + i * stride), each element divided by div\n"
+"(copied as is where div is 1); addr 0: count * run zeros.  The addresses are the caller's live, contiguous\n"
+"fp32 tensors, whose bounds it checked: nothing here can.");
+
+/* out[j] = src[j] / d: a true division, as torch's (no reciprocal), in lanes of 16 (a run of the drift sample). */
+static void div_run(float *restrict out, const float *restrict src, size_t n, float d)
+{
+	size_t j, k;
+
+	for (j = 0; j + 16 <= n; j += 16)
+		for (k = 0; k < 16; k++)
+			out[j + k] = src[j + k] / d;
+	for (; j < n; j++)
+		out[j] = src[j] / d;
+}
+
+static PyObject *py_gather_runs(PyObject *self, PyObject *args)
+{
+	Py_buffer dst;
+	PyObject *runs, *seq = NULL;
+	Py_ssize_t i, k, n, at = 0, need = 0;
+	struct gspec { uintptr_t addr; Py_ssize_t start, stride, count, run; float div; } *spec = NULL;
+
+	if (!PyArg_ParseTuple(args, "w*O:gather_runs", &dst, &runs))
+		return NULL;
+	seq = PySequence_Fast(runs, "runs must be a sequence");
+	if (seq == NULL || check_floats(&dst, "dst", -1) < 0)
+		goto fail;
+	n = PySequence_Fast_GET_SIZE(seq);
+	spec = PyMem_Calloc((size_t)(n ? n : 1), sizeof(*spec));
+	if (spec == NULL) {
+		PyErr_NoMemory();
+		goto fail;
+	}
+	for (i = 0; i < n; i++) {
+		unsigned long long addr;
+		double div;
+		struct gspec *g = &spec[i];
+
+		if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Knnnnd:gather_runs", &addr, &g->start,
+				      &g->stride, &g->count, &g->run, &div))
+			goto fail;
+		if (g->start < 0 || g->count < 0 || g->run < 0 || (g->count > 1 && g->stride < g->run)) {
+			PyErr_Format(PyExc_ValueError, "gather_runs: run %zd: start %zd, stride %zd, count %zd, run %zd",
+				     i, g->start, g->stride, g->count, g->run);
+			goto fail;
+		}
+		g->addr = (uintptr_t)addr;
+		g->div = (float)div;
+		need += g->count * g->run;
+	}
+	if (need * 4 != dst.len) {
+		PyErr_Format(PyExc_ValueError, "gather_runs: dst has %zd bytes, the runs %zd", dst.len, need * 4);
+		goto fail;
+	}
+	Py_BEGIN_ALLOW_THREADS
+	for (i = 0; i < n; i++) {
+		const struct gspec *g = &spec[i];
+		float *out = (float *)dst.buf + at;
+		size_t len = (size_t)g->run * sizeof(float);
+
+		at += g->count * g->run;
+		if (g->addr == 0) {
+			memset(out, 0, len * (size_t)g->count);
+			continue;
+		}
+		for (k = 0; k < g->count; k++, out += g->run) {
+			const float *src = (const float *)g->addr + g->start + k * g->stride;
+
+			if (g->div == 1.0f)
+				memcpy(out, src, len);
+			else
+				div_run(out, src, (size_t)g->run, g->div);
+		}
+	}
+	Py_END_ALLOW_THREADS
+	PyMem_Free(spec);
+	Py_DECREF(seq);
+	PyBuffer_Release(&dst);
+	Py_RETURN_NONE;
+fail:
+	PyMem_Free(spec);
+	Py_XDECREF(seq);
+	PyBuffer_Release(&dst);
+	return NULL;
+}
+
 static PyMethodDef module_methods[] = {
+	{"gather_runs", py_gather_runs, METH_VARARGS, gather_runs_doc},
 	{"planes", py_planes, METH_VARARGS, planes_doc},
 	{"unplanes", py_unplanes, METH_VARARGS, unplanes_doc},
 	{"qmom", py_qmom, METH_VARARGS, qcodes_doc},

@@ -3,7 +3,6 @@ written whenever it changed, and restore holds every composite to the caller's s
 import json
 import os
 import re
-import zlib
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from layerckpt import _faults
 from layerckpt.select._exact import CHUNK, PARALLEL_BYTES, fingerprint, fingerprints
 from layerckpt.format._manifest import load_manifest
 from layerckpt.errors import StalenessError
+from layerckpt.select._track import sample_plan, sampled_positions
 
 
 def manifests(d):
@@ -37,14 +37,19 @@ class Table(torch.nn.Module):
         return (self.head(self.emb(ids)) - 1.0).square().mean()
 
 
+def unsampled(name: str, n: int, total: int):
+    """The flat indices of the tensor ``name`` (``n`` fp32 elements in a layer of ``total``) that the drift
+    sample does not look at, by the sample's own plan (see _track)."""
+    seen = set(sampled_positions(sample_plan(name, n, 4, layerckpt.Config().drift_sample, total), n))
+    return [i for i in range(n) if i not in seen]
+
+
 def unsampled_rows(count: int):
-    """Rows of the table none of whose elements the drift sample looks at (the sample's plan: a fixed stride over
-    the table, from an offset hashed from its name, see _track)."""
-    n = N * DIM
-    stride = n // min(layerckpt.Config().drift_sample, n)
-    start = zlib.crc32(b"emb.weight") % stride
-    rows = [r for r in range(N) if all((r * DIM + i) % stride != start for i in range(DIM))]
-    assert len(rows) > count and stride > DIM  # the case exists: whole rows fall between sampled elements
+    """Rows of the table none of whose elements the drift sample looks at (runs of a cache line, a fixed
+    stride apart, from an offset hashed from the table's name)."""
+    hidden = set(unsampled("emb.weight", N * DIM, N * DIM))
+    rows = [r for r in range(N) if all(r * DIM + i in hidden for i in range(DIM))]
+    assert len(rows) > count  # the case exists: whole rows fall between sampled runs
     return rows[:count]
 
 
@@ -133,9 +138,7 @@ def test_unpriced_state_is_written_whenever_it_changed_and_only_then(tmp_path):
     opt = torch.optim.SGD([{"params": model.a.parameters(), "momentum": 0.9},
                            {"params": model.plain.parameters(), "momentum": 0.0}], lr=1e-3)
     # an element of side.weight the drift sample does not look at
-    n, total = W * W, W * W + W  # the sample's plan for side.weight (see _track)
-    stride = n // (layerckpt.Config().drift_sample * n // total)
-    hidden = next(i for i in range(W * W) if i % stride != zlib.crc32(b"side.weight") % stride)
+    hidden = unsampled("side.weight", W * W, W * W + W)[0]
     d = str(tmp_path)
     with layerckpt.Checkpointer(d, model, opt, layerckpt.Config(keep_last=0)) as ck:
         for step in range(1, 7):
@@ -227,9 +230,7 @@ def test_a_frozen_layer_changed_between_the_sampled_elements_is_written(tmp_path
     model = torch.nn.Sequential(torch.nn.Linear(W, W), torch.nn.Linear(W, 1))
     model[0].requires_grad_(False)
     opt = torch.optim.Adam(model[1].parameters(), lr=1e-3)
-    n, total = W * W, W * W + W  # the sample's plan for 0.weight (see _track)
-    stride = n // (layerckpt.Config().drift_sample * n // total)
-    hidden = next(i for i in range(n) if i % stride != zlib.crc32(b"0.weight") % stride)
+    hidden = unsampled("0.weight", W * W, W * W + W)[0]
     d = str(tmp_path)
     with layerckpt.Checkpointer(d, model, opt, layerckpt.Config(keep_last=0)) as ck:
         for step in range(1, 5):

@@ -11,7 +11,7 @@ from layerckpt.format._codec import decode, encode, tensor_refs
 from layerckpt.select._layers import group_layers
 from layerckpt.format._layout import plan_layout
 from layerckpt.format._manifest import Manifest, param_of
-from layerckpt.select._track import DriftTracker
+from layerckpt.select._track import DriftTracker, sample_plan, sampled_positions
 
 
 # ------------------------------------------------------------------ policy
@@ -84,14 +84,57 @@ def test_tracker_cost_is_first_order_progress_and_resets_on_commit():
     assert m["L"].cost == 0.0 and m["L"].drift == 0.0
 
 
-def test_tracker_samples_a_bounded_fixed_subset_and_scales_it_up():
+def test_tracker_samples_a_bounded_fixed_subset_in_cache_line_runs_and_scales_it_up():
     tr = DriftTracker(sample_per_layer=100)
     big = torch.randn(10_000)
     s = tr.sample({"big": big}, {"big": torch.ones(10_000)})
     views = s.w
-    assert views[0].numel() == 100 and views[0].data_ptr() >= big.data_ptr()  # a view, no copy
+    # 6 runs of 16 float32 (a 64-byte line each), spread over the tensor: 96 of the 100 elements allowed
+    assert views[0].shape == (6, 16) and views[0].data_ptr() >= big.data_ptr()  # a view, no copy
+    where = sampled_positions(sample_plan("big", 10_000, 4, 100, 10_000), 10_000)
+    assert len(set(where)) == 96 and max(where) < 10_000 and max(where) - min(where) > 8_000
+    assert torch.equal(views[0].reshape(-1), big[torch.tensor(where)])
     assert torch.equal(tr.sample({"big": big}, {}).w[0], views[0])  # the same elements every time
-    assert s.scale == [100.0] and s.g[0].numel() == 100
+    assert s.scale == [10_000 / 96] and s.g[0].numel() == 96
+    # bf16 runs are 32 elements long (the same 64 bytes); a tensor the budget covers is read whole
+    assert sample_plan("big", 10_000, 2, 100, 10_000)[2:] == (3, 32)
+    assert sample_plan("small", 40, 4, 100, 40) is None and sample_plan("small", 40, 4, 100, 10_000) == (4, 40, 1, 16)
+    snap = tr.measure({"L": s})[1]["L"][0]
+    assert snap[0].shape == (96,) and torch.equal(snap[0], views[0].reshape(-1))  # snapshots are flat copies
+
+
+def test_the_native_gather_of_the_samples_is_the_views_bit_for_bit():
+    """The tracker copies every layer's samples in one native pass (``gather_runs``): the same floats as the
+    views it stands for, gradient averages divided as torch divides (no reciprocal), zeros where a tensor has
+    no gradient average; and refused where the runs do not fill the buffer."""
+    from layerckpt.select import _track
+
+    if _track._NATIVE is None:
+        pytest.skip("the native extension is not built")
+    torch.manual_seed(0)
+    tr = DriftTracker(sample_per_layer=500)
+    w = {"a": torch.randn(3000, 7), "b": torch.randn(8), "c": torch.randn(50, 90).t()}  # c: not contiguous
+    g = {"a": torch.randn(3000, 7) * 1e-3, "c": torch.randn(50, 90).t()}
+    s = tr.sample(w, g)
+    s.gdiv = [0.1 ** 0.5, 1.0, 0.271]
+    assert s.parts[0][1] is not None and s.parts[1][1] is None and s.gparts[1] is None  # b: read whole, no g
+    assert s.parts[2][0].is_contiguous() and s.parts[2][1] is not None
+    flat = _track._Flat.of({"L": s})
+    native = _track._NATIVE
+    try:
+        _track._NATIVE = None  # the torch path: a copy per view
+        ref = _track._Flat.of({"L": s})
+    finally:
+        _track._NATIVE = native
+    assert torch.equal(flat.w, ref.w) and torch.equal(flat.g, ref.g)
+    assert torch.equal(flat.w, torch.cat([v.reshape(-1) for v in s.w]))
+    want_g = torch.cat([(_track._view(*s.gparts[0]) / s.gdiv[0]).reshape(-1), torch.zeros(8),
+                        (_track._view(*s.gparts[2]) / s.gdiv[2]).reshape(-1)])
+    assert torch.equal(flat.g, want_g)
+    with pytest.raises(ValueError, match="dst has 400 bytes, the runs 396"):
+        native.gather_runs(torch.empty(100).numpy(), [(w["b"].data_ptr(), 0, 99, 1, 99, 1.0)])
+    with pytest.raises(ValueError, match="stride 3, count 2, run 4"):
+        native.gather_runs(torch.empty(8).numpy(), [(w["b"].data_ptr(), 0, 3, 2, 4, 1.0)])
 
 
 # ------------------------------------------------------------------ layers

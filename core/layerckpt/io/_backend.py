@@ -32,6 +32,11 @@ def native_planes():
     return _uring if hasattr(_uring, "planes") else None
 
 
+def native_gather():
+    """The native module where it was built with ``gather_runs`` (the drift sample's gather), else None."""
+    return _uring if hasattr(_uring, "gather_runs") else None
+
+
 def native_codes():
     """The native module where it was built with the bounded-loss code kernels (``qmom``, ``qsq``, ``qdelta``),
     else None (``format._qblock`` then runs its numpy encoders, which give the same codes)."""

@@ -44,3 +44,7 @@ def planes(raw: Buffer, ref: Any, out: Buffer, esize: int, /) -> bool:
     """Byte planes of raw's elements (or, with ref, of the zigzag-mapped difference raw - ref) into out; whether any byte is nonzero."""
 def unplanes(planes: Buffer, out: Buffer, esize: int, add: bool, /) -> None:
     """The inverse of planes(); with add, out holds the reference and the delta is added to it."""
+
+def gather_runs(dst: Buffer, runs: Any, /) -> None:
+    """The drift sample: for each (addr, start, stride, count, run, div), count runs of run fp32 elements, the i-th at
+    addr + 4 * (start + i * stride), divided by div, copied into dst in order (addr 0: zeros)."""

@@ -403,9 +403,9 @@ class Selector:
         ``1 - beta1^step`` (``grad_bias``), which a fresh optimizer's first steps leave up to ``1/(1 - beta1)``
         short, and every cost priced with it."""
         s = self.tracker.sample(weights, grads)
-        if s.g is not None and self.grad_bias:
+        if s.gparts is not None and self.grad_bias:
             bias = [self.grad_bias.get(n.split("#", 1)[0], 1.0) for n in weights]
-            s.g = [v / b if b != 1.0 else v for v, b in zip(s.g, bias)]
+            s.gdiv = bias if any(b != 1.0 for b in bias) else None
         return s
 
     def _measure(self, weights, grads):

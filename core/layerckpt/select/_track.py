@@ -40,17 +40,55 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..io._backend import native_gather
+
+_NATIVE = native_gather()
+
 Views = List[torch.Tensor]
 Snap = Tuple[Views, Optional[Views], Optional[float]]  # (w, g, signed cost so far) taken at one save
 
 
-@dataclass
+Part = Tuple[torch.Tensor, Optional[Tuple[int, int, int, int]]]  # a contiguous tensor and its sample_plan
+
+
 class LayerSample:
-    """One layer's sampled elements now: weights, the optimizer's gradient average (or None), and each
-    tensor's ratio of elements to samples."""
-    w: Views
-    g: Optional[Views]
-    scale: List[float]
+    """One layer's sampled elements now: each tensor and its :func:`sample_plan` (``parts``), the same of the
+    optimizer's gradient averages (``gparts``: None where it keeps none; per tensor, None where that tensor has
+    none: zeros), each gradient average's divisor (``gdiv``: the unbiasing of Adam's first steps, or None), and
+    each tensor's ratio of elements to samples.  ``w`` and ``g`` are the samples as views (no copy; ``g``
+    divided); the tracker copies them all at once from ``parts`` instead where it can (:class:`_Flat`)."""
+
+    __slots__ = ("parts", "gparts", "gdiv", "scale")
+
+    def __init__(self, parts: List[Part], gparts: Optional[List[Optional[Part]]], scale: List[float]):
+        self.parts, self.gparts, self.scale = parts, gparts, scale
+        self.gdiv: Optional[List[float]] = None
+
+    @property
+    def w(self) -> Views:
+        return [_view(t, p) for t, p in self.parts]
+
+    @property
+    def g(self) -> Optional[Views]:
+        if self.gparts is None:
+            return None
+        out = [_view(*gp) if gp is not None else torch.zeros(_count(t, p), dtype=torch.float32, device=t.device)
+               for gp, (t, p) in zip(self.gparts, self.parts)]
+        if self.gdiv:
+            out = [v / b if b != 1.0 else v for v, b in zip(out, self.gdiv)]
+        return out
+
+
+def _count(t: torch.Tensor, p: Optional[Tuple[int, int, int, int]]) -> int:
+    return t.numel() if p is None else p[2] * p[3]
+
+
+def _view(t: torch.Tensor, p: Optional[Tuple[int, int, int, int]]) -> torch.Tensor:
+    """The sampled elements of the contiguous ``t`` as one view: a run of elements every stride-th from start."""
+    if p is None:
+        return t.reshape(-1)
+    start, stride, count, run = p
+    return t.as_strided((count, run), (stride, 1), t.storage_offset() + start)
 
 
 @dataclass
@@ -74,11 +112,40 @@ def combine(parts: List[Optional[Tuple[float, float, float, float]]]) -> Measure
     return Measure(drift=drift, progress=abs(step), cost=abs(cost), parts=(sq, ref, cost, step))
 
 
+#: bytes of one run of contiguous sampled elements: a cache line, which the sample reads whole anyway
+RUN_BYTES = 64
+
+
+def sample_plan(name: str, n: int, itemsize: int, per_layer: int, total: int) -> Optional[Tuple[int, int, int, int]]:
+    """Which elements of a tensor (``n`` elements of ``itemsize`` bytes, in a layer of ``total`` elements) the
+    drift sample reads: ``(start, stride, count, run)``, ``count`` runs of ``run`` contiguous elements, each
+    ``stride`` elements after the one before, from ``start``; None: every element.  Its share of the layer's
+    ``per_layer`` sampled elements, in runs of a cache line (a run costs the memory traffic of one sampled
+    element, so the same number of elements costs a fraction of the strided single ones).  The same for
+    every save (``start`` hashed from the name), so every checkpoint compares the same elements."""
+    budget = 0 if per_layer <= 0 else max(1, per_layer * n // max(total, 1))
+    run = max(1, RUN_BYTES // max(itemsize, 1))
+    if budget <= 0 or n <= max(budget, 2 * run):
+        return None
+    count = max(1, budget // run)
+    stride = n // count  # >= run: count * run <= budget < n
+    start = zlib.crc32(name.encode()) % (stride - run + 1)
+    return start, stride, count, run
+
+
+def sampled_positions(plan: Optional[Tuple[int, int, int, int]], n: int) -> List[int]:
+    """The flat indices a :func:`sample_plan` reads, in order."""
+    if plan is None:
+        return list(range(n))
+    start, stride, count, run = plan
+    return [start + i * stride + j for i in range(count) for j in range(run)]
+
+
 class DriftTracker:
     def __init__(self, sample_per_layer: int):
         self.sample_per_layer = sample_per_layer
-        #: (name, numel) -> (start, stride, count) of its sample, None: every element
-        self._plan: Dict[Tuple[str, int], Optional[Tuple[int, int, int]]] = {}
+        #: (name, numel, itemsize) -> its :func:`sample_plan`
+        self._plan: Dict[Tuple[str, int, int], Optional[Tuple[int, int, int, int]]] = {}
         self._ref: Dict[str, Tuple[Views, float]] = {}  # layer -> (float32 samples persisted, squared norm)
         self._prev: Dict[str, Tuple[Views, Optional[Views]]] = {}  # layer -> (w, g) float32 at the last save
         self._cost: Dict[str, float] = {}  # layer -> signed cost accumulated up to the last save
@@ -92,46 +159,36 @@ class DriftTracker:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
         return sum(storages.values())
 
-    def _sampled(self, name: str, t: torch.Tensor, total: int) -> torch.Tensor:
+    def _part(self, name: str, t: torch.Tensor, total: int) -> Part:
         n = t.numel()
-        key = (name, n)
+        key = (name, n, t.element_size())
         p = self._plan.get(key, False)
         if p is False:
-            budget = 0 if self.sample_per_layer <= 0 else max(1, self.sample_per_layer * n // max(total, 1))
-            if budget <= 0 or n <= budget:
-                p = None
-            else:  # fixed per tensor name, so every checkpoint compares the same elements
-                stride = n // budget
-                start = zlib.crc32(name.encode()) % stride
-                p = (start, stride, (n - start + stride - 1) // stride)
-            self._plan[key] = p
+            p = self._plan[key] = sample_plan(name, n, t.element_size(), self.sample_per_layer, total)
         if t.requires_grad:
             t = t.detach()
-        if p is None:
-            return t.reshape(-1)
-        if t.is_contiguous():  # one view: every stride-th element from start
-            return t.as_strided((p[2],), (p[1],), t.storage_offset() + p[0])
-        return t.reshape(-1)[p[0]::p[1]]
+        if not t.is_contiguous():
+            t = t.reshape(-1)
+        return t, p
 
     def sample(self, weights: Dict[str, torch.Tensor], grads: Dict[str, torch.Tensor]) -> LayerSample:
-        """The sampled elements of a layer's weights, as strided views (no copy), and, at the same elements,
-        of their gradient averages (None where the optimizer keeps none)."""
+        """Which elements of a layer's weights are sampled, and, at the same elements, of their gradient
+        averages (None where the optimizer keeps none); nothing is copied yet."""
         total = sum(t.numel() for t in weights.values())
-        w = [self._sampled(n, t, total) for n, t in weights.items()]
-        scale = [t.numel() / max(v.numel(), 1) for t, v in zip(weights.values(), w)]
-        g: Optional[Views] = None
+        parts = [self._part(n, t, total) for n, t in weights.items()]
+        scale = [t.numel() / max(_count(t, p), 1) for t, p in parts]
+        gparts: Optional[List[Optional[Part]]] = None
         if grads:
-            g = []
+            gparts = []
             for n, t in weights.items():
                 gt = grads.get(n)
-                g.append(self._sampled(n, gt, total) if gt is not None and gt.shape == t.shape
-                         else torch.zeros_like(w[len(g)], dtype=torch.float32))
-        return LayerSample(w=w, g=g, scale=scale)
+                gparts.append(self._part(n, gt, total) if gt is not None and gt.shape == t.shape else None)
+        return LayerSample(parts, gparts, scale)
 
     @staticmethod
     def snapshot(views: Views) -> Views:
         """Copies of sampled values (float32), to keep once the save that took them is planned."""
-        return [v.to(dtype=torch.float32, copy=True) for v in views]
+        return [v.to(dtype=torch.float32, copy=True).reshape(-1) for v in views]
 
     def drifts(self, now: Dict[str, Views]) -> Tuple[Dict[str, float], Dict[str, float], Dict[str, List[bool]]]:
         """Relative drift of every layer against its reference (inf where there is none, or it changed
@@ -173,7 +230,7 @@ class DriftTracker:
         layer's progress comes from a few operations over all of them at once.  The sampled elements are read
         from the tensors once, by that copy: the drifts are measured on the snapshots (strided reads of a large
         model's samples cost a cache line each, the contiguous copies a fraction of it)."""
-        use_grad = any(s.g is not None for s in now.values())
+        use_grad = any(s.gparts is not None for s in now.values())
         out: Dict[str, Measure] = {}
         flat = _Flat.of(now)
         snaps = Snaps()
@@ -252,34 +309,44 @@ class _Flat:
 
     @classmethod
     def of(cls, now: Dict[str, LayerSample]) -> "Optional[_Flat]":
-        views = [v for s in now.values() for v in s.w]
-        if not views or len({v.device for v in views}) != 1:
+        parts = [tp for s in now.values() for tp in s.parts]
+        gparts = [gp for s in now.values() for gp in (s.gparts if s.gparts is not None else [None] * len(s.parts))]
+        if not parts or len({t.device for t, _ in parts} | {gp[0].device for gp in gparts if gp is not None}) != 1:
             return None
         self = cls()
-        self.sig = tuple((layer, tuple(v.numel() for v in s.w), s.g is not None) for layer, s in now.items())
-        self.lens = [v.numel() for v in views]
-        self.owner = [i for i, s in enumerate(now.values()) for _ in s.w]
+        self.sig = tuple((layer, tuple(_count(*tp) for tp in s.parts), s.gparts is not None)
+                         for layer, s in now.items())
+        self.lens = [_count(*tp) for tp in parts]
+        self.owner = [i for i, s in enumerate(now.values()) for _ in s.parts]
         self.at, i = {}, 0  # layer -> index of its first tensor
         for layer, s in now.items():
             self.at[layer] = i
-            i += len(s.w)
-        self.w = torch.cat([_flat32(v) for v in views])
+            i += len(s.parts)
+        self.g = self._gviews = None
+        use_grad = any(s.gparts is not None for s in now.values())
+        divs = [d for s in now.values() for d in (s.gdiv or [1.0] * len(s.parts))]
+        if _NATIVE is not None and parts[0][0].device.type == "cpu" and all(
+                t.dtype == torch.float32 for t, _ in parts) and all(
+                gp[0].dtype == torch.float32 for gp in gparts if gp is not None):
+            # one native pass over every sampled run, the gradient averages divided on the way
+            self.w = _native_gather(parts, [1.0] * len(parts), self.lens)
+            if use_grad:
+                self.g = _native_gather(gparts, divs, self.lens)
+        else:
+            self.w = _gather32([_view(*tp) for tp in parts], self.lens)
+            if use_grad:
+                gs = [g for s in now.values() for g in (s.g if s.g is not None else [
+                    torch.zeros(_count(*tp), dtype=torch.float32, device=tp[0].device) for tp in s.parts])]
+                self.g = _gather32(gs, self.lens)
         self._views = list(self.w.split(self.lens)) if self.lens else []
-        self.g = None
-        self._gviews = None
-        if any(s.g is not None for s in now.values()):
-            gs = [_flat32(g) for s in now.values() for g in (s.g if s.g is not None else [
-                torch.zeros_like(v, dtype=torch.float32) for v in s.w])]
-            if len({g.device for g in gs}) != 1 or gs[0].device != self.w.device:
-                return None
-            self.g = torch.cat(gs)
+        if self.g is not None:
             self._gviews = list(self.g.split(self.lens))
         return self
 
     def views(self, layer: str, s: LayerSample) -> Tuple[Views, Optional[Views]]:
         """A layer's snapshots: views of the buffers, in its tensors' order."""
-        at, n = self.at[layer], len(s.w)
-        return self._views[at:at + n], (self._gviews[at:at + n] if s.g is not None else None)
+        at, n = self.at[layer], len(s.parts)
+        return self._views[at:at + n], (self._gviews[at:at + n] if s.gparts is not None else None)
 
 
 def _steps(prev: Optional[_Flat], now: Optional[_Flat], samples: Dict[str, LayerSample]) -> Optional[Dict[str, float]]:
@@ -298,9 +365,29 @@ def _steps(prev: Optional[_Flat], now: Optional[_Flat], samples: Dict[str, Layer
     return out
 
 
-def _flat32(v: torch.Tensor) -> torch.Tensor:
-    v = v if v.dim() == 1 else v.reshape(-1)
-    return v if v.dtype == torch.float32 else v.float()
+def _native_gather(parts: List[Optional[Part]], divs: List[float], lens: List[int]) -> torch.Tensor:
+    """:func:`_gather32` of contiguous fp32 CPU tensors in one native call (None parts: zeros)."""
+    out = torch.empty(sum(lens), dtype=torch.float32)
+    runs = []
+    for tp, d, n in zip(parts, divs, lens):
+        if tp is None:
+            runs.append((0, 0, n, 1, n, 1.0))
+            continue
+        t, p = tp
+        runs.append((t.data_ptr(), 0, n, 1, n, d) if p is None else (t.data_ptr(), p[0], p[1], p[2], p[3], d))
+    if runs:
+        _NATIVE.gather_runs(out.numpy(), runs)
+    return out
+
+
+def _gather32(views: Views, lens: List[int]) -> torch.Tensor:
+    """The sampled elements of ``views`` (each ``lens[i]`` of them), copied into one float32 buffer in one pass."""
+    out = torch.empty(sum(lens), dtype=torch.float32, device=views[0].device)
+    at = 0
+    for v, n in zip(views, lens):
+        out[at:at + n].view(v.shape).copy_(v)
+        at += n
+    return out
 
 
 def _own(refs: Views) -> Views:
