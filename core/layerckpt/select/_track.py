@@ -20,10 +20,13 @@ across layers, which is all the policy compares.  Where some layers have one and
 others not, the others' moves are priced at 0: ``_plan`` writes such state
 whenever it changed instead of trusting that price.
 
-Large tensors are estimated on a fixed strided sample (``Config.drift_sample``
-elements per layer, spread over the layer's tensors by size, the same elements
-every save), scaled up by each tensor's sampling ratio, so memory and time stay
-bounded however big the model is.
+Large tensors are estimated on a fixed sample (``Config.drift_sample`` elements
+per layer, spread over the layer's tensors by size, the same elements every save,
+in runs of a cache line a fixed stride apart: :func:`sample_plan`), scaled up by
+each tensor's sampling ratio, so memory and time stay bounded however big the
+model is.  Read cold after a training step, a sampled cache line costs the same
+whether one element of it is used or sixteen; runs cut the lines a sample reads
+sixteenfold, and one native pass copies every layer's runs (``gather_runs``).
 
 References move at *plan*, not at commit: when a save that persists a layer is
 planned, :meth:`DriftTracker.commit` makes that save's samples the layer's
