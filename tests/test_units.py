@@ -137,6 +137,50 @@ def test_the_native_gather_of_the_samples_is_the_views_bit_for_bit():
         native.gather_runs(torch.empty(8).numpy(), [(w["b"].data_ptr(), 0, 3, 2, 4, 1.0)])
 
 
+def test_the_native_sums_of_the_tracker_agree_with_torch_and_see_the_smallest_move():
+    """Squared distances, squared norms and first-order steps, summed natively in double (``segsums``): as torch
+    computes them, to float rounding; a tensor that moved by one subnormal step still counts as moved."""
+    from layerckpt.select import _track
+
+    if _track._NATIVE is None:
+        pytest.skip("the native extension is not built")
+    torch.manual_seed(0)
+    a = [torch.randn(n) for n in (1, 7, 4096, 10_001)]
+    b = [x + torch.randn_like(x) * 1e-3 for x in a]
+    native = _track._squares(a, b)
+    saved = _track._NATIVE
+    try:
+        _track._NATIVE = None
+        assert native == pytest.approx(_track._squares(a, b), rel=1e-5)
+        assert _track._squares(a, None) == pytest.approx([float(x.double().square().sum()) for x in a], rel=1e-5)
+    finally:
+        _track._NATIVE = saved
+    assert _track._squares(a, None) == pytest.approx([float(x.double().square().sum()) for x in a], rel=1e-12)
+    tiny = a[3].clone()
+    tiny[5000] = torch.nextafter(tiny[5000], torch.tensor(math.inf))  # one ulp at one element
+    sub = torch.zeros(33)
+    sub2 = sub.clone()
+    sub2[32] = torch.finfo(torch.float32).smallest_normal / 2 ** 20  # a subnormal: its square underflows fp32
+    one_ulp, subnormal, same = _track._squares([tiny, sub2, a[2]], [a[3], sub, a[2].clone()])
+    assert one_ulp > 0.0 and subnormal > 0.0 and same == 0.0
+    # the steps over a flat arrangement: native against the torch path
+    tr = DriftTracker(sample_per_layer=64)
+    w = {"x": torch.randn(1000), "y": torch.randn(30)}
+    g = {"x": torch.randn(1000), "y": torch.randn(30)}
+    s1 = tr.sample(w, g)
+    f1 = _track._Flat.of({"L": s1})
+    w2 = {k: v + 0.01 * torch.randn_like(v) for k, v in w.items()}
+    s2 = tr.sample(w2, {k: v * 0.9 for k, v in g.items()})
+    f2 = _track._Flat.of({"L": s2})
+    fast = _track._steps(f1, f2, {"L": s2})
+    try:
+        _track._NATIVE = None
+        slow = _track._steps(f1, f2, {"L": s2})
+    finally:
+        _track._NATIVE = saved
+    assert fast["L"] == pytest.approx(slow["L"], rel=1e-5) and fast["L"] != 0.0
+
+
 # ------------------------------------------------------------------ layers
 
 def test_layer_grouping_blocks_and_named_modules():

@@ -33,8 +33,9 @@ def native_planes():
 
 
 def native_gather():
-    """The native module where it was built with ``gather_runs`` (the drift sample's gather), else None."""
-    return _uring if hasattr(_uring, "gather_runs") else None
+    """The native module where it was built with the drift sample's kernels (``gather_runs``, ``segsums``), else
+    None (``select._track`` then runs them in torch)."""
+    return _uring if hasattr(_uring, "gather_runs") and hasattr(_uring, "segsums") else None
 
 
 def native_codes():

@@ -48,3 +48,7 @@ def unplanes(planes: Buffer, out: Buffer, esize: int, add: bool, /) -> None:
 def gather_runs(dst: Buffer, runs: Any, /) -> None:
     """The drift sample: for each (addr, start, stride, count, run, div), count runs of run fp32 elements, the i-th at
     addr + 4 * (start + i * stride), divided by div, copied into dst in order (addr 0: zeros)."""
+
+def segsums(specs: Any, /) -> List[float]:
+    """Per (a, b, g1, g2, n), summed in double over n fp32 elements: sum((a - b)^2) where g1 is 0 (b 0: sum(a^2)),
+    else sum((g1 + g2) / 2 * (a - b))."""

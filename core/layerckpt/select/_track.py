@@ -45,7 +45,7 @@ import torch
 
 from ..io._backend import native_gather
 
-_NATIVE = native_gather()
+_NATIVE = native_gather()  # gather_runs and segsums, or None
 
 Views = List[torch.Tensor]
 Snap = Tuple[Views, Optional[Views], Optional[float]]  # (w, g, signed cost so far) taken at one save
@@ -212,10 +212,9 @@ class DriftTracker:
                 b.append(r if r.device == v.device else r.to(v.device))
         sq: Dict[str, float] = {}
         for names, a, b in pairs.values():
-            norms = torch.stack(torch._foreach_norm(torch._foreach_sub(a, b))).double().cpu().tolist()
-            for (layer, i), nv in zip(names, norms):
-                sq[layer] = sq.get(layer, 0.0) + nv * nv
-                moved[layer][i] = nv != 0.0
+            for (layer, i), d in zip(names, _squares(a, b)):
+                sq[layer] = sq.get(layer, 0.0) + d
+                moved[layer][i] = d != 0.0
         for layer, s in sq.items():
             out[layer] = math.sqrt(s / self._ref[layer][1])
         for layer, vs in now.items():  # a zero reference: no drift while it stays zero
@@ -283,9 +282,9 @@ class DriftTracker:
         for layer, refs in samples.items():
             owned[layer] = every[at:at + len(refs)]
             at += len(refs)
-        norms = iter(torch.stack(torch._foreach_norm(every)).double().cpu().tolist() if every else [])
+        squares = iter(_squares(every, None))
         for layer, refs in owned.items():
-            self._ref[layer] = (refs, float(sum(next(norms) ** 2 for _ in refs)))
+            self._ref[layer] = (refs, float(sum(next(squares) for _ in refs)))
             self._cost[layer] = 0.0
 
 
@@ -358,8 +357,16 @@ def _steps(prev: Optional[_Flat], now: Optional[_Flat], samples: Dict[str, Layer
     save's snapshots are in the same arrangement (then each layer is measured on its own)."""
     if prev is None or now is None or prev.sig != now.sig or now.g is None or prev.g is None:
         return None
-    prod = (now.g + prev.g).mul_(0.5).mul_(now.w - prev.w)
-    dots = torch.segment_reduce(prod, "sum", lengths=torch.tensor(now.lens, device=prod.device)).double().cpu().tolist()
+    if _NATIVE is not None and all(_plain(t) for t in (now.w, prev.w, now.g, prev.g)):
+        specs, at = [], 0
+        for n in now.lens:
+            specs.append((now.w.data_ptr() + 4 * at, prev.w.data_ptr() + 4 * at, now.g.data_ptr() + 4 * at,
+                          prev.g.data_ptr() + 4 * at, n))
+            at += n
+        dots = _NATIVE.segsums(specs)
+    else:
+        prod = (now.g + prev.g).mul_(0.5).mul_(now.w - prev.w)
+        dots = torch.segment_reduce(prod, "sum", lengths=torch.tensor(now.lens, device=prod.device)).double().cpu().tolist()
     scale = [x for s in samples.values() for x in s.scale]
     layers = [name for name, _, _ in now.sig]
     out = {name: 0.0 for name in layers}
@@ -400,6 +407,23 @@ def _own(refs: Views) -> Views:
     if len({r.device for r in refs}) != 1:
         return [r.clone() for r in refs]
     return list(torch.cat([r.reshape(-1) for r in refs]).split([r.numel() for r in refs]))
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
+def _squares(a: Views, b: Optional[Views]) -> List[float]:
+    """``sum((a[i] - b[i])^2)`` for each pair of equally long tensors (``b`` None: ``sum(a[i]^2)``), in double: one
+    native pass where every tensor is a contiguous fp32 CPU one (a pair's sum is 0 exactly where the two are
+    equal), else torch's norms, squared."""
+    if not a:
+        return []
+    if _NATIVE is not None and all(_plain(t) for t in a) and (b is None or all(_plain(t) for t in b)):
+        return _NATIVE.segsums([(x.data_ptr(), 0 if b is None else b[i].data_ptr(), 0, 0, x.numel())
+                                for i, x in enumerate(a)])
+    d = a if b is None else torch._foreach_sub(a, b)
+    return [n * n for n in torch.stack(torch._foreach_norm(d)).double().cpu().tolist()]
 
 
 def _same_shapes(a: Views, b: Views) -> bool:
