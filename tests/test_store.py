@@ -113,3 +113,23 @@ def test_remote_files_upload_list_download(tmp_path):
         assert sorted(rf.download("folders/one", str(dest))) == ["a.bin", "sub/b.txt"]
         assert (dest / "a.bin").read_bytes() == (src / "a.bin").read_bytes() and (dest / "sub" / "b.txt").read_text() == "b"
         assert rf.names("nothing") == []
+
+
+def test_a_commit_fsyncs_the_data_and_the_manifest_not_the_latest_hint(tmp_path, monkeypatch):
+    """What a save fsyncs before it counts as committed, besides its data file (fdatasync): the manifest (written
+    to a temporary name, fsynced, renamed) and both folders.  ``latest`` decides nothing (the manifests are the commit
+    record), so it is replaced whole but not fsynced; after the save it names the newest manifest."""
+    root = str(tmp_path / "run")
+    model, opt = trained()
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    with layerckpt.Checkpointer(root, model, opt, config=FULL) as ck:
+        ck.save(7).wait()
+    manifest = store.newest(root)
+    rel = sorted(os.path.relpath(p, root) for p in synced)
+    assert os.path.relpath(manifest, root) + ".tmp" in rel, rel
+    assert "manifests" in rel and "data" in rel, rel
+    assert not any(r.startswith("latest") for r in rel), rel
+    with open(os.path.join(root, "latest")) as f:
+        assert f.read().strip() == os.path.basename(manifest)

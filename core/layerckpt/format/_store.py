@@ -89,19 +89,22 @@ def create(path: str) -> int:
                    | getattr(os, "O_CLOEXEC", 0), 0o644)
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write tmp, fsync, rename over path, fsync the directory."""
+def write_atomic(path: str, data: bytes, durable: bool = True) -> None:
+    """Write tmp, fsync, rename over path, fsync the directory.  ``durable=False``: no fsync (a hint that
+    decides nothing, such as ``latest``): still replaced whole, never seen half written."""
     tmp = path + ".tmp"
     fd = create(tmp)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    if durable:
+        fsync_dir(os.path.dirname(path))
 
 
 def fsync_dir(path: str) -> None:
