@@ -876,7 +876,8 @@ fail:
 PyDoc_STRVAR(segsums_doc,
 "segsums(specs) -> list of float\n--\n\n"
 "Per (a, b, g1, g2, n) of specs, over n fp32 elements at each address, summed in double: where g1 is 0, the\n"
-"squared distance sum((a - b)^2) (b 0: sum(a^2)); else the first-order step sum((g1 + g2) / 2 * (a - b)).\n"
+"squared distance sum((a - b)^2) (b 0: sum(a^2)); else the first-order step sum((g1 + g2) / 2 * (a - b));\n"
+"0 where n is 0 (an empty tensor's address may be 0).\n"
 "The addresses are the caller's live, contiguous fp32 tensors of n elements: nothing here can check them.");
 
 /* Eight chains of double sums, one per lane: the adds overlap and the compiler can vectorize them. */
@@ -937,6 +938,8 @@ static PyObject *py_segsums(PyObject *self, PyObject *args)
 
 		if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKKKn:segsums", &a, &b, &g1, &g2, &sp[i].n))
 			goto done;
+		if (sp[i].n == 0) /* an empty tensor: its address may be 0; its sum is 0 */
+			continue;
 		if (a == 0 || sp[i].n < 0 || (g1 != 0 && (b == 0 || g2 == 0))) {
 			PyErr_Format(PyExc_ValueError, "segsums: spec %zd: a step needs a, b, g1 and g2; a sum needs a "
 				     "and n >= 0", i);
@@ -949,8 +952,9 @@ static PyObject *py_segsums(PyObject *self, PyObject *args)
 	}
 	Py_BEGIN_ALLOW_THREADS
 	for (i = 0; i < n; i++)
-		sums[i] = segsum((const float *)sp[i].a, (const float *)sp[i].b, (const float *)sp[i].g1,
-				 (const float *)sp[i].g2, (size_t)sp[i].n);
+		sums[i] = sp[i].n == 0 ? 0.0
+			  : segsum((const float *)sp[i].a, (const float *)sp[i].b, (const float *)sp[i].g1,
+				   (const float *)sp[i].g2, (size_t)sp[i].n);
 	Py_END_ALLOW_THREADS
 	out = PyList_New(n);
 	for (i = 0; out != NULL && i < n; i++) {

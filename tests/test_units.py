@@ -163,6 +163,7 @@ def test_the_native_sums_of_the_tracker_agree_with_torch_and_see_the_smallest_mo
     sub2[32] = torch.finfo(torch.float32).smallest_normal / 2 ** 20  # a subnormal: its square underflows fp32
     one_ulp, subnormal, same = _track._squares([tiny, sub2, a[2]], [a[3], sub, a[2].clone()])
     assert one_ulp > 0.0 and subnormal > 0.0 and same == 0.0
+    assert _track._squares([torch.empty(0), a[0]], [torch.empty(0), a[0]]) == [0.0, 0.0]  # an empty tensor: address 0
     # the steps over a flat arrangement: native against the torch path
     tr = DriftTracker(sample_per_layer=64)
     w = {"x": torch.randn(1000), "y": torch.randn(30)}
