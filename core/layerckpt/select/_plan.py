@@ -522,7 +522,7 @@ class Selector:
         if not self.full:
             with self._lock:
                 now = {layer: self._sample(w, grads.get(layer, {})) for layer, w in weights.items()}
-                snaps = {layer: (self.tracker.snapshot(s.w), self.tracker.snapshot(s.g) if s.g is not None else None,
+                snaps = {layer: (self.tracker.snapshot(s.w), self.tracker.snapshot(s.g) if s.gparts is not None else None,
                                  0.0) for layer, s in now.items()}
                 self.tracker.advance(snaps)
             samples = {layer: snap[0] for layer, snap in snaps.items()}

@@ -239,7 +239,7 @@ class DriftTracker:
         snaps.flat = flat
         for layer, s in now.items():
             w, g = flat.views(layer, s) if flat is not None else (
-                self.snapshot(s.w), self.snapshot(s.g) if s.g is not None else None)
+                self.snapshot(s.w), self.snapshot(s.g) if s.gparts is not None else None)
             snaps[layer] = (w, g, None)
         drift, sq, moved = self.drifts({layer: snap[0] for layer, snap in snaps.items()})
         fast = _steps(self._prev_flat, flat, now) if use_grad else None
@@ -327,9 +327,8 @@ class _Flat:
         self.g = self._gviews = None
         use_grad = any(s.gparts is not None for s in now.values())
         divs = [d for s in now.values() for d in (s.gdiv or [1.0] * len(s.parts))]
-        if _NATIVE is not None and parts[0][0].device.type == "cpu" and all(
-                t.dtype == torch.float32 for t, _ in parts) and all(
-                gp[0].dtype == torch.float32 for gp in gparts if gp is not None):
+        if _NATIVE is not None and all(_plain(t) for t, _ in parts) and all(
+                _plain(gp[0]) for gp in gparts if gp is not None):
             # one native pass over every sampled run, the gradient averages divided on the way
             self.w = _native_gather(parts, [1.0] * len(parts), self.lens)
             if use_grad:
@@ -337,7 +336,7 @@ class _Flat:
         else:
             self.w = _gather32([_view(*tp) for tp in parts], self.lens)
             if use_grad:
-                gs = [g for s in now.values() for g in (s.g if s.g is not None else [
+                gs = [g for s in now.values() for g in (s.g if s.gparts is not None else [
                     torch.zeros(_count(*tp), dtype=torch.float32, device=tp[0].device) for tp in s.parts])]
                 self.g = _gather32(gs, self.lens)
         self._views = list(self.w.split(self.lens)) if self.lens else []
