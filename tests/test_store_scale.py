@@ -56,6 +56,82 @@ def test_the_newest_commit_wins_over_a_higher_step_and_an_older_writers_layout(t
     assert os.path.basename(store.resolve(root)) == "step-00000015.json"
 
 
+@pytest.fixture
+def manifest_opens(monkeypatch):
+    """The base names of the manifests whose first bytes were read to order them (``_store.peek``)."""
+    from layerckpt.format import _store
+
+    opened = []
+    real = _store.peek
+
+    def counted(path):
+        opened.append(os.path.basename(path))
+        return real(path)
+
+    monkeypatch.setattr(_store, "peek", counted)
+    return opened
+
+
+def test_a_step_ordered_store_is_resolved_and_opened_from_its_newest_manifest_alone(tmp_path, manifest_parses,
+                                                                                     manifest_opens):
+    root = str(tmp_path / "run")
+    _saves(root, range(1, N + 1))
+    assert os.path.isfile(os.path.join(root, ".step-order"))  # made by the writer's opening of the empty store
+    manifest_parses.clear()
+    assert os.path.basename(store.resolve(root)) == "step-%08d.json" % N
+    assert manifest_opens == [] and manifest_parses == ["step-%08d.json" % N]
+    manifest_opens.clear()
+    m2, o2 = trained(seed=2)
+    with layerckpt.Checkpointer(root, m2, o2, config=KEEP_ALL) as ck:
+        assert manifest_opens == ["step-%08d.json" % N]  # the commit number: the newest's first bytes only
+        ck.save(N + 1).wait()
+    assert store.read_manifest(store.resolve(root)).seq == N + 1
+    # without the marker (a store of a writer before it) every manifest's first bytes order them, as before
+    os.unlink(os.path.join(root, ".step-order"))
+    manifest_opens.clear()
+    assert os.path.basename(store.resolve(root)) == "step-%08d.json" % (N + 1)
+    assert len(manifest_opens) == N + 1
+
+
+def test_a_rollback_commit_drops_the_step_order_before_its_manifest_and_wins(tmp_path, monkeypatch):
+    from layerckpt.format import _store
+
+    root = str(tmp_path / "run")
+    _saves(root, [10, 20, 30])
+    order = os.path.join(root, ".step-order")
+    assert os.path.isfile(order)
+    seen = []
+    real = _store.write_atomic
+
+    def spy(path, data, durable=True):
+        if os.path.basename(path).startswith("step-"):
+            seen.append((os.path.basename(path), os.path.exists(order)))
+        return real(path, data, durable)
+
+    monkeypatch.setattr(_store, "write_atomic", spy)
+    import layerckpt.write._commit as _commit
+    monkeypatch.setattr(_commit, "write_atomic", spy)
+    _saves(root, [15, 40])  # resumed from 10: 15 commits after 30, then 40 above everything
+    assert seen == [("step-00000015.json", False), ("step-00000040.json", False)]
+    assert not os.path.exists(order)
+    assert os.path.basename(store.resolve(root)) == "step-00000040.json"
+    _saves(root, [])  # a writer's opening: the commit numbers no longer rise with the steps (30 after 15)
+    assert not os.path.exists(order)
+
+
+def test_latest_naming_a_later_commit_overrules_the_step_order(tmp_path):
+    """A writer of a version before ``.step-order`` commits a lower step without removing it, and points
+    ``latest`` at that commit: the store is read in commit order."""
+    root = str(tmp_path / "run")
+    _saves(root, [10, 20, 30])
+    _saves(root, [15])
+    open(os.path.join(root, ".step-order"), "w").close()  # left by a newer writer before the older one ran
+    with open(os.path.join(root, "latest")) as f:
+        assert f.read().strip() == "step-00000015.json"
+    assert os.path.basename(store.resolve(root)) == "step-00000015.json"
+    assert layerckpt.restore(root, *trained(seed=1)).step == 15
+
+
 def test_a_damaged_newest_is_not_skipped_silently(tmp_path):
     root = str(tmp_path / "run")
     _saves(root, [1, 2, 3])

@@ -68,7 +68,7 @@ def start_io(dirpath: str, config: Config, writer: Optional[_store.WriterLock],
              tiers: Optional[_tiers.Tiers]) -> Tuple[int, Any, BufferPool]:
     """The commit number to continue from, the writer backend and the staging buffers."""
     try:
-        seq = _store.max_seq(dirpath)
+        seq = _store.max_seq(dirpath, mark=writer is not None)
         if tiers is not None:  # commit order continues past what the tiers hold
             seq = max(seq, tiers.seq)
         return seq, make_backend(config.backend, config.queue_depth), \

@@ -5,6 +5,7 @@
 <dirpath>/manifests/step-00000100.json           the commit record (see _manifest)
 <dirpath>/latest                                  name of the newest committed manifest (a hint)
 <dirpath>/.store-id                               the store's identity (random, made by its first writer)
+<dirpath>/.step-order                             present while commit order is step order (see ``ORDER``)
 ```
 """
 from __future__ import annotations
@@ -340,24 +341,45 @@ def peek(path: str) -> Optional[Tuple[int, int]]:
     return (int(m.group(2)), int(m.group(1))) if m else None
 
 
-def max_seq(root: str) -> int:
+def max_seq(root: str, mark: bool = False) -> int:
     """The highest commit number of the committed manifests (0 for none): a new writer's commits go past it.
     From each manifest's first bytes (:func:`peek`) where they tell, else from the manifest read whole; a
-    damaged or vanished one counts for nothing."""
-    top = 0
-    for step, name in list_manifests(root):
-        path = os.path.join(root, MANIFEST_DIR, name)
-        try:
-            head = peek(path)
-            top = max(top, head[0] if head is not None and head[1] == step else load_manifest(path).seq)
-        except CheckpointError:
-            pass
+    damaged or vanished one counts for nothing.  Where the store's commit order is its step order
+    (``ORDER``), the highest step's alone; else read from every manifest, and with ``mark`` (the store's
+    writer, holding its lock) ``ORDER`` made where their numbers rise with their steps, removed where not."""
+    listed = list_manifests(root)
+    if step_ordered(root, listed):
+        for step, name in reversed(listed):
+            got = _seq(root, step, name)
+            if got is not None:
+                return got
+        return 0
+    top, ordered = 0, True
+    for step, name in listed:
+        got = _seq(root, step, name)
+        if got is not None:
+            ordered = ordered and got > top
+            top = max(top, got)
+    if mark:
+        mark_order(root, ordered)
     return top
+
+
+def _seq(root: str, step: int, name: str) -> Optional[int]:
+    """The commit number of the manifest ``name`` (of ``step``), None where it is damaged or gone."""
+    path = os.path.join(root, MANIFEST_DIR, name)
+    try:
+        head = peek(path)
+        return head[0] if head is not None and head[1] == step else load_manifest(path).seq
+    except CheckpointError:
+        return None
 
 
 def _newest_listed(root: str) -> Tuple[Optional[str], List[Tuple[int, str]], List[str], int]:
     """The newest committed manifest's name (commit order, then step), read whole and valid; the listing; the
-    names found damaged; how many listed vanished before they were read (retention)."""
+    names found damaged; how many listed vanished before they were read (retention).  In a store whose commit
+    order is its step order (:func:`step_ordered`) the manifests are tried from the highest step down, none
+    but those read; else each one's first bytes are read to order them."""
     listed = list_manifests(root)
 
     def read(name: str) -> Optional[Manifest]:
@@ -366,9 +388,85 @@ def _newest_listed(root: str) -> Tuple[Optional[str], List[Tuple[int, str]], Lis
         except CheckpointNotFoundError:
             return None
 
+    if step_ordered(root, listed):
+        bad: List[str] = []
+        gone = 0
+        for _, name in reversed(listed):
+            try:
+                m = read(name)
+            except CheckpointError:
+                bad.append(name)
+                continue
+            if m is not None:
+                return name, listed, bad, gone
+            gone += 1
+        return None, listed, bad, gone
     name, _, bad, gone = pick_newest([n for _, n in listed], lambda n: peek(os.path.join(root, MANIFEST_DIR, n)),
                                      read)
     return name, listed, bad, gone
+
+
+#: Commit order is step order in a store holding this file: its writer made it (durably) at opening, having
+#: read every manifest's commit number in step order, and removes it (durably) before it commits a step at or
+#: below one the store holds, which a restore of an older step and training on from there do.  While it is
+#: there, the newest commit is the manifest of the highest step, and a restore or a writer's opening reads
+#: that one, not the first bytes of every manifest: their cost does not grow with the checkpoints kept.
+ORDER = ".step-order"
+
+
+def step_ordered(root: str, listed: List[Tuple[int, str]]) -> bool:
+    """Whether the store's commit order is its step order (``listed``: its manifests, as listed): ``ORDER`` is
+    there, and ``latest``, where it names another listed manifest than the highest step's, does not name a
+    later commit (a writer of a version before ``ORDER`` that committed a lower step leaves it so)."""
+    if not listed or not os.path.isfile(os.path.join(root, ORDER)):
+        return False
+    top = listed[-1][1]
+    try:
+        hint = read_regular(os.path.join(root, LATEST), "latest", cap=256, follow=False, under=root)
+    except CheckpointError:
+        return True  # no hint (never written, or damaged): the marker alone decides
+    name = bytes(hint).decode("ascii", "replace").strip()
+    if name == top or manifest_step(name) is None or all(n != name for _, n in listed):
+        return True
+    try:
+        a = peek(os.path.join(root, MANIFEST_DIR, name))
+        b = peek(os.path.join(root, MANIFEST_DIR, top))
+    except CheckpointError:
+        return False
+    return a is not None and b is not None and a[0] < b[0]
+
+
+def mark_order(root: str, ordered: bool) -> None:
+    """Make (``ordered``) or remove the store's ``ORDER`` file, durably, where it is not so already."""
+    path = os.path.join(root, ORDER)
+    if ordered == os.path.isfile(path):
+        return
+    if ordered:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except FileExistsError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+    fsync_dir(root)
+
+
+def before_commit(root: str, step: int) -> None:
+    """A writer is about to commit ``step``: where that is not above every step the store holds, its commit
+    order stops being its step order (``ORDER`` goes, durably, before the manifest is written)."""
+    if not os.path.isfile(os.path.join(root, ORDER)):
+        return
+    listed = list_manifests(root)
+    if listed and listed[-1][0] >= step:
+        mark_order(root, False)
 
 
 def pick_newest(names: List[str], head: Callable[[str], Optional[Tuple[int, int]]],

@@ -18,7 +18,7 @@ from ..io._backend import checksum_function
 from ..format._layout import DTYPES, Layout
 from ..format._manifest import FileEntry, Manifest, TensorEntry, plain
 from ..format._places import seal
-from ..format._store import LATEST, MANIFEST_DIR, manifest_name, write_atomic
+from ..format._store import LATEST, MANIFEST_DIR, before_commit, manifest_name, write_atomic
 from ..errors import CheckpointWriteError
 
 log = logging.getLogger("layerckpt")
@@ -147,6 +147,7 @@ def commit(root: str, m: Manifest) -> str:
     _faults.point("commit.before")
     name = manifest_name(m.step)
     path = os.path.join(root, MANIFEST_DIR, name)
+    before_commit(root, m.step)
     write_atomic(path, m.to_json())
     try:
         _faults.point("commit.latest")

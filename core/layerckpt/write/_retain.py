@@ -51,13 +51,12 @@ def _suspects(root: str) -> List[str]:
     than once.  A step's own files are referenced by its manifest, so a store without suspects is clean
     without reading a manifest: opening a store of 2,000 composites costs what opening one of 2 does."""
     d = os.path.join(root, DATA_DIR)
-    names = [n for n in (os.listdir(d) if os.path.isdir(d) else ()) if is_data_name(n)]
+    named = [(n, sv) for n in (os.listdir(d) if os.path.isdir(d) else ()) for sv in (data_step(n),) if sv is not None]
     committed = {s for s, _ in list_manifests(root)}
     versions: Dict[int, Set[int]] = {}
-    for n in names:
-        step, version = data_step(n)
+    for _, (step, version) in named:
         versions.setdefault(step, set()).add(version)
-    return [n for n in names if data_step(n)[0] not in committed or len(versions[data_step(n)[0]]) > 1]
+    return [n for n, (step, _) in named if step not in committed or len(versions[step]) > 1]
 
 
 def retain(root: str, keep_last: int, pinned: AbstractSet[str] = frozenset()) -> List[str]:
