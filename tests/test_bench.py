@@ -252,5 +252,6 @@ def test_bench_cpu_splits_a_save_by_thread(tmp_path):
     assert parts["stager"] > 0 and parts["flusher"] > 0 and parts["call"] > 0, parts
     assert sum(parts.values()) < 3 * runs["layerckpt full"]["cpu_s"]["max"], parts  # seconds, not nanoseconds
     table = cpu.format_table(res)
+    assert "checkpoints timed per contender: 4 (after 2 untimed)" in table, table
     assert re.search(r"^  layerckpt full +call [0-9.]+  stager [0-9.]+  flusher [0-9.]+", table, re.M), table
     assert not list(tmp_path.iterdir())  # each contender's store removed

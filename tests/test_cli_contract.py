@@ -100,6 +100,7 @@ def test_an_option_the_mode_ignores_is_refused_by_name():
     (["--policy", "--chunk-bytes", "4096"], "--chunk-bytes does not apply to bench --policy"),
     (["--restore", "--queue-depth", "8"], "--queue-depth does not apply to bench --restore"),
     (["--cpu", "--only", "dcp"], "--only does not apply to bench --cpu"),
+    (["--steps", "--cpu-saves", "8"], "--cpu-saves does not apply to bench --steps"),
     (["--lightning", "--encoding", "off"], "--encoding does not apply to bench --lightning"),
     (["--steps", "--workloads", "lora"], "--workloads does not apply to bench --steps"),
     (["--sharded", "--mesh", "2x2", "--nproc", "4"], "--nproc does not apply with --mesh 2x2"),

@@ -25,7 +25,7 @@ USES: Dict[str, Tuple[str, ...]] = {
     "lightning_io": ("size", "reps"),
     "restore": ("sizes", "cache", "reps"),
     "steps": ("size", "steps_n", "steps_every", "steps_rounds"),
-    "cpu": ("cpu_models",),
+    "cpu": ("cpu_models", "cpu_saves"),
     "goodput": ("size", "mtbf", "goodput_steps", "failure", "seed", "cadences"),
     "lossy": ("workloads",),
 }
@@ -101,6 +101,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--cpu-models",
                    help="with --cpu: comma-separated models, 'main' (the main job's) and/or 'gpt2-small' "
                         "(default: main,gpt2-small)")
+    a.add_argument("--cpu-saves", type=_positive,
+                   help="with --cpu: checkpoints timed per contender, after 2 untimed ones (default: each model's "
+                        "own, 22 of the main job's model, 4 of GPT-2 small)")
     a.add_argument("--steps-every", type=_positive,
                    help="with --steps: a full checkpoint every N steps instead, the default Config against "
                         "encoding delta and off forced (default: 1)")
