@@ -144,3 +144,44 @@ def test_a_small_run_kills_restarts_and_finishes_every_contender():
             if x["name"] == "torch.save" and a["last_save"] is not None:
                 assert b["resumed_at"] >= a["last_save"], x["label"]
     assert all(x["kills"] == 0 for x in res["free"].values())
+
+
+def test_standby_restarts_are_forks_that_resume_where_a_new_interpreter_would(tmp_path, monkeypatch):
+    """``--restarts standby``: the supervisor runs the job under ``layerckpt launch`` and kills the attempts, not the
+    launcher; the attempt after a kill is a fork (its progress says so) that resumes from the newest save, and the
+    run's buckets add up to its wall time as a fresh run's do.  The kill comes once the first attempt has saved
+    (the supervisor's own wait, told to kill once a save is committed instead of at a drawn time)."""
+    import signal
+    import time
+
+    from layerckpt.bench import goodput
+
+    waited = goodput._wait_or_kill_pid
+    work = tmp_path / "work"
+    calls = []
+
+    def kill_after_a_save(pid, due):
+        calls.append(pid)
+        if len(calls) > 1:
+            return waited(pid, due)
+        while not list(work.glob("node/**/manifests/step-*.json")):  # a committed save
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        return waited(pid, None) or time.time()
+
+    monkeypatch.setattr(goodput, "_wait_or_kill_pid", kill_after_a_save)
+    failures = goodput.Failures(60, 0)
+    failures.times = [0.0, 1e9]
+    spec = {"model": goodput.model_config("tiny"), "batch": 2, "lr": 3e-4, "seed": 0, "mtbf": None, "threads": 1,
+            "steps": 12}
+    os.mkdir(work)
+    attempts = goodput.supervise(goodput.Contender("layerckpt", "plain", 3), spec, str(work), 12, failures, False,
+                                 "standby")
+    assert len(attempts) == 2 and attempts[0]["killed"] is not None and attempts[1]["killed"] is None
+    first, second = attempts[0]["events"], attempts[1]["events"]
+    assert first[0]["e"] == "spawned" and first[0]["standby"] and second[0]["standby"]
+    restored = next(e["step"] for e in second if e["e"] == "restored")
+    assert restored > 0 and restored % 3 == 0 and restored in [e["s"] for e in first if e["e"] == "save"]
+    assert max(e["s"] for e in second if e["e"] == "step") == 12
+    r = account(attempts, 12, 0.01)
+    assert sum(r["buckets"].values()) == pytest.approx(r["wall_s"], abs=1e-6) and r["kills"] == 1

@@ -1,4 +1,4 @@
-"""Command line: layerckpt inspect | verify | export | plot | bench.
+"""Command line: layerckpt inspect | verify | export | plot | bench | launch.
 
 Exit codes: 0 done (verify: every checkpoint verified); 1 verify found a damaged checkpoint or file;
 2 any other error (nothing there, bad arguments, an unreadable remote): one line on stderr that says what is
@@ -369,6 +369,12 @@ def _bench(args) -> int:
     return 0
 
 
+def _launch(args) -> int:
+    from .launch import main as launch_main
+
+    return launch_main(args)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one command; whatever goes wrong ends as one line on stderr and exit 2 (verify's damage: 1)."""
     try:
@@ -425,6 +431,19 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--title", help="the figure's title (default: DIR)")
     a.set_defaults(fn=cmd_plot)
     add_parser(sub).set_defaults(fn=_bench)
+    a = sub.add_parser("launch", help="run a training script; restart it when it fails, each attempt a fork of a "
+                                      "process that has imported torch and the --preload modules already")
+    a.add_argument("--max-restarts", type=int, default=3, help="restarts after a failed attempt (default: 3)")
+    a.add_argument("--preload", action="append", metavar="MODULE[,MODULE]",
+                   help="modules the script imports, imported once before the first attempt (e.g. "
+                        "lightning.pytorch,transformers); torch, numpy and layerckpt always are")
+    a.add_argument("--no-standby", action="store_true",
+                   help="start every attempt in a new interpreter instead (as torchrun --max-restarts does)")
+    a.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE does")
+    a.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
+                   help="the script and its arguments (after -m MODULE: the module's arguments; put -- first "
+                        "when they start with a dash)")
+    a.set_defaults(fn=_launch)
     for a in (sub.choices["verify"], sub.choices["export"], sub.choices["bench"]):
         a.add_argument("-q", "--quiet", action="store_true",
                        help="no progress bar (one is drawn on stderr only when it is a terminal)")

@@ -4,7 +4,10 @@ A supervisor runs a training job (``goodput_child``: the bench's GPT with AdamW,
 Lightning Trainer) as a child process, SIGKILLs it at failure times drawn from an exponential distribution
 of mean ``mtbf`` (a seeded ``random.Random``; the same times for every contender, in wall-clock seconds since
 the contender's run began) and starts it again at once, as torchrun's ``--max-restarts`` or a scheduler
-would, until the job has done its steps.  Two kinds of failure:
+would, until the job has done its steps.  With ``restarts="standby"`` every attempt is instead a fork of one
+``layerckpt launch`` process that has imported what the job imports (``layerckpt.launch``): the same kills,
+the restarts without their interpreters' start (for the crash kind: a node loss takes the standby with it).
+Two kinds of failure:
 
 * ``crash``: the process dies; its local files and ``/dev/shm`` stay;
 * ``node``: the machine is lost: after the kill the supervisor deletes the contender's local store and its
@@ -40,6 +43,9 @@ from .machine import machine
 BATCH, LR = 2, 3e-4
 THREADS = 1  # torch's threads in the job: the rest of the cores are the savers' (and the machine's other users')
 MAX_ATTEMPTS = 200  # a job that cannot get through its start between failures would never end
+#: how each attempt after a kill starts: a new interpreter (as torchrun restarts), or a fork of a launcher that has
+#: imported the job's modules (``layerckpt launch``)
+RESTARTS = ("fresh", "standby")
 
 
 @dataclass(frozen=True)
@@ -85,13 +91,18 @@ def model_config(size: str) -> Dict[str, Any]:
 # ---------------------------------------------------------------- the supervisor
 
 def supervise(c: Contender, spec: Dict[str, Any], work: str, steps: int, failures: Optional[Failures],
-              node_loss: bool) -> List[Dict[str, Any]]:
+              node_loss: bool, restarts: str = "fresh") -> List[Dict[str, Any]]:
     """Run ``c``'s job until it has done ``steps`` steps, killing it at each failure time; its attempts."""
     dirs = {k: os.path.join(work, k) for k in ("node", "remote", "progress")}
     shm = tempfile.mkdtemp(prefix="layerckpt-bench-goodput-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     os.makedirs(dirs["progress"])
     env = dict(os.environ, LAYERCKPT_SHM=shm)
     spec = {**spec, "kind": c.name, "loop": c.loop, "every": c.every, "node": dirs["node"], "remote": dirs["remote"]}
+    if restarts == "standby":
+        try:
+            return _supervise_standby(c, spec, dirs, env, steps, failures, node_loss, shm)
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
     attempts: List[Dict[str, Any]] = []
     t0, k = None, 0
     try:
@@ -130,6 +141,121 @@ def supervise(c: Contender, spec: Dict[str, Any], work: str, steps: int, failure
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def preloads(c: Contender) -> List[str]:
+    """What ``c``'s job imports before its setup: what its standby imports once."""
+    out = ["layerckpt.bench.goodput_child", "layerckpt.bench.models", "layerckpt.bench.workload"]
+    if c.loop == "lightning":
+        out += ["lightning.pytorch", "lightning_layerckpt"]
+    if c.name == "dcp.async_save":
+        out += ["torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict"]
+    return out
+
+
+def _supervise_standby(c: Contender, spec: Dict[str, Any], dirs: Dict[str, str], env: Dict[str, str], steps: int,
+                       failures: Optional[Failures], node_loss: bool, shm: str) -> List[Dict[str, Any]]:
+    """``supervise`` with every attempt a fork of one ``layerckpt launch`` process.  Attempt n writes its pid to
+    ``progress/n.pid`` and starts its work once ``progress/n.go`` holds its start time: the supervisor writes it
+    once the kill before it and a node loss's deletions are done, as it would start a new process then."""
+    prog = dirs["progress"]
+    spec = {**spec, "standby": prog}
+    log = os.path.join(prog, "launch.log")
+    attempts: List[Dict[str, Any]] = []
+    t0 = time.time()
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "layerckpt.cli", "launch", "--max-restarts", str(MAX_ATTEMPTS),
+             "--preload", ",".join(preloads(c)), "-m", "layerckpt.bench.goodput", "--", "--child", json.dumps(spec)],
+            stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        k = 0
+        while True:
+            n = len(attempts)
+            if n == MAX_ATTEMPTS:
+                raise RuntimeError(f"{c.label}: {MAX_ATTEMPTS} attempts without finishing {steps} steps: the failures "
+                                   f"come faster than the job starts; give a longer --mtbf")
+            spawned = t0 if n == 0 else time.time()  # the first attempt's start is the launcher's, imports and all
+            with open(os.path.join(prog, f"{n}.go.tmp"), "w") as f:
+                f.write(repr(spawned))
+            os.replace(os.path.join(prog, f"{n}.go.tmp"), os.path.join(prog, f"{n}.go"))
+            pid = _attempt_pid(os.path.join(prog, f"{n}.pid"), launcher, log)
+            due = t0 + failures.at(k) if failures else None
+            killed = _wait_or_kill_pid(pid, due)
+            events = read_progress(os.path.join(prog, f"{n}.jsonl"))
+            finished = any(e["e"] == "step" and e["s"] == steps for e in events)
+            attempts.append({"spawned": spawned, "killed": None if finished else killed, "events": events,
+                             "failure_s": None if finished or killed is None else failures.at(k)})
+            if finished:
+                if launcher.wait(timeout=120) != 0:
+                    raise RuntimeError(f"{c.label}: the launcher exited with status {launcher.returncode} after the "
+                                       f"job finished:\n{_tail(log)}")
+                return attempts
+            if killed is None:
+                raise RuntimeError(f"{c.label}: attempt {n} ended before step {steps} without a kill:\n{_tail(log)}")
+            k += 1
+            if node_loss:
+                shutil.rmtree(dirs["node"], ignore_errors=True)
+                shutil.rmtree(shm, ignore_errors=True)
+                os.mkdir(shm, 0o700)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def _tail(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()[-3000:]
+
+
+def _attempt_pid(path: str, launcher: subprocess.Popen, log: str) -> int:
+    """The pid the next attempt wrote to ``path`` (it writes it first thing after the fork)."""
+    deadline = time.time() + 300  # the first attempt waits for the launcher's imports
+    while time.time() < deadline:
+        try:
+            with open(path) as f:
+                text = f.read()
+            if text.endswith("\n"):
+                return int(text)
+        except FileNotFoundError:
+            pass
+        if launcher.poll() is not None:
+            raise RuntimeError(f"the launcher exited with status {launcher.returncode} before an attempt "
+                               f"started:\n{_tail(log)}")
+        time.sleep(0.002)
+    raise RuntimeError(f"no attempt started within 300 s:\n{_tail(log)}")
+
+
+def _wait_or_kill_pid(pid: int, due: Optional[float]) -> Optional[float]:
+    """``_wait_or_kill`` for a process this one did not start (the launcher's child, reaped by the launcher)."""
+    killed = None
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return killed
+        now = time.time()
+        if killed is None and due is not None and now >= due:
+            os.kill(pid, signal.SIGKILL)
+            killed = time.time()
+        time.sleep(0.002 if killed is not None or due is None else min(0.01, max(0.0, due - now)))
+
+
+def standby_attempt(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """In an attempt forked by the standby: its pid told, its start awaited; the spec of this attempt."""
+    from ..launch import RESTART_COUNT
+
+    prog, n = spec["standby"], int(os.environ[RESTART_COUNT])
+    with open(os.path.join(prog, f"{n}.pid.tmp"), "w") as f:
+        f.write(f"{os.getpid()}\n")
+    os.replace(os.path.join(prog, f"{n}.pid.tmp"), os.path.join(prog, f"{n}.pid"))
+    go = os.path.join(prog, f"{n}.go")
+    while not os.path.exists(go):
+        time.sleep(0.001)
+    with open(go) as f:
+        spawned = float(f.read())
+    return {**spec, "progress": os.path.join(prog, f"{n}.jsonl"), "spawned": spawned}
+
+
 def _wait_or_kill(proc: subprocess.Popen, due: Optional[float]) -> Optional[float]:
     """Wait for ``proc`` to exit, or SIGKILL it at ``due`` (wall clock); the kill's time, or None."""
     while proc.poll() is None:
@@ -158,10 +284,10 @@ def _summary(attempts: List[Dict[str, Any]], t0: float) -> List[Dict[str, Any]]:
 
 
 def _one(c: Contender, spec: Dict[str, Any], root: str, steps: int, base: Optional[float],
-         failures: Optional[Failures], node_loss: bool) -> Dict[str, Any]:
+         failures: Optional[Failures], node_loss: bool, restarts: str = "fresh") -> Dict[str, Any]:
     work = tempfile.mkdtemp(prefix=f"{c.loop}-{c.name}-", dir=root)
     try:
-        attempts = supervise(c, spec, work, steps, failures, node_loss)
+        attempts = supervise(c, spec, work, steps, failures, node_loss, restarts)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if base is None:  # the failure-free run: its own median step is the base
@@ -170,21 +296,23 @@ def _one(c: Contender, spec: Dict[str, Any], root: str, steps: int, base: Option
         ts = [e["t"] for e in attempts[0]["events"] if e["e"] in ("restored", "step")]
         base = statistics.median(b - a for a, b in zip(ts, ts[1:]))
     r = account(attempts, steps, base)
-    r.update(name=c.name, label=c.label, loop=c.loop, every=c.every, mtbf=c.mtbf, base_step_s=base,
+    r.update(name=c.name, label=c.label, loop=c.loop, every=c.every, mtbf=c.mtbf, restarts=restarts, base_step_s=base,
              failure_times_s=[a["failure_s"] for a in attempts if a["failure_s"] is not None],
              attempts=_summary(attempts, attempts[0]["spawned"]))
     return r
 
 
 def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("crash", "node"), seed: int = 0,
-        cadences=(10, 25, 50), dirpath: Optional[str] = None, say=lambda line: None) -> Dict[str, Any]:
+        cadences=(10, 25, 50), dirpath: Optional[str] = None, say=lambda line: None,
+        restarts=("fresh",)) -> Dict[str, Any]:
     cfg = model_config(size)
     spec = {"model": cfg, "steps": steps, "batch": BATCH, "lr": LR, "seed": seed, "mtbf": None,
             "threads": THREADS}
     failures = Failures(mtbf, seed)
     res: Dict[str, Any] = {"machine": machine(), "size": size, "model": cfg, "params": _params(cfg), "steps": steps,
                            "batch": BATCH, "seq": 32, "threads": THREADS, "mtbf_s": mtbf, "seed": seed,
-                           "cadences": list(cadences), "kinds": list(kinds), "free": {}, "runs": {}}
+                           "cadences": list(cadences), "kinds": list(kinds), "restarts": list(restarts), "free": {},
+                           "runs": {}}
     if dirpath:
         os.makedirs(dirpath, exist_ok=True)
     root = tempfile.mkdtemp(prefix="layerckpt-bench-goodput-", dir=dirpath)
@@ -194,22 +322,25 @@ def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("c
             free["goodput"], free["lost_s"] = free["buckets"]["compute"] / free["wall_s"], 0.0
             say(f"goodput: failure-free {loop} loop: {steps} steps in {free['wall_s']:.1f} s, "
                 f"median step {free['base_step_s']:.3f} s")
-        ran: Dict[Contender, Dict[str, Any]] = {}
+        ran: Dict[Any, Dict[str, Any]] = {}
         for kind in kinds:
             res["runs"][kind] = rows = []
-            for c in contenders(list(cadences)):
-                if c in ran:  # its files are in the surviving folder: a node loss is a crash to it, run once
-                    rows.append(ran[c])
+            for mode, c in ((m, c) for m in restarts for c in contenders(list(cadences))):
+                if mode == "standby" and kind == "node":  # a standby on the lost node is lost with it
+                    continue
+                if (c, mode) in ran:  # its files are in the surviving folder: a node loss is a crash to it, run once
+                    rows.append(ran[(c, mode)])
                     continue
                 free = res["free"][c.loop]
                 r = _one(c, {**spec, "mtbf": mtbf if c.mtbf else None}, root, steps, free["base_step_s"], failures,
-                         kind == "node")
+                         kind == "node", mode)
                 figures(r, free, mtbf)
                 r["ran_under"] = kind
                 rows.append(r)
                 if c.name not in OURS:
-                    ran[c] = r
-                say(f"goodput: {kind}: {c.label}{f' every {c.every}' if c.every else ''}: {r['kills']} kill(s), "
+                    ran[(c, mode)] = r
+                say(f"goodput: {kind}: {c.label}{f' every {c.every}' if c.every else ''}"
+                    f"{', standby restarts' if mode == 'standby' else ''}: {r['kills']} kill(s), "
                     f"{steps} steps in {r['wall_s']:.1f} s, goodput {r['goodput'] * 100:.1f}%")
         res["failure_times_s"] = failures.times
     finally:
@@ -233,8 +364,9 @@ def main(args) -> int:
         if not getattr(args, "quiet", False):
             print(line, file=sys.stderr, flush=True)
 
+    restarts = [m.strip() for m in args.restarts.split(",") if m.strip()]
     res = run(args.size, args.goodput_steps, parse_duration(args.mtbf, "--mtbf"), kinds, args.seed, cadences,
-              args.dir, say)
+              args.dir, say, restarts)
     print(json.dumps(res) if args.json else format_table(res), flush=True)
     return 0
 
@@ -248,4 +380,5 @@ if __name__ == "__main__":
         p.error("run the bench as: layerckpt bench --goodput [...]")
     from .goodput_child import main as child
 
-    child(json.loads(a.child))
+    spec = json.loads(a.child)
+    child(standby_attempt(spec) if "standby" in spec else spec)

@@ -39,7 +39,8 @@ class Progress:
 
 def main(spec: Dict[str, Any]) -> None:
     progress = Progress(spec["progress"])
-    progress.event("spawned", at=spec["spawned"])  # the process start: the supervisor's clock at the spawn
+    # the process start: the supervisor's clock at the spawn (a standby's fork: when the supervisor let it start)
+    progress.event("spawned", at=spec["spawned"], **({"standby": True} if "standby" in spec else {}))
     warnings.filterwarnings("ignore")
     import torch  # what the job imports is timed together, before setup
 

@@ -14,6 +14,13 @@ KINDS = {"crash": "SIGKILL; the local store and the memory tier survive",
          "node": "SIGKILL, then the local store and /dev/shm are deleted; layerckpt restores from its file:// remote"}
 LOOPS = {"plain": "plain loop", "lightning": "Lightning Trainer"}
 HEADS = {"checkpoint": "ckpt"}
+RESTARTS = {"fresh": "restarts in a new interpreter",
+            "standby": "restarts from a warm standby (layerckpt launch: a fork of a process that imported the job's "
+                       "modules)"}
+
+
+def _mode(r: Dict[str, Any]) -> str:
+    return r.get("restarts", "fresh")  # a JSON of before the standby: new interpreters
 
 
 def _state(res: Dict[str, Any]) -> str:
@@ -28,7 +35,9 @@ def _head(res: Dict[str, Any]) -> List[str]:
              f"({m['cores']} cores), torch {m['torch']}",
              "failure times, s since a contender's run began (the same for each; each sees those before its end): "
              + times,
-             "after each kill a new process starts at once and resumes from what its checkpointing left; layerckpt: "
+             ("after each kill a new process starts at once" if res.get("restarts", ["fresh"]) == ["fresh"] else
+              "after each kill the job starts again at once (" + "; ".join(RESTARTS[m] for m in res["restarts"])
+              + ")") + " and resumes from what its checkpointing left; layerckpt: "
              "default Config + memory tier + file:// remote tier (a folder on the same disk); torch.save, "
              "dcp.async_save and ModelCheckpoint write straight into such a folder, so a node loss costs them no more "
              "than a crash (a real remote would slow their saves instead)"]
@@ -49,7 +58,7 @@ def _best(rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """name and loop -> the row of that contender with the least lost time (over its cadences and mtbf=)."""
     out: Dict[str, Dict[str, Any]] = {}
     for r in rows:
-        key = f"{r['loop']}:{r['name']}"
+        key = f"{r['loop']}:{r['name']}" + ("" if _mode(r) == "fresh" else f":{_mode(r)}")
         if key not in out or r["lost_s"] < out[key]["lost_s"]:
             out[key] = r
     return out
@@ -81,9 +90,11 @@ def format_table(res: Dict[str, Any]) -> str:
         best = {id(r) for r in _best(rows).values()}
         lines += ["", f"{kind}: {_kind(kind)}; goodput and optimum in %, the buckets in s (they sum to the wall time)",
                   cols]
+        modes = res.get("restarts", ["fresh"])
         for loop in LOOPS:
-            lines.append(f"  {LOOPS[loop]}")
-            lines += [_row(r, id(r) in best, kind) for r in rows if r["loop"] == loop]
+            for mode in modes:
+                lines.append(f"  {LOOPS[loop]}" + ("" if modes == ["fresh"] else f", {RESTARTS[mode].split(' (')[0]}"))
+                lines += [_row(r, id(r) in best, kind) for r in rows if r["loop"] == loop and _mode(r) == mode]
         shared = sorted({r["ran_under"] for r in rows if r.get("ran_under", kind) != kind})
         if shared:
             lines.append(f"  ^ the {' and '.join(shared)} run's row: its files survive a node loss, which is a crash "
@@ -100,13 +111,15 @@ def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any]) -> List
     """The targets' lines for one failure kind: each layerckpt row against the contenders' best cadence."""
     best = _best(rows)
     out = [f"targets ({kind}):"]
-    for loop, (them, most) in LOST_VS.items():
-        theirs = best.get(f"{loop}:{them}")
-        for r in (x for x in rows if x["loop"] == loop and x["name"] in OURS and (x["mtbf"] or x is best.get(
-                f"{loop}:{x['name']}"))):
+    for (loop, (them, most)), mode in ((x, m) for x in LOST_VS.items() for m in sorted({_mode(r) for r in rows})):
+        tail = "" if mode == "fresh" else f":{mode}"
+        theirs = best.get(f"{loop}:{them}{tail}")
+        for r in (x for x in rows if x["loop"] == loop and x["name"] in OURS and _mode(x) == mode and (
+                x["mtbf"] or x is best.get(f"{loop}:{x['name']}{tail}"))):
             if theirs is None:
                 continue
-            what = f"{r['name']} {'mtbf=' if r['mtbf'] else 'every ' + str(r['every'])}"
+            what = f"{r['name']} {'mtbf=' if r['mtbf'] else 'every ' + str(r['every'])}" + (
+                "" if mode == "fresh" else f", {mode} restarts")
             if theirs["lost_s"] > 0 and r["lost_s"] > 0:
                 q = r["lost_s"] / theirs["lost_s"]
                 verdict = f"{q:.2f}x (target <= {most:.2f}x): {'met' if q <= most else 'not met'}"
@@ -129,7 +142,8 @@ def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any]) -> List
                    f"{'met' if worst <= LOSS_REL else 'not met'}")
     for r in (x for x in rows if x["name"] in OURS and x["mtbf"] and x.get("optimum") is not None):
         gap = (r["goodput"] - r["optimum"]) * 100
-        out.append(f"  goodput, {r['name']} mtbf= ({LOOPS[r['loop']]}): {r['goodput'] * 100:.1f}% against an optimum "
+        out.append(f"  goodput, {r['name']} mtbf= ({LOOPS[r['loop']]}"
+                   f"{'' if _mode(r) == 'fresh' else ', ' + _mode(r) + ' restarts'}): {r['goodput'] * 100:.1f}% against an optimum "
                    f"of {r['optimum'] * 100:.1f}% ({gap:+.1f} points; target within {OPTIMUM_POINTS:g}): "
                    f"{'met' if gap >= -OPTIMUM_POINTS else 'not met'}")
     return out

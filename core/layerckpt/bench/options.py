@@ -26,7 +26,7 @@ USES: Dict[str, Tuple[str, ...]] = {
     "restore": ("sizes", "cache", "reps"),
     "steps": ("size", "steps_n", "steps_every", "steps_rounds"),
     "cpu": ("cpu_models", "cpu_saves"),
-    "goodput": ("size", "mtbf", "goodput_steps", "failure", "seed", "cadences"),
+    "goodput": ("size", "mtbf", "goodput_steps", "failure", "seed", "cadences", "restarts"),
     "lossy": ("workloads",),
 }
 
@@ -34,7 +34,8 @@ USES: Dict[str, Tuple[str, ...]] = {
 DEFAULTS = {"preset": "gpt2-small", "reps": 3, "size": "gpt2-small", "nproc": 2, "steps_n": 6, "steps_every": 1,
             "steps_rounds": 2,
             "sizes": "10MB,50MB,200MB,gpt2-small", "cache": "warm,cold", "cpu_models": "main,gpt2-small",
-            "mtbf": "60", "through": "core", "goodput_steps": 300, "failure": "crash,node", "seed": 0, "cadences": "10,25,50"}
+            "mtbf": "60", "through": "core", "goodput_steps": 300, "failure": "crash,node", "seed": 0, "cadences": "10,25,50",
+            "restarts": "fresh"}
 #: where a mode's default differs from DEFAULTS'
 MODE_DEFAULTS = {"goodput": {"size": "gpt2-mini"}}
 
@@ -125,6 +126,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--seed", type=int, help="with --goodput: the seed of the failure times (default: 0)")
     a.add_argument("--cadences", help="with --goodput: comma-separated fixed intervals in steps for the contenders "
                                       "that save every N steps; each one's best is marked (default: 10,25,50)")
+    a.add_argument("--restarts", help="with --goodput: how a killed job starts again, comma-separated: fresh (a new "
+                                      "interpreter, as torchrun restarts) and/or standby (a fork of a layerckpt "
+                                      "launch process that has imported the job's modules) (default: fresh)")
     a.add_argument("--size", choices=["gpt2-small", "gpt2-mini", "tiny"],
                    help="with --sharded, --lightning or --steps: the model (default: gpt2-small); with --goodput "
                         "(default: gpt2-mini)")
@@ -219,3 +223,6 @@ def _check_goodput(args) -> None:
     if not cadences or min(cadences) < 1 or len(set(cadences)) < len(cadences):
         raise CheckpointError(f"--cadences {args.cadences}: give distinct whole numbers of steps, 1 or more, "
                               f"comma-separated (e.g. 10,25,50)")
+    modes = [m.strip() for m in args.restarts.split(",")]
+    if not modes or any(m not in ("fresh", "standby") for m in modes) or len(set(modes)) < len(modes):
+        raise CheckpointError(f"--restarts {args.restarts}: give fresh, standby or fresh,standby")
