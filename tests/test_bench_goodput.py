@@ -146,7 +146,8 @@ def test_a_small_run_kills_restarts_and_finishes_every_contender():
     assert all(x["kills"] == 0 for x in res["free"].values())
 
 
-def test_standby_restarts_are_forks_that_resume_where_a_new_interpreter_would(tmp_path, monkeypatch):
+@pytest.mark.parametrize("last", ["exits", "killed on its way out"])
+def test_standby_restarts_are_forks_that_resume_where_a_new_interpreter_would(last, tmp_path, monkeypatch):
     """``--restarts standby``: the supervisor runs the job under ``layerckpt launch`` and kills the attempts, not the
     launcher; the attempt after a kill is a fork (its progress says so) that resumes from the newest save, and the
     run's buckets add up to its wall time as a fresh run's do.  The kill comes once the first attempt has saved
@@ -163,7 +164,14 @@ def test_standby_restarts_are_forks_that_resume_where_a_new_interpreter_would(tm
     def kill_after_a_save(pid, due):
         calls.append(pid)
         if len(calls) > 1:
-            return waited(pid, due)
+            if last == "exits":
+                return waited(pid, due)
+            # the failure lands once the last step is done: the launcher restarts it, and the run must still end
+            while not os.path.exists(work / "progress" / "1.jsonl") or not any(
+                    e["e"] == "step" and e["s"] == 12 for e in read_progress(str(work / "progress" / "1.jsonl"))):
+                time.sleep(0.01)
+            os.kill(pid, signal.SIGKILL)
+            return waited(pid, None) or time.time()
         while not list(work.glob("node/**/manifests/step-*.json")):  # a committed save
             time.sleep(0.01)
         os.kill(pid, signal.SIGKILL)
@@ -185,3 +193,9 @@ def test_standby_restarts_are_forks_that_resume_where_a_new_interpreter_would(tm
     assert max(e["s"] for e in second if e["e"] == "step") == 12
     r = account(attempts, 12, 0.01)
     assert sum(r["buckets"].values()) == pytest.approx(r["wall_s"], abs=1e-6) and r["kills"] == 1
+    for _ in range(500):  # nothing of the run is left: the launcher, and the attempt it started after the last
+        left = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()
+        if not left:
+            break
+        time.sleep(0.01)
+    assert left == []

@@ -114,6 +114,9 @@ def _attempt_in_fork(target: List[str], restart: int) -> int:
             return int(e.code or 0)
         print(e.code, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # as the interpreter does: the traceback, then the status of a death by SIGINT
+        traceback.print_exc()
+        return 128 + signal.SIGINT
     except BaseException:  # noqa: BLE001 - as the interpreter does: the traceback, status 1
         traceback.print_exc()
         return 1
@@ -146,20 +149,16 @@ def launch(target: List[str], max_restarts: int = 3, preload: Optional[List[str]
     if standby:
         _preload(list(preload or []))
     stopping: List[int] = []
-    child: List[int] = []
 
-    def on_signal(sig, _frame):
+    def on_signal(sig, _frame):  # _wait passes a SIGTERM on (a SIGINT from a terminal reached the attempt already)
         stopping.append(sig)
-        if sig == signal.SIGTERM and child:  # SIGINT from a terminal reached the attempt already
-            try:
-                os.kill(child[0], sig)
-            except ProcessLookupError:
-                pass
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    told = False
+    told, code = False, 0
     try:
         for restart in range(max_restarts + 1):
+            if stopping:  # a signal came between the last attempt's end and this one's start
+                return code
             t0 = time.perf_counter()
             why = fork_refused() if standby else "--no-standby"
             if why and standby and not told:
@@ -171,14 +170,11 @@ def launch(target: List[str], max_restarts: int = 3, preload: Optional[List[str]
                 pid = os.fork()
                 if pid == 0:
                     return _attempt_in_fork(target, restart)
-                child[:] = [pid]
-                code = _status(_wait(pid))
+                code = _status(_wait(pid, stopping))
             else:
                 cmd = [sys.executable] + target
                 p = subprocess.Popen(cmd, env=dict(os.environ, **{RESTART_COUNT: str(restart)}))
-                child[:] = [p.pid]
-                code = _status(_wait(p.pid))
-            child.clear()
+                code = _status(_wait(p.pid, stopping))
             if code == 0 or stopping or restart == max_restarts:
                 if code and not stopping and max_restarts:
                     _say(f"the job ended ({_how_it_ended(code)}) after {max_restarts} restart(s); giving up")
@@ -191,14 +187,24 @@ def launch(target: List[str], max_restarts: int = 3, preload: Optional[List[str]
             signal.signal(s, h)
 
 
-def _wait(pid: int) -> int:
+def _wait(pid: int, stopping: List[int]) -> int:
+    """The wait status of ``pid``, passing it a SIGTERM the launcher got.  Polled: a signal handler runs between
+    Python's instructions, and one that came just before a blocking ``waitpid`` would wait with it."""
+    sent = False
     while True:
         try:
-            return os.waitpid(pid, 0)[1]
+            done, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:  # reaped elsewhere: nothing to report
             return 0
-        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
-            continue
+        if done:
+            return status
+        if not sent and signal.SIGTERM in stopping:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            sent = True
+        time.sleep(0.005)
 
 
 def main(args) -> int:

@@ -184,8 +184,8 @@ def _supervise_standby(c: Contender, spec: Dict[str, Any], dirs: Dict[str, str],
             finished = any(e["e"] == "step" and e["s"] == steps for e in events)
             attempts.append({"spawned": spawned, "killed": None if finished else killed, "events": events,
                              "failure_s": None if finished or killed is None else failures.at(k)})
-            if finished:
-                if launcher.wait(timeout=120) != 0:
+            if finished:  # killed on its way out, it was restarted: the finally ends the launcher and that attempt
+                if killed is None and launcher.wait(timeout=120) != 0:
                     raise RuntimeError(f"{c.label}: the launcher exited with status {launcher.returncode} after the "
                                        f"job finished:\n{_tail(log)}")
                 return attempts
@@ -196,10 +196,17 @@ def _supervise_standby(c: Contender, spec: Dict[str, Any], dirs: Dict[str, str],
                 shutil.rmtree(dirs["node"], ignore_errors=True)
                 shutil.rmtree(shm, ignore_errors=True)
                 os.mkdir(shm, 0o700)
-    finally:
+    finally:  # the launcher, then any attempt it left (one waiting for its start ends itself once orphaned)
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+        for name in os.listdir(prog):
+            if name.endswith(".pid"):
+                try:
+                    with open(os.path.join(prog, name)) as f:
+                        os.kill(int(f.read()), signal.SIGKILL)
+                except (OSError, ValueError):  # gone already
+                    pass
 
 
 def _tail(path: str) -> str:
@@ -248,8 +255,10 @@ def standby_attempt(spec: Dict[str, Any]) -> Dict[str, Any]:
     with open(os.path.join(prog, f"{n}.pid.tmp"), "w") as f:
         f.write(f"{os.getpid()}\n")
     os.replace(os.path.join(prog, f"{n}.pid.tmp"), os.path.join(prog, f"{n}.pid"))
-    go = os.path.join(prog, f"{n}.go")
+    go, parent = os.path.join(prog, f"{n}.go"), os.getppid()
     while not os.path.exists(go):
+        if os.getppid() != parent:  # the launcher is gone: no supervisor will start this attempt
+            os._exit(1)
         time.sleep(0.001)
     with open(go) as f:
         spawned = float(f.read())
