@@ -249,15 +249,15 @@ def _wait_or_kill_pid(pid: int, due: Optional[float]) -> Optional[float]:
 
 def standby_attempt(spec: Dict[str, Any]) -> Dict[str, Any]:
     """In an attempt forked by the standby: its pid told, its start awaited; the spec of this attempt."""
-    from ..launch import RESTART_COUNT
+    from ..launch import LAUNCHER_PID, RESTART_COUNT
 
     prog, n = spec["standby"], int(os.environ[RESTART_COUNT])
     with open(os.path.join(prog, f"{n}.pid.tmp"), "w") as f:
         f.write(f"{os.getpid()}\n")
     os.replace(os.path.join(prog, f"{n}.pid.tmp"), os.path.join(prog, f"{n}.pid"))
-    go, parent = os.path.join(prog, f"{n}.go"), os.getppid()
+    go, parent = os.path.join(prog, f"{n}.go"), int(os.environ[LAUNCHER_PID])
     while not os.path.exists(go):
-        if os.getppid() != parent:  # the launcher is gone: no supervisor will start this attempt
+        if os.getppid() != parent:  # the launcher is gone (maybe before this line): no one will start this attempt
             os._exit(1)
         time.sleep(0.001)
     with open(go) as f:

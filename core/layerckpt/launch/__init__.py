@@ -27,10 +27,12 @@ import threading
 import time
 from typing import List, Optional
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 #: the environment variable that tells an attempt how many ran before it
 RESTART_COUNT = "LAYERCKPT_RESTART_COUNT"
+#: and the launcher's pid (an attempt that outlived it can tell: its parent is another process by then)
+LAUNCHER_PID = "LAYERCKPT_LAUNCHER_PID"
 
 
 def _native_threads() -> int:
@@ -98,6 +100,7 @@ def _attempt_in_fork(target: List[str], restart: int) -> int:
     import traceback
 
     os.environ[RESTART_COUNT] = str(restart)
+    os.environ[LAUNCHER_PID] = str(os.getppid())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
     _reseed()
