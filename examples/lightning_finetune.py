@@ -7,8 +7,9 @@
    and its own ModelCheckpoint (every --every steps, save_last="link"), uninterrupted;
 2. the same fine-tuning with `LayerCheckpoint` in place of ModelCheckpoint, in a child process
    killed with SIGKILL at --crash-at (a flush may be in flight);
-3. a new Trainer resumes with `fit(ckpt_path="last")` and finishes; ModelCheckpoint's last
-   checkpoint of the same step is resumed too, for the resume time.
+3. a new process resumes with a new Trainer and `fit(ckpt_path="last")` and finishes; ModelCheckpoint's
+   checkpoint of the same step is resumed the same way in another new process, for the resume time (a
+   restart's: each path's first use in its process, as after a real failure).
 4. the same fine-tuning without any checkpointing, for the step-time overhead.
 It prints bytes written, what training paid for checkpointing (the save itself, the wait inside the
 next optimizer step for copies still running, and the training time against no checkpointing over
@@ -126,6 +127,8 @@ def child(args: argparse.Namespace) -> None:
 def main() -> int:
     ap = crash_resume_parser(__doc__)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-resume", choices=("layerckpt", "lightning"), help=argparse.SUPPRESS)
+    ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     check_crash_resume(ap, args)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -133,6 +136,9 @@ def main() -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
     if args.child:
         child(args)
+        return 0
+    if args.child_resume:
+        child_resume(args)
         return 0
     root, keep = args.dir or tempfile.mkdtemp(prefix="layerckpt-lightning-"), bool(args.dir)
     os.makedirs(root, exist_ok=True)
@@ -144,11 +150,12 @@ def main() -> int:
         stats = killed_run(args)
         if stats is None:
             return 1
-        resumed, start, timer = resume(args)
-        plain_timer = resume_plain(args, start)
+        resumed = resume(args)
+        plain = resume_plain(args, resumed["step"])
         bare = no_checkpoints(args)
-        report(args.crash_at, ref_ck, ref_steps.seconds, stats, bare.seconds, (plain_timer, timer),
-               resumed.losses, ref.losses[start:])
+        start = resumed["step"]
+        report(args.crash_at, ref_ck, ref_steps.seconds, stats, bare.seconds, (plain["seconds"], resumed["seconds"]),
+               resumed["losses"], ref.losses[start:])
         return 0
     finally:
         if not keep:
@@ -180,28 +187,50 @@ def killed_run(args: argparse.Namespace):
         return json.load(f)
 
 
-def resume(args: argparse.Namespace):
-    """What a new process would do: a new Trainer, fit(ckpt_path="last")."""
-    resumed = model(args, seed=1)
-    ck = LayerCheckpoint(dirpath=os.path.join(args.dir, "layerckpt"), every_n_train_steps=args.every)
-    timer = ResumeTimer()
-    trainer(args.dir, args.finetune, [ck, timer]).fit(resumed, ckpt_path="last")
-    info = ck.restored
-    steps = sorted(set(info["layers"].values()))
-    print(f"resumed from the composite of step {info['step']}: layers persisted at steps {steps}, "
-          f"max staleness {info['max_staleness']} checkpoints")
-    return resumed, info["step"], timer
+def resume(args: argparse.Namespace) -> dict:
+    """What a restart does: a new process, a new Trainer, fit(ckpt_path="last") to the end."""
+    out = _child_resume(args, "layerckpt")
+    steps = sorted(set(out["layers"].values()))
+    print(f"resumed from the composite of step {out['step']}: layers persisted at steps {steps}, "
+          f"max staleness {out['max_staleness']} checkpoints")
+    return out
 
 
-def resume_plain(args: argparse.Namespace, start: int) -> ResumeTimer:
-    """ModelCheckpoint's checkpoint of the same step, resumed the same way (timed, then stopped)."""
-    plain = os.path.join(args.dir, "lightning", f"epoch=0-step={start}.ckpt")
-    timer = ResumeTimer(stop=True)
-    try:
-        trainer(args.dir, args.finetune, [timer]).fit(model(args, seed=1), ckpt_path=plain)
-    except _Stop:
-        pass
-    return timer
+def resume_plain(args: argparse.Namespace, start: int) -> dict:
+    """ModelCheckpoint's checkpoint of the same step, resumed the same way in a new process (timed, then stopped)."""
+    return _child_resume(args, "lightning", start)
+
+
+def _child_resume(args: argparse.Namespace, which: str, start: int = 0) -> dict:
+    cmd = [sys.executable, __file__, "--child-resume", which, "--start", str(start), "--dir", args.dir]
+    for k in ("every", "crash_at", "finetune", "pretrain", "n_layer", "n_embd"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    subprocess.run(cmd, check=True)
+    with open(os.path.join(args.dir, f"resume-{which}.json")) as f:
+        return json.load(f)
+
+
+def child_resume(args: argparse.Namespace) -> None:
+    """One resume in this new process; the model is not pre-trained first: the restore must set every weight."""
+    resumed = FineTuneModule(seed=1, n_layer=args.n_layer, n_embd=args.n_embd)
+    if args.child_resume == "layerckpt":
+        ck = LayerCheckpoint(dirpath=os.path.join(args.dir, "layerckpt"), every_n_train_steps=args.every)
+        timer = ResumeTimer()
+        trainer(args.dir, args.finetune, [ck, timer]).fit(resumed, ckpt_path="last")
+        info = ck.restored
+        out = {"step": info["step"], "layers": info["layers"], "max_staleness": info["max_staleness"],
+               "losses": resumed.losses}
+    else:
+        plain = os.path.join(args.dir, "lightning", f"epoch=0-step={args.start}.ckpt")
+        timer = ResumeTimer(stop=True)
+        try:
+            trainer(args.dir, args.finetune, [timer]).fit(resumed, ckpt_path=plain)
+        except _Stop:
+            pass
+        out = {}
+    out["seconds"] = timer.seconds
+    with open(os.path.join(args.dir, f"resume-{args.child_resume}.json"), "w") as f:
+        json.dump(out, f)
 
 
 def no_checkpoints(args: argparse.Namespace) -> StepTimer:
@@ -222,7 +251,7 @@ def report(crash_at: int, ref_ck: TimedModelCheckpoint, ref_step_s, stats, bare_
     span = slice(1, crash_at)
     base, theirs, ours = (sum(x[span]) for x in (bare_step_s, ref_step_s, stats["step_s"]))
     med = [statistics.median(x[span]) * 1e3 for x in (bare_step_s, ref_step_s, stats["step_s"])]
-    plain_timer, timer = resumes
+    plain_s, ours_s = resumes
     mean_rel = abs(sum(after) - sum(want)) / sum(want)
     print()
     print(f"over the {n} checkpoints before the kill     {'ModelCheckpoint':>16} {'LayerCheckpoint':>16} {'ratio':>8}")
@@ -239,8 +268,9 @@ def report(crash_at: int, ref_ck: TimedModelCheckpoint, ref_step_s, stats, bare_
         print("    (LayerCheckpoint's steps took no longer than the run without checkpoints: within the steps' noise)")
     print(f"    (training time of steps 1-{crash_at - 1}: {base:.2f}s without checkpoints, {theirs:.2f}s and "
           f"{ours:.2f}s with; median step {med[0]:.1f}, {med[1]:.1f} and {med[2]:.1f} ms)")
-    print(f"  resume (Trainer setup to first step)  {plain_timer.seconds * 1e3:>14.0f}ms "
-          f"{timer.seconds * 1e3:>14.0f}ms {plain_timer.seconds / timer.seconds:>7.1f}x")
+    print(f"  resume in a new process               {plain_s * 1e3:>14.0f}ms {ours_s * 1e3:>14.0f}ms "
+          f"{plain_s / ours_s:>7.1f}x")
+    print("    (Trainer setup to the first step: reading the checkpoint and putting the state back)")
     print(f"  loss after resume vs uninterrupted    mean over the {len(after)} steps after the resume within "
           f"{mean_rel * 100:.3f}%{' (bit-identical)' if after == want else ''}; final loss {after[-1]:.4f} vs "
           f"{want[-1]:.4f}")

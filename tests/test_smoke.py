@@ -37,7 +37,8 @@ def test_main_job_runs_small(tmp_path):
            "the same 7 steps without checkpointing, for the step-time overhead ...",
            "over the 2 checkpoints before the kill", "bytes written", "save() returned after",
            "= training blocked by the saves", "step-time overhead vs no checkpoints",
-           "resume (Trainer setup to first step)", "loss after resume vs uninterrupted")
+           "resume in a new process", "(Trainer setup to the first step: reading the checkpoint and putting the state back)",
+           "loss after resume vs uninterrupted")
     # the newest composite committed before the kill: step 6, or step 3 where 6's flush was still running
     start = int(re.search(r"^resumed from the composite of step (\d+): ", out, re.M).group(1))
     assert start in (3, 6), out
