@@ -165,3 +165,14 @@ def test_a_hostile_memory_tier_restores_the_genuine_tensors_or_is_refused(store,
         return
     r, got = _restored(root)
     assert r.step == 3 and _genuine(got, 3)
+
+
+def test_missing_base_folder_named(tmp_path, monkeypatch):
+    """LAYERCKPT_SHM naming a folder that does not exist: the Checkpointer refuses to open, naming the variable
+    and the folder, and the store's disk is untouched (nothing committed is at risk)."""
+    gone = tmp_path / "no-such-base"
+    monkeypatch.setenv("LAYERCKPT_SHM", str(gone))
+    with pytest.raises(CheckpointError) as e:
+        layerckpt.Checkpointer(tmp_path / "ck2", tiny(), config=MEM)
+    assert "LAYERCKPT_SHM names an existing folder" in str(e.value) and str(gone) in str(e.value)
+    assert not gone.exists()

@@ -412,7 +412,7 @@ class Tier:
             raise CheckpointError(
                 f"the {self.kind} tier {self.store.url} cannot be written: {type(e).__name__}: {e}; check "
                 + ("Config.remote and Config.remote_options (bucket, credentials, endpoint_url)"
-                   if self.kind == "remote" else "that /dev/shm is writable")) from None
+                   if self.kind == "remote" else _shm_hint(self.store.root))) from None
         if good:
             n = _store.newest(good)
             self.newest = (good[n].seq, good[n].step)
@@ -705,3 +705,12 @@ def _as_write_error(e: BaseException, tier: Tier, step: int) -> CheckpointWriteE
         detail=f"copying the composite of step {step} to the {tier.kind} tier {tier.store.url} failed "
                f"({type(e).__name__}: {e}); the local checkpoint is committed and intact, and the next save "
                f"retries the copy")
+
+
+def _shm_hint(root: str) -> str:
+    """What to check where the memory tier's folder ``root`` could not be made: its base folder, named by
+    where it came from."""
+    base = os.path.dirname(root)
+    if os.environ.get("LAYERCKPT_SHM"):
+        return f"that LAYERCKPT_SHM names an existing folder this user can write ({base})"
+    return f"that {base} is writable, or name another base folder in LAYERCKPT_SHM"
