@@ -223,6 +223,46 @@ def test_a_slow_remote_gets_encoded_copies_while_the_disk_gets_raw_bytes(tmp_pat
         assert_same_optimizer_state(fopt.state_dict(), states[step][1])
 
 
+def test_a_remote_copy_carrying_an_encoded_file_keeps_the_newer_versions_of_its_tensors(tmp_path):
+    """A composite that carries a file the remote holds as an encoded copy (a layer not written since) takes from
+    that copy only the tensors it still reads there: a tensor of the file written again since stays the newer
+    file's. (Each remote copy below carries the third save's file, encoded, for the second layer, while the first layer is
+    newer each time and goes raw; were every tensor of the old copy taken, the first layer would name the third
+    save's bytes under a newer step, and the tier's manifest would be refused.)"""
+    url = "file://" + str(tmp_path / "remote")
+    cfg = layerckpt.Config(keep_last=0, remote=url)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    states = {}
+    with layerckpt.Checkpointer(tmp_path / "ck", model, config=cfg) as ck:
+        _fixed(ck, 20e9)
+        tc = ck._tiers.tiers[0].transcoder
+        tc.sink.cap = 1e3  # a remote taken for 1 kB/s: every copy once estimated is encoded
+        for step in range(1, 8):
+            with torch.no_grad():  # the first three saves write both layers (the third encoded: the first two
+                # measure the encoder), later ones only the first layer
+                for p in (model.parameters() if step <= 3 else model[0].parameters()):
+                    p.add_(torch.randn_like(p) * 1e-2)
+            ck.save(step).wait()
+            ck.wait()  # the remote copy too: raises where it failed
+            states[step] = copy.deepcopy(model.state_dict())
+            if step == 3:  # from now on the remote is fast: the newer files go raw, the third stays encoded
+                tc.sink.cap, tc.sink._bytes, tc.sink._seconds = None, 20e9, 1.0
+                tc.sink.observe = lambda *a: None
+        assert tc.encoded_bytes > 0
+    assert all(t["enc"] for k, t in _manifest(tmp_path / "remote", 3)["tensors"].items() if k.startswith("model/"))
+    for step in range(4, 8):
+        rm = _manifest(tmp_path / "remote", step)
+        assert rm["layers"]["1"]["step"] == 3 and rm["layers"]["0"]["step"] == step
+        assert not any(t["enc"] for k, t in rm["tensors"].items() if k.startswith("model/0."))  # raw, newer
+        assert all(rm["files"][t["file"]]["step"] == rm["layers"][k.split("/")[1].split(".")[0]]["step"]
+                   for k, t in rm["tensors"].items() if k.startswith("model/")), step
+    for step in (4, 7):  # restored from the remote alone, bit for bit
+        fresh = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+        layerckpt.restore(url, fresh, step=step)
+        assert_same_tensors(fresh.state_dict(), states[step])
+
+
 def test_a_remote_is_timed_on_its_uploads_not_on_the_encoding_before_them(tmp_path, monkeypatch):
     """The remote's rate is its bytes over the time an upload ran: were the encoding of its copies counted
     in, a slow encoder would make the remote look slow, which makes encoding look more worth it."""

@@ -295,6 +295,8 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
         if transcoder is not None:  # what the tier decided for the files it copied now, and why
             d["coding"] = {where[f]: rec for f, rec in transcoder.coding.items() if f in where} or None
         body = json.dumps(head_first(d), separators=(",", ":"), allow_nan=True).encode()
+        # validated as a reader will, before it is committed: a manifest the tier would refuse is never written
+        committed = Manifest.from_dict(json.loads(body), store.where(MANIFESTS, name))
         store.put_bytes(MANIFESTS, name, body)  # the tier's commit point: every file it names is whole
     except BaseException:
         if transcoder is not None:
@@ -303,7 +305,7 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
     if transcoder is not None:
         transcoder.committed(m, d)
     _faults.point("tier.committed")
-    good[name] = Manifest.from_dict(d, store.where(MANIFESTS, name))
+    good[name] = committed
     retain(store, good, bad, keep_last, pinned)
     if placed is not None:
         for f in [f for f in placed if f not in where]:

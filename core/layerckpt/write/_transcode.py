@@ -267,7 +267,9 @@ def _upload_then_remove(upload: Callable[[str, str], None], path: str, name: str
 
 def apply(d: Dict[str, Any], copies: Dict[str, Done], where: Dict[str, str], m: Manifest) -> None:
     """The tier's manifest ``d`` (``_tiers.renamed``), with each transcoded local file's copy: its parts in
-    place of the file, its tensors' encoded entries, and every file a reference of them lives in listed."""
+    place of the file, the encoded entries of the tensors ``m`` reads from it, and every file a reference of them
+    lives in listed.  A copy made for an older composite may hold tensors ``m`` reads from a newer file (a layer
+    written again since): those keep the newer file's entries."""
     from ..format._manifest import plain
 
     for f, (names, entries, sizes) in copies.items():
@@ -277,6 +279,9 @@ def apply(d: Dict[str, Any], copies: Dict[str, Done], where: Dict[str, str], m: 
         for name in names:
             d["files"][name] = {**fe, "size": sizes[name]}
         for k, e in entries.items():
+            t = m.tensors.get(k)
+            if t is None or t.file != f:
+                continue
             d["tensors"][k] = plain(e)
             ref = e.enc.get("ref") if e.enc else None
             if ref and ref["file"] not in d["files"]:
