@@ -347,3 +347,20 @@ def test_full_saves_for_a_bases_only_remote_write_every_layer(tmp_path):
             ck.save(step).wait()
     assert _manifest(tmp_path / "ck", 2)["layers"]["h.0"]["step"] == 2  # a base reads no older file
     assert (tmp_path / "remote" / "manifests" / "step-00000002.json").exists()
+
+
+def test_a_tier_copy_refused_for_no_system_error_does_not_say_input_output_error():
+    """A tier copy that failed for a reason of the library's own (a manifest refused, a checksum) is reported as
+    that reason, not as an I/O error of the system's; one the system gave keeps the system's words."""
+    from types import SimpleNamespace
+
+    from layerckpt.errors import CheckpointCorruptError
+    from layerckpt.tiers._tiers import _as_write_error
+
+    tier = SimpleNamespace(kind="remote", store=SimpleNamespace(url="file:///r"))
+    e = _as_write_error(CheckpointCorruptError("manifest m: tensor t is another version"), tier, 4)
+    assert str(e).startswith("checkpoint write failed (file:///r); copying the composite of step 4 to the remote "
+                             "tier file:///r failed (CheckpointCorruptError: manifest m: tensor t is another version)")
+    assert "Input/output error" not in str(e)
+    e = _as_write_error(OSError(28, "No space left on device", "/r/data/x"), tier, 4)
+    assert str(e).startswith("checkpoint write failed: No space left on device (/r/data/x); free space")

@@ -21,8 +21,10 @@ class ConfigError(CheckpointError, ValueError):
 class CheckpointWriteError(CheckpointError, OSError):
     """A flush failed: disk full, I/O error, permission.  Earlier checkpoints are intact."""
 
-    def __init__(self, err: int, path: Optional[str], detail: str = ""):
-        msg = f"checkpoint write failed: {os.strerror(err)}"
+    def __init__(self, err: int, path: Optional[str], detail: str = "", system: bool = True):
+        # system: ``err`` is what the system said; else a stand-in for a failure that was not the system's, whose
+        # text says nothing true of it (``detail`` says what it was)
+        msg = f"checkpoint write failed: {os.strerror(err)}" if system else "checkpoint write failed"
         if path:
             msg += f" ({path})"
         if err in (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG):

@@ -702,8 +702,9 @@ def claim_identity(root: str, remotes: List) -> str:
 
 def _as_write_error(e: BaseException, tier: Tier, step: int) -> CheckpointWriteError:
     where = getattr(e, "filename", None) or tier.store.url
+    err = getattr(e, "errno", None)
     return CheckpointWriteError(
-        getattr(e, "errno", None) or errno.EIO, str(where),
+        err or errno.EIO, str(where), system=bool(err),
         detail=f"copying the composite of step {step} to the {tier.kind} tier {tier.store.url} failed "
                f"({type(e).__name__}: {e}); the local checkpoint is committed and intact, and the next save "
                f"retries the copy")
