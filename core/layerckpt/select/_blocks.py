@@ -2,10 +2,18 @@
 
 A batch touches few rows of a large embedding table, so most of the table barely
 moves between checkpoints.  Each table (the weight of an ``nn.Embedding`` or
-``nn.EmbeddingBag``, tied heads included, at least two blocks big) is cut into
-blocks of ``Config.row_block_bytes`` worth of rows, and each block, with the same
-rows of its optimizer state (every state tensor of the table's shape), is a layer
-of its own: the selection persists only the blocks whose rows moved enough.
+``nn.EmbeddingBag`` at least two blocks big) is cut into blocks of
+``Config.row_block_bytes`` worth of rows, and each block, with the same rows of its
+optimizer state (every state tensor of the table's shape), is a layer of its own:
+the selection persists only the blocks whose rows moved enough.
+
+A table tied to an output layer (a language model's head) is not cut: through the
+softmax every row of it gets a gradient at every step, and Adam moves each element by
+about the learning rate whatever that gradient's size, so the rows of tokens no batch
+holds move as fast as the others.  Left stale, such rows kept shifting the training
+long after a restore whose first-order cost was within the fidelity budget
+(docs/selection.md: a fine-tune 0.17-0.71% off ten to forty steps later, 0.00-0.06%
+with the table whole).
 
 A block is stored as a tensor of its own, keyed ``<tensor key>#rows=<a>:<b>``; the
 manifest's ``blocks`` names every table stored so (dtype, shape, row ranges), and
@@ -23,14 +31,16 @@ from ..format._layout import DTYPES
 from ..format._manifest import MODEL, OPTIM, RowBlocks, piece_key
 
 def table_names(model: torch.nn.Module, block_bytes: int) -> Dict[str, int]:
-    """State_dict names of the embedding tables worth cutting -> rows per block.  Every name of a tied
-    table is listed (the checkpoint names it once, under whichever comes first)."""
+    """State_dict names of the embedding tables worth cutting -> rows per block; a table that is also another
+    module's parameter (a tied head) is not one."""
     if block_bytes <= 0:
         return {}
     out: Dict[str, int] = {}
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
+    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, kinds)}
+    tied = {id(p) for m in model.modules() if not isinstance(m, kinds) for p in m.parameters(recurse=False)}
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) not in tables or p.dim() != 2 or p.shape[0] < 2:
+        if id(p) not in tables or id(p) in tied or p.dim() != 2 or p.shape[0] < 2:
             continue
         row = p.shape[1] * p.element_size()
         rows = max(1, block_bytes // max(row, 1))
