@@ -36,9 +36,12 @@ def table_names(model: torch.nn.Module, block_bytes: int) -> Dict[str, int]:
     if block_bytes <= 0:
         return {}
     out: Dict[str, int] = {}
-    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, kinds)}
-    tied = {id(p) for m in model.modules() if not isinstance(m, kinds) for p in m.parameters(recurse=False)}
+    tables, tied = set(), set()  # one walk of the modules (this runs at every selective save)
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            tables.add(id(m.weight))
+        else:
+            tied.update(id(p) for p in m.parameters(recurse=False))
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in tables or id(p) in tied or p.dim() != 2 or p.shape[0] < 2:
             continue

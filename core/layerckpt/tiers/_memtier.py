@@ -20,9 +20,22 @@ from typing import Optional
 SHM = "/dev/shm"
 
 
+def _base() -> str:
+    """The folder memory tiers live in: ``LAYERCKPT_SHM``, else /dev/shm."""
+    return os.environ.get("LAYERCKPT_SHM") or SHM
+
+
+def base_hint() -> str:
+    """What to check where a memory tier's folder could not be made: its base folder, named by where it came
+    from."""
+    if os.environ.get("LAYERCKPT_SHM"):
+        return f"that LAYERCKPT_SHM names an existing folder this user can write ({_base()})"
+    return f"that {SHM} is writable, or name another base folder in LAYERCKPT_SHM"
+
+
 def memory_path(root: str) -> str:
     """Where the memory tier of the checkpoint directory ``root`` lives."""
-    base = os.environ.get("LAYERCKPT_SHM") or SHM
+    base = _base()
     digest = hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:16]
     return os.path.join(base, f"layerckpt-{digest}")
 

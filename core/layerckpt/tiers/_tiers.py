@@ -33,7 +33,7 @@ from ..write import _commit, _retain
 from ..format import _store
 from ..format._json import loads_strict
 from ..format._manifest import Manifest, head_first
-from ._memtier import make_private, memory_path
+from ._memtier import base_hint, make_private, memory_path
 from ._remote import DATA, MANIFESTS, FsspecStore, LocalStore
 from ..config import REMOTE_BASES, Config
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointWriteError
@@ -295,8 +295,8 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
         if transcoder is not None:  # what the tier decided for the files it copied now, and why
             d["coding"] = {where[f]: rec for f, rec in transcoder.coding.items() if f in where} or None
         body = json.dumps(head_first(d), separators=(",", ":"), allow_nan=True).encode()
-        # validated as a reader will, before it is committed: a manifest the tier would refuse is never written
-        committed = Manifest.from_dict(json.loads(body), store.where(MANIFESTS, name))
+        # validated before it is committed: a manifest the tier would refuse is never written
+        committed = Manifest.from_dict(d, store.where(MANIFESTS, name))
         store.put_bytes(MANIFESTS, name, body)  # the tier's commit point: every file it names is whole
     except BaseException:
         if transcoder is not None:
@@ -414,7 +414,7 @@ class Tier:
             raise CheckpointError(
                 f"the {self.kind} tier {self.store.url} cannot be written: {type(e).__name__}: {e}; check "
                 + ("Config.remote and Config.remote_options (bucket, credentials, endpoint_url)"
-                   if self.kind == "remote" else _shm_hint(self.store.root))) from None
+                   if self.kind == "remote" else base_hint())) from None
         if good:
             n = _store.newest(good)
             self.newest = (good[n].seq, good[n].step)
@@ -709,11 +709,3 @@ def _as_write_error(e: BaseException, tier: Tier, step: int) -> CheckpointWriteE
                f"({type(e).__name__}: {e}); the local checkpoint is committed and intact, and the next save "
                f"retries the copy")
 
-
-def _shm_hint(root: str) -> str:
-    """What to check where the memory tier's folder ``root`` could not be made: its base folder, named by
-    where it came from."""
-    base = os.path.dirname(root)
-    if os.environ.get("LAYERCKPT_SHM"):
-        return f"that LAYERCKPT_SHM names an existing folder this user can write ({base})"
-    return f"that {base} is writable, or name another base folder in LAYERCKPT_SHM"
