@@ -245,10 +245,13 @@ def test_native_and_python_planes_agree(monkeypatch):
     if _planes._NATIVE is None:  # both sides would be the Python planes: nothing to compare
         pytest.skip("native module layerckpt.io._uring (with planes) not built")
     g = torch.Generator().manual_seed(3)
-    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.uint8):
-        a = _bits((torch.randn(4096, generator=g) * 100).to(dtype))
-        b = _bits((torch.randn(4096, generator=g) * 100).to(dtype))
-        es = a.size // 4096
+    # sizes off the native loops' 16 elements (their scalar tails), and a start off any vector alignment
+    for dtype, n, skip in ((torch.float32, 4096, 0), (torch.bfloat16, 4096, 0), (torch.float64, 4096, 0),
+                           (torch.uint8, 4096, 0), (torch.float32, 4109, 1), (torch.float16, 1037, 3),
+                           (torch.float32, 5, 0), (torch.bfloat16, 15, 1)):
+        a = _bits((torch.randn(n + skip, generator=g) * 100).to(dtype)[skip:])
+        b = _bits((torch.randn(n + skip, generator=g) * 100).to(dtype)[skip:])
+        es = a.size // n
         native = [_planes.plane_bytes(a, ref, es) for ref in (None, b)]
         monkeypatch.setattr(_planes, "_NATIVE", None)
         python = [_planes.plane_bytes(a, ref, es) for ref in (None, b)]

@@ -29,7 +29,7 @@ import numpy as np
 
 from ._planes import from_planes, plane_bytes
 from ._qblock import QDELTA, QMOM, QSQ, decode as _qblock_decode
-from ._zstd import LEVEL, PAYS as _PAYS, bad as _bad, compressor as _compressor, inflate as _inflate
+from ._zstd import PAYS as _PAYS, bad as _bad, compressor as _compressor, inflate as _inflate
 
 CODEC = "lc1"  # the manifest's name for this encoding
 BLOCK = 1 << 20  # raw bytes per block at most
