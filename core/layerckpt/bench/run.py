@@ -160,7 +160,8 @@ def format_table(res: Dict[str, Any]) -> str:
         verdict = ("encoding keeps up with the disk" if c["gbps"] > disk else
                    "encoded saves are durable later than raw ones here (Config.encoding 'auto' writes raw what "
                    "does not pay)")
-        lines += ["", f"byte-shuffle + zstd (level 1, all cores, no delta) on {c['sample_bytes'] / 1e6:.0f} MB of the "
+        what = c.get("what", "byte-shuffle + zstd (level 1, all cores, no delta)")  # runs before 8f5f6db
+        lines += ["", f"{what} on {c['sample_bytes'] / 1e6:.0f} MB of the "
                   f"state: {c['gbps']:.2f} GB/s, {c['ratio']:.2f}x smaller; the disk writes {disk:.2f} GB/s: {verdict}"]
     lc = res["runs"].get("layerckpt")
     if lc:
