@@ -116,11 +116,19 @@ def test_bench_tiny_json(tmp_path):
 
 def test_bench_restore_tiny_json(tmp_path):
     r = subprocess.run([sys.executable, "-m", "layerckpt.cli", "bench", "--restore", "--sizes", "2MB", "--reps", "1",
-                        "--cache", "warm", "--dir", str(tmp_path), "--json"], capture_output=True, text=True,
+                        "--cache", "warm,files", "--dir", str(tmp_path), "--json"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
-    (row,) = json.loads(r.stdout)["sizes"]
-    assert set(row["seconds"]["warm"]) == {"layerckpt", "torch.load", "dcp.load"}
+    res = json.loads(r.stdout)
+    (row,) = res["sizes"]
+    assert set(row["seconds"]) == set(row["major_faults"]) == {"warm", "files"}
+    assert set(row["seconds"]["warm"]) == set(row["seconds"]["files"]) == {"layerckpt", "torch.load", "dcp.load"}
+    assert all(len(n) == 1 and isinstance(n[0], int) and n[0] >= 0
+               for per in row["major_faults"].values() for n in per.values())
+    from layerckpt.bench.restore import format_table
+
+    table = format_table(res)
+    assert "2MB files:" in table and "major page faults in the timed load" in table
     secs = row["seconds"]["warm"]
     assert all(len(ts) == 1 and ts[0] > 0 for ts in secs.values())
     assert row["bit_exact"]["layerckpt"] is True

@@ -33,7 +33,7 @@ USES: Dict[str, Tuple[str, ...]] = {
 #: the defaults :func:`check` fills in for the mode that runs
 DEFAULTS = {"preset": "gpt2-small", "reps": 3, "size": "gpt2-small", "nproc": 2, "steps_n": 6, "steps_every": 1,
             "steps_rounds": 2,
-            "sizes": "10MB,50MB,200MB,gpt2-small", "cache": "warm,cold", "cpu_models": "main,gpt2-small",
+            "sizes": "10MB,50MB,200MB,gpt2-small", "cache": "warm,files,cold", "cpu_models": "main,gpt2-small",
             "mtbf": "60", "through": "core", "goodput_steps": 300, "failure": "crash,node", "seed": 0, "cadences": "10,25,50",
             "restarts": "fresh"}
 #: where a mode's default differs from DEFAULTS'
@@ -89,7 +89,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="instead: lightning_layerckpt.LayerCheckpointIO against Lightning's TorchCheckpointIO and "
                         "AsyncCheckpointIO on a Trainer's checkpoint dict (time blocked, time to durable)")
     a.add_argument("--restore", action="store_true",
-                   help="instead: resume time by checkpoint size (fresh process, warm and cold page cache) "
+                   help="instead: resume time by checkpoint size (fresh process; warm, files-cold, cold page cache) "
                         "against torch.load + load_state_dict and dcp.load")
     a.add_argument("--steps", action="store_true",
                    help="instead: step time of a training loop with a checkpoint after every step: layerckpt "
@@ -113,7 +113,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "the one before, the disk settled before each contender (default: 2)")
     a.add_argument("--sizes", help="with --restore: comma-separated state sizes (e.g. 10MB) and/or gpt2-small "
                                    "(default: 10MB,50MB,200MB,gpt2-small)")
-    a.add_argument("--cache", help="with --restore: page-cache conditions, warm and/or cold (default: warm,cold)")
+    a.add_argument("--cache", help="with --restore: page-cache conditions, of warm (the files read once before), "
+                   "files (the checkpoint's files dropped from the page cache, as after a crash) and cold "
+                   "(drop_caches: code not yet run read from the disk too, as after a reboot) (default: all three)")
     a.add_argument("--goodput", action="store_true",
                    help="instead: a training job (plain loop and Lightning) SIGKILLed at failure times drawn with mean "
                         "--mtbf and restarted until done, per contender (layerckpt, its mtbf= interval, "

@@ -11,10 +11,17 @@ script does, and times only the load calls:
 * torch.load: ``torch.load(f, weights_only=True)`` + ``model.load_state_dict`` + ``opt.load_state_dict``
 * dcp.load: ``get_state_dict`` (it creates the optimizer state DCP loads into) + ``dcp.load`` + ``set_state_dict``
 
-Two page-cache conditions, both set up inside the child once the model is
+Three page-cache conditions, each set up inside the child once the model is
 built, right before the timed call: warm (every file of that contender's
-checkpoint read once in 8 MiB pieces) and cold (``os.sync()``, then ``3`` into
-``/proc/sys/vm/drop_caches``; skipped, and said so, where that is refused).
+checkpoint read once in 8 MiB pieces); files (only that checkpoint's files
+dropped from the page cache: fsync, then ``posix_fadvise(DONTNEED)``, as after
+a crash, where the new process finds torch's and Python's code in the page
+cache, the previous process having run it); cold (``os.sync()``, then ``3``
+into ``/proc/sys/vm/drop_caches``, as after a reboot: whatever code the load
+runs that this process has not run yet is read from the disk too, a page fault
+at a time; skipped, and said so, where that is refused).  The child counts the
+major page faults of the timed call (``ru_majflt``): pages of code or of mapped
+files read from the disk, which the files condition should show near 0.
 Repeats are interleaved: repeat 1 of every contender, then repeat 2, the
 contenders' order rotated each repeat.
 """
@@ -24,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +46,7 @@ from .models import GPT, GPTConfig
 from .machine import machine
 
 CONTENDERS = ("layerckpt", "torch.load", "dcp.load")
+CONDITIONS = ("warm", "files", "cold")
 SIZES = ("10MB", "50MB", "200MB", "gpt2-small")
 PIECE = 8 << 20
 
@@ -199,25 +208,33 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     for name in ("torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "layerckpt.restore"):
         importlib.import_module(name)  # what a resuming script has imported before it loads
+    import resource
+
+    from .cases import drop_cache
+
     model, opt = build(spec["model"], seed=1, step=False)
     if spec["cache"] == "cold":
         why = drop_caches()
         if why:
             raise SystemExit(why)
+    elif spec["cache"] == "files":
+        drop_cache(spec["path"])
     else:
         warm(spec["path"])
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     t0 = time.perf_counter()
     load(spec["kind"], spec["path"], model, opt)
-    return {"seconds": time.perf_counter() - t0}
+    return {"seconds": time.perf_counter() - t0,
+            "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults}
 
 
-def timed_resume(kind: str, path: str, cfg: Dict[str, int], cache: str) -> float:
+def timed_resume(kind: str, path: str, cfg: Dict[str, int], cache: str) -> Dict[str, float]:
     spec = json.dumps({"kind": kind, "path": path, "model": cfg, "cache": cache})
     r = subprocess.run([sys.executable, "-m", "layerckpt.bench.restore", "--child", spec],
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{kind} ({cache}) resume failed:\n{r.stderr.strip()[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])["seconds"]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # ---------------------------------------------------------------- the run
@@ -227,7 +244,7 @@ def _bytes_on_disk(path: str) -> int:
 
 
 def run(sizes: Sequence[str] = SIZES, reps: int = 3, dirpath: Optional[str] = None,
-        conditions: Sequence[str] = ("warm", "cold")) -> Dict[str, Any]:
+        conditions: Sequence[str] = CONDITIONS) -> Dict[str, Any]:
     conditions = list(conditions)
     res: Dict[str, Any] = {"machine": machine(), "reps": reps, "conditions": conditions, "sizes": []}
     if "cold" in conditions:
@@ -260,13 +277,16 @@ def _one_size(size: str, reps: int, root: str, conditions: List[str]) -> Dict[st
             "bytes": {k: _bytes_on_disk(p) for k, p in paths.items()},
             "bit_exact": {k: bit_exact(saved, k, p, cfg) for k, p in paths.items()},
             "seconds": {c: {k: [] for k in CONTENDERS} for c in conditions},
+            "major_faults": {c: {k: [] for k in CONTENDERS} for c in conditions},
         }
         del saved
         for cond in conditions:
             for i in range(reps):
                 order = CONTENDERS[i % 3:] + CONTENDERS[:i % 3]
                 for kind in order:
-                    row["seconds"][cond][kind].append(timed_resume(kind, paths[kind], cfg, cond))
+                    got = timed_resume(kind, paths[kind], cfg, cond)
+                    row["seconds"][cond][kind].append(got["seconds"])
+                    row["major_faults"][cond][kind].append(got["major_faults"])
         row["summary"] = {c: {k: summary(ts) for k, ts in per.items()} for c, per in row["seconds"].items()}
         row["ratios"] = {c: {f"{k}/ours": s[k]["median"] / s["layerckpt"]["median"] for k in CONTENDERS[1:]}
                          for c, s in row["summary"].items()}
@@ -300,6 +320,11 @@ def format_table(res: Dict[str, Any]) -> str:
             head = f"{r['size']:<12}{r['state_bytes'] / 1e6:>9.1f}" if j == 0 else " " * 21
             lines.append(f"{head} {cond:<6}{cells}{q['torch.load/ours']:>11.2f}x{q['dcp.load/ours']:>9.2f}x"
                          f"  {exact if j == 0 else ''}")
+    faults = [f"{r['size']} {cond}: " + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in per.items())
+              for r in res["sizes"] for cond, per in (r.get("major_faults") or {}).items()]
+    if faults:  # runs before the files condition did not count them
+        lines += ["", "major page faults in the timed load, medians (code or mapped pages read from the disk): "
+                  + "; ".join(faults)]
     lines += ["", "ratios are medians: >1 means layerckpt resumes faster; files on disk (MB): " + "; ".join(
         f"{r['size']}: " + ", ".join(f"{k} {b / 1e6:.1f}" for k, b in r["bytes"].items()) for r in res["sizes"])]
     return "\n".join(lines)
@@ -311,10 +336,10 @@ def main(args) -> int:
     for s in sizes:
         if s != "gpt2-small":
             _parse_bytes(s)
-    cache = getattr(args, "cache", None) or "warm,cold"
+    cache = getattr(args, "cache", None) or ",".join(CONDITIONS)
     conditions = [c.strip() for c in cache.split(",") if c.strip()]
-    if not conditions or set(conditions) - {"warm", "cold"}:
-        raise SystemExit(f"--cache: {cache!r}; warm, cold or warm,cold")
+    if not conditions or set(conditions) - set(CONDITIONS):
+        raise SystemExit(f"--cache: {cache!r}; a comma-separated list of {', '.join(CONDITIONS)}")
     res = run(sizes, max(1, args.reps), args.dir, conditions)
     print(json.dumps(res) if args.json else format_table(res), flush=True)
     return 0
@@ -325,7 +350,7 @@ if __name__ == "__main__":
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", metavar="JSON", help="one timed resume (used by the bench itself)")
     p.add_argument("--sizes", default=",".join(SIZES))
-    p.add_argument("--cache", default="warm,cold")
+    p.add_argument("--cache", default=",".join(CONDITIONS))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default=None)
     p.add_argument("--json", action="store_true")
