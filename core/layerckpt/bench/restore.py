@@ -17,11 +17,10 @@ checkpoint read once in 8 MiB pieces); files (only that checkpoint's files
 dropped from the page cache: fsync, then ``posix_fadvise(DONTNEED)``, as after
 a crash, where the new process finds torch's and Python's code in the page
 cache, the previous process having run it); cold (``os.sync()``, then ``3``
-into ``/proc/sys/vm/drop_caches``, as after a reboot: whatever code the load
-runs that this process has not run yet is read from the disk too, a page fault
-at a time; skipped, and said so, where that is refused).  The child counts the
-major page faults of the timed call (``ru_majflt``): pages of code or of mapped
-files read from the disk, which the files condition should show near 0.
+into ``/proc/sys/vm/drop_caches``, as after a reboot, with the kernel's caches
+of everything else dropped too; skipped, and said so, where that is refused).
+The child counts the major page faults of the timed call (``ru_majflt``: pages
+of code or of mapped files read from the disk).
 Repeats are interleaved: repeat 1 of every contender, then repeat 2, the
 contenders' order rotated each repeat.
 """
