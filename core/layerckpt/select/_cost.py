@@ -16,10 +16,11 @@ previous version), from the encodes the saves make and, for kinds written raw, f
 (:class:`Probes`): a few hundred KiB of one tensor of the kind, encoded off the save's path, every
 ``PROBE_EVERY`` saves once the first ``WARM`` are in.  ``B`` is measured on the sink's own writes.
 
-On this project's machine (2 cores, an NVMe-class disk writing ~2 GB/s, the encoder ~0.3-0.6 GB/s a thread)
-dense fp32 state never pays locally: even an infinite ratio saves less disk time than the encoder takes.
-What pays is what encodes far faster than that: tensors that did not change (a delta of zeros), a frozen
-layer that moved a little, sparse row updates, and any kind of state bound for a slow remote.
+On this project's machine (2 cores, an NVMe-class disk writing 1.5-3 GB/s, the encoder 1-2 GB/s a thread)
+dense fp32 state does not pay locally: at the 1.2-1.4x it codes to, a delta spares 0.1-0.15 ns of disk time
+per byte where encoding it costs 0.5-1 ns of CPU.  What pays is what codes far smaller or faster than that:
+tensors that did not change (a delta of zeros), a frozen layer that moved a little, sparse row updates, and
+any kind of state bound for a slow remote (at 100 MB/s every kind of AdamW state pays).
 """
 from __future__ import annotations
 
