@@ -105,46 +105,43 @@ static void unplanes1(const unsigned char *planes, unsigned char *out, size_t n,
 #define LD(p) _mm_loadu_si128((const __m128i *)(p))
 #define ST(p, v) _mm_storeu_si128((__m128i *)(p), (v))
 
+/* One round of byte interleaves over four registers, in place: (v0 v1) and (v2 v3) each unpacked low and high. */
+static inline void interleave8(__m128i v[4])
+{
+	__m128i t0 = _mm_unpacklo_epi8(v[0], v[1]), t1 = _mm_unpackhi_epi8(v[0], v[1]);
+	__m128i t2 = _mm_unpacklo_epi8(v[2], v[3]), t3 = _mm_unpackhi_epi8(v[2], v[3]);
+
+	v[0] = t0;
+	v[1] = t1;
+	v[2] = t2;
+	v[3] = t3;
+}
+
 static int planes4(const unsigned char *raw, const unsigned char *ref, unsigned char *out, size_t m)
 {
 	__m128i any = _mm_setzero_si128();
 	size_t i;
+	int j;
 
 	for (i = 0; i + 16 <= m; i += 16) {
-		const unsigned char *r = raw + 4 * i;
-		__m128i a = LD(r), b = LD(r + 16), c = LD(r + 32), d = LD(r + 48);
-		__m128i t0, t1, t2, t3;
+		__m128i v[4];
 
-		if (ref) {
-			const unsigned char *f = ref + 4 * i;
-
-			a = _mm_sub_epi32(a, LD(f));
-			b = _mm_sub_epi32(b, LD(f + 16));
-			c = _mm_sub_epi32(c, LD(f + 32));
-			d = _mm_sub_epi32(d, LD(f + 48));
-			a = _mm_xor_si128(_mm_slli_epi32(a, 1), _mm_srai_epi32(a, 31));
-			b = _mm_xor_si128(_mm_slli_epi32(b, 1), _mm_srai_epi32(b, 31));
-			c = _mm_xor_si128(_mm_slli_epi32(c, 1), _mm_srai_epi32(c, 31));
-			d = _mm_xor_si128(_mm_slli_epi32(d, 1), _mm_srai_epi32(d, 31));
+		for (j = 0; j < 4; j++) {
+			v[j] = LD(raw + 4 * i + 16 * j);
+			if (ref) {
+				v[j] = _mm_sub_epi32(v[j], LD(ref + 4 * i + 16 * j));
+				v[j] = _mm_xor_si128(_mm_slli_epi32(v[j], 1), _mm_srai_epi32(v[j], 31));
+			}
+			any = _mm_or_si128(any, v[j]);
 		}
-		any = _mm_or_si128(any, _mm_or_si128(_mm_or_si128(a, b), _mm_or_si128(c, d)));
 		/* three rounds of byte interleaves and one of 64-bit halves: 16 elements x 4 bytes -> 4 planes x 16 */
-		t0 = _mm_unpacklo_epi8(a, b);
-		t1 = _mm_unpackhi_epi8(a, b);
-		t2 = _mm_unpacklo_epi8(c, d);
-		t3 = _mm_unpackhi_epi8(c, d);
-		a = _mm_unpacklo_epi8(t0, t1);
-		b = _mm_unpackhi_epi8(t0, t1);
-		c = _mm_unpacklo_epi8(t2, t3);
-		d = _mm_unpackhi_epi8(t2, t3);
-		t0 = _mm_unpacklo_epi8(a, b);
-		t1 = _mm_unpackhi_epi8(a, b);
-		t2 = _mm_unpacklo_epi8(c, d);
-		t3 = _mm_unpackhi_epi8(c, d);
-		ST(out + i, _mm_unpacklo_epi64(t0, t2));
-		ST(out + m + i, _mm_unpackhi_epi64(t0, t2));
-		ST(out + 2 * m + i, _mm_unpacklo_epi64(t1, t3));
-		ST(out + 3 * m + i, _mm_unpackhi_epi64(t1, t3));
+		interleave8(v);
+		interleave8(v);
+		interleave8(v);
+		ST(out + i, _mm_unpacklo_epi64(v[0], v[2]));
+		ST(out + m + i, _mm_unpackhi_epi64(v[0], v[2]));
+		ST(out + 2 * m + i, _mm_unpacklo_epi64(v[1], v[3]));
+		ST(out + 3 * m + i, _mm_unpackhi_epi64(v[1], v[3]));
 	}
 	any = _mm_or_si128(any, _mm_srli_si128(any, 8));
 	any = _mm_or_si128(any, _mm_srli_si128(any, 4));

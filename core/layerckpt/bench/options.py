@@ -115,7 +115,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "(default: 10MB,50MB,200MB,gpt2-small)")
     a.add_argument("--cache", help="with --restore: page-cache conditions, of warm (the files read once before), "
                    "files (the checkpoint's files dropped from the page cache, as after a crash) and cold "
-                   "(drop_caches: code not yet run read from the disk too, as after a reboot) (default: all three)")
+                   "(drop_caches: every cache of the machine dropped, as after a reboot) (default: all three)")
     a.add_argument("--goodput", action="store_true",
                    help="instead: a training job (plain loop and Lightning) SIGKILLed at failure times drawn with mean "
                         "--mtbf and restarted until done, per contender (layerckpt, its mtbf= interval, "

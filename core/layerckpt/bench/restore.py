@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -40,7 +41,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .cases import summary
+from .cases import drop_cache, summary
 from .models import GPT, GPTConfig
 from .machine import machine
 
@@ -207,10 +208,6 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     for name in ("torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "layerckpt.restore"):
         importlib.import_module(name)  # what a resuming script has imported before it loads
-    import resource
-
-    from .cases import drop_cache
-
     model, opt = build(spec["model"], seed=1, step=False)
     if spec["cache"] == "cold":
         why = drop_caches()
