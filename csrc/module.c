@@ -726,6 +726,43 @@ static PyObject *py_qsq(PyObject *self, PyObject *args)
 	return py_qmoment(args, 1);
 }
 
+PyDoc_STRVAR(qsq_told_doc,
+"qsq_told(ref, bits, lohi, codes, restore) -> None\n--\n\n"
+"QSQREF's codes (layerckpt.format._qblock): the code each fp32 value of ref takes in the grid of each group's\n"
+"[lo, hi] bit patterns (lohi, as qsq writes them), subtracted from the codes (restore false) or added to them\n"
+"(restore true), modulo 2 ** bits, in place (bits 8: a byte each; 4: two a byte, low nibble first).");
+
+static PyObject *py_qsq_told(PyObject *self, PyObject *args)
+{
+	Py_buffer ref, sc, codes;
+	int bits, restore;
+	size_t n, groups;
+
+	if (!PyArg_ParseTuple(args, "y*iy*w*p:qsq_told", &ref, &bits, &sc, &codes, &restore))
+		return NULL;
+	n = (size_t)ref.len / 4;
+	groups = (n + LC_QGROUP - 1) / LC_QGROUP;
+	if (bits != 8 && bits != 4) {
+		PyErr_Format(PyExc_ValueError, "bits must be 8 or 4, not %d", bits);
+		goto fail;
+	}
+	if (check_floats(&ref, "ref", -1) < 0 || check_floats(&sc, "lohi", (Py_ssize_t)(groups * 8)) < 0 ||
+	    check_len(&codes, "codes", (Py_ssize_t)(bits == 8 ? n : (n + 1) / 2)) < 0)
+		goto fail;
+	Py_BEGIN_ALLOW_THREADS
+	lc_qsq_told(ref.buf, n, bits, sc.buf, codes.buf, restore);
+	Py_END_ALLOW_THREADS
+	PyBuffer_Release(&ref);
+	PyBuffer_Release(&sc);
+	PyBuffer_Release(&codes);
+	Py_RETURN_NONE;
+fail:
+	PyBuffer_Release(&ref);
+	PyBuffer_Release(&sc);
+	PyBuffer_Release(&codes);
+	return NULL;
+}
+
 PyDoc_STRVAR(qdelta_doc,
 "qdelta_ss(x, r) -> float or None\n"
 "qdelta(x, r, step, codes, restored) -> (top, emax, esq) or None\n--\n\n"
@@ -980,6 +1017,7 @@ static PyMethodDef module_methods[] = {
 	{"unplanes", py_unplanes, METH_VARARGS, unplanes_doc},
 	{"qmom", py_qmom, METH_VARARGS, qcodes_doc},
 	{"qsq", py_qsq, METH_VARARGS, qcodes_doc},
+	{"qsq_told", py_qsq_told, METH_VARARGS, qsq_told_doc},
 	{"qdelta_ss", py_qdelta_ss, METH_VARARGS, qdelta_doc},
 	{"qdelta", py_qdelta, METH_VARARGS, qdelta_doc},
 	{"crc32c", py_crc32c, METH_VARARGS, crc32c_doc},

@@ -196,6 +196,56 @@ CLONES int lc_qsq(const float *x, size_t n, int bits, int32_t *lohi, unsigned ch
 	return 0;
 }
 
+CLONES void lc_qsq_told(const float *ref, size_t n, int bits, const int32_t *lohi, unsigned char *codes,
+			int restore)
+{
+	const int64_t last = (1 << bits) - 2;
+	const unsigned mask = (1u << bits) - 1u;
+	unsigned char pred[LC_QGROUP];
+	size_t g0, i;
+
+	for (g0 = 0; g0 < n; g0 += LC_QGROUP) {
+		const size_t len = g0 + LC_QGROUP < n ? LC_QGROUP : n - g0;
+		const int64_t lo = lohi[2 * (g0 / LC_QGROUP)], hi = lohi[2 * (g0 / LC_QGROUP) + 1];
+		int64_t s = (hi - lo + last - 1) / last;
+		double ds;
+
+		s = s < 1 ? 1 : s;
+		ds = (double)s;
+		for (i = 0; i < len; i++) {
+			/* floor(a / s) exactly: |a| < 2^33, so the rounded quotient never reaches the next integer */
+			const int64_t p = bits_of(ref[g0 + i]);
+			const int64_t a = p - lo + s / 2;
+			int64_t q = a < 0 ? 0 : (int64_t)((double)a / ds);
+
+			q = q > last ? last : q;
+			pred[i] = p > 0 ? (unsigned char)(q + 1) : 0;
+		}
+		if (bits == 8) {
+			unsigned char *c = codes + g0;
+
+			for (i = 0; i < len; i++)
+				c[i] = (unsigned char)((restore ? c[i] + pred[i] : c[i] - pred[i]) & mask);
+		} else {
+			unsigned char *c = codes + g0 / 2;
+
+			for (i = 0; i + 1 < len; i += 2) {
+				unsigned l = c[i / 2] & 15u, h = c[i / 2] >> 4;
+
+				l = (restore ? l + pred[i] : l - pred[i]) & mask;
+				h = (restore ? h + pred[i + 1] : h - pred[i + 1]) & mask;
+				c[i / 2] = (unsigned char)(l | (h << 4));
+			}
+			if (len & 1) {
+				unsigned l = c[len / 2] & 15u;
+
+				l = (restore ? l + pred[len - 1] : l - pred[len - 1]) & mask;
+				c[len / 2] = (unsigned char)((c[len / 2] & 0xF0u) | l);
+			}
+		}
+	}
+}
+
 CLONES int lc_qdelta_ss(const float *x, const float *r, size_t n, double *ss)
 {
 	double acc = 0.0;

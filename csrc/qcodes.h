@@ -21,6 +21,11 @@ int lc_qmom(const float *x, size_t n, int bits, size_t group, float *scales, uns
 int lc_qsq(const float *x, size_t n, int bits, int32_t *lohi, unsigned char *codes, float *restored,
 	   double stats[3]);
 
+/* Second moments told against a reference (QSQREF): the code each value of ref takes in the groups' [lo, hi]
+ * grid (lohi as lc_qsq's), subtracted from (restore 0) or added to (restore 1) the codes, modulo 2^bits, in
+ * place (bits 8: n bytes, 4: nibbles; a pad nibble is left as it is). */
+void lc_qsq_told(const float *ref, size_t n, int bits, const int32_t *lohi, unsigned char *codes, int restore);
+
 /* A weight's delta against r: *ss = sum of (x - r)^2 (the differences taken in fp32, summed in double). */
 int lc_qdelta_ss(const float *x, const float *r, size_t n, double *ss);
 

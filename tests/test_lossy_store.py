@@ -98,25 +98,33 @@ def _check_moment(entry, saved, got, bits):
 
 def _check_sq(entry, saved, got, bits):
     """In bit patterns: each non-zero value within half a step of its group's range spread over the 2 ** bits - 2
-    steps between its codes; zeros exact."""
+    steps between its codes; zeros exact.  The same bound where the codes are told against the reference's
+    (QSQREF): the reference predicts them, its error never adds to theirs.  Returns the blocks told so."""
     s, g = saved.reshape(-1).numpy().view(np.int32).astype(np.int64), got.reshape(-1).numpy().view(np.int32)
+    told = 0
     for a, n, mode in _blocks(entry):
-        assert mode == _encode.QSQ
+        assert mode in (_encode.QSQ, _encode.QSQREF)
+        told += mode == _encode.QSQREF
         for j in range(a, a + n, GROUP):
             part = s[j:min(j + GROUP, a + n)]
             nz = part > 0
             step = max(1, math.ceil((part[nz].max() - part[nz].min()) / (2 ** bits - 2))) if nz.any() else 1
             diff = np.abs(g[j:j + part.size].astype(np.int64) - part)
             assert (diff[nz] <= step // 2 + 1).all() and (diff[~nz] == 0).all()
+    if told:
+        assert all(b[3] == _encode.QSQ for b in entry["enc"]["ref"]["blocks"]), "its reference is self-contained"
+    return told
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_every_restore_is_within_each_codes_bound_and_errors_never_add_up(tmp_path, bits):
     states = _saves(tmp_path, config=layerckpt.Config(encoding="lossy", full=True, keep_last=0, delta_chain=3,
                                                       lossy_bits=bits))
-    coded = 0
+    coded = told = 0
     for step in states:
         m = _manifest(tmp_path, step)
+        modes = {b[3] for e in m["tensors"].values() if e.get("enc") for b in e["enc"]["blocks"]}
+        assert m["version"] == (6 if _encode.QSQREF in modes else 5)  # a reader of 5 says "upgrade", not "damaged"
         model, opt, report = _restored(tmp_path, step)
         saved_model, saved_opt = states[step]
         for name in ("0.weight", "2.weight", "0.bias", "2.bias"):  # biases of 1 KiB and 512 bytes: coded too
@@ -131,9 +139,11 @@ def test_every_restore_is_within_each_codes_bound_and_errors_never_add_up(tmp_pa
             assert 0.3 < report.quantization[name.split(".")[0]] <= QUANTUM / 2 * 1.01  # within half a quantum
         for i, w in enumerate(("0.weight", "0.bias", "2.weight", "2.bias")):
             _check_moment(m["tensors"][f"optim/{w}/exp_avg"], saved_opt[i]["exp_avg"], opt[i]["exp_avg"], bits)
-            _check_sq(m["tensors"][f"optim/{w}/exp_avg_sq"], saved_opt[i]["exp_avg_sq"], opt[i]["exp_avg_sq"], bits)
+            told += _check_sq(m["tensors"][f"optim/{w}/exp_avg_sq"], saved_opt[i]["exp_avg_sq"],
+                              opt[i]["exp_avg_sq"], bits)
             assert torch.equal(opt[i]["step"], saved_opt[i]["step"])
     assert coded >= 6  # the weights of most saves were coded with loss, not left lossless
+    assert told >= 4  # second moments told against their reference's codes, where that was smaller
     out = subprocess.run([sys.executable, "-m", "layerckpt.cli", "verify", str(tmp_path)], capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stderr
@@ -335,6 +345,38 @@ def test_native_and_numpy_moment_codes_agree_bit_for_bit(monkeypatch, bits):
         x[GROUP + 3] = bad
         assert _numpy_and_native(monkeypatch, lambda: _qblock.encode(code, x.view(np.uint8), None, 2.0, 1, bits)) \
             == (None, None), (code, bad)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_second_moments_told_against_their_reference_restore_their_own_codes(monkeypatch, bits):
+    """QSQREF: the same values restored as QSQ's, in fewer bytes, native and numpy alike; whatever the reference
+    holds (negative, NaN, inf, zeros: it only predicts the codes), and decoded by either path."""
+    g = np.random.default_rng(5)
+    ref = np.abs(_moments(g)) ** 2
+    x = (ref * np.float32(1.02) + np.abs(_moments(g)).astype(np.float32) ** 2 * np.float32(1e-3)).astype(np.float32)
+    hostile = ref.copy()
+    hostile[3::13], hostile[4::17], hostile[6::19] = -1.0, np.nan, np.inf
+    own = _qblock.encode("qsq", x.view(np.uint8), None, 2.0, 1, bits)
+    for r, told in ((ref, True), (hostile, None)):
+        native, python = _numpy_and_native(monkeypatch, lambda: _qblock.encode("qsq", x.view(np.uint8),
+                                                                              r.view(np.uint8), 2.0, 1, bits))
+        assert native[0] == python[0] and native[1] == python[1]
+        assert np.array_equal(native[2], own[2]), "the values restored are the codes' own, as QSQ's"
+        if told:
+            assert native[0] == _qblock.QSQREF and len(native[1]) < 0.8 * len(own[1]), (len(native[1]), len(own[1]))
+        if native[0] != _qblock.QSQREF:
+            continue
+        for path in ("native", "numpy"):
+            if path == "numpy":
+                monkeypatch.setattr(_qblock, "_NATIVE", None)
+            out = r.copy().view(np.uint8)  # a restore puts the reference's bytes where the block decodes
+            _qblock.decode(_qblock.QSQREF, memoryview(native[1]), out, "test")
+            monkeypatch.undo()
+            assert np.array_equal(out, own[2]), path
+    out = np.zeros(x.nbytes, np.uint8)  # another reference: other values, not an error (the checksum tells)
+    _qblock.decode(_qblock.QSQREF, memoryview(_qblock.encode("qsq", x.view(np.uint8), ref.view(np.uint8), 2.0, 1,
+                                                             bits)[1]), out, "test")
+    assert not np.array_equal(out, own[2])
 
 
 def test_native_delta_codes_are_numpys_and_decode_to_what_they_checksum(monkeypatch):

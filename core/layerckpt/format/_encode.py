@@ -13,8 +13,9 @@ staging-chunk boundaries fall, so a partial read decodes only the blocks it need
   Measured on the bench family's fine-tunes (fp32 AdamW, 5 steps apart): the weights 1.71x (XOR: 1.66x),
   ``exp_avg_sq`` 1.61x (1.49x); bf16 weights 5.5x (4.9x);
 - ``SAME``: bit-identical to the reference: nothing stored;
-- ``QDELTA``, ``QMOM``, ``QSQ``: bounded-loss codes of fp32 state (``Config(encoding='lossy')`` only; see
-  ``_qblock``): a weight's quantized difference against its reference, a moment's block-wise codes.
+- ``QDELTA``, ``QMOM``, ``QSQ``, ``QSQREF``: bounded-loss codes of fp32 state (``Config(encoding='lossy')``
+  only; see ``_qblock``): a weight's quantized difference against its reference, a moment's block-wise codes,
+  a second moment's codes told as their difference from the codes its reference's restored values take.
 
 An encoded block's bytes start with one little-endian u32 per plane: the plane's stored length (equal to
 the plane's size when it is stored raw).  Decoding is the exact inverse; the tensor's CRC32C over its raw
@@ -28,21 +29,20 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ._planes import from_planes, plane_bytes
-from ._qblock import QDELTA, QMOM, QSQ, decode as _qblock_decode
-from ._zstd import PAYS as _PAYS, bad as _bad, compressor as _compressor, inflate as _inflate
+from ._qblock import QDELTA, QMOM, QSQ, QSQREF, decode as _qblock_decode
+from ._zstd import MARGIN, PAYS as _PAYS, bad as _bad, compressor as _compressor, inflate as _inflate
 
 CODEC = "lc1"  # the manifest's name for this encoding
 BLOCK = 1 << 20  # raw bytes per block at most
 RAW, PLANES, DELTA, SAME = 0, 1, 2, 3
-# QDELTA, QMOM, QSQ = 4, 5, 6: bounded loss (``_qblock``)
-MODES = (RAW, PLANES, DELTA, SAME, QDELTA, QMOM, QSQ)
-LOSSY = (QDELTA, QMOM, QSQ)
+# QDELTA, QMOM, QSQ, QSQREF = 4, 5, 6, 7: bounded loss (``_qblock``)
+MODES = (RAW, PLANES, DELTA, SAME, QDELTA, QMOM, QSQ, QSQREF)
+LOSSY = (QDELTA, QMOM, QSQ, QSQREF)
 ESIZES = (1, 2, 4, 8)  # element sizes a delta is taken in
-READS_REF = (DELTA, SAME, QDELTA)  # the modes whose blocks decode on top of the reference's bytes
+READS_REF = (DELTA, SAME, QDELTA, QSQREF)  # the modes whose blocks decode on top of the reference's bytes
+#: the modes a reference's own blocks may have: self-contained ones (a second moment's reference is coded with loss)
+SELF_CONTAINED = (RAW, PLANES, QSQ)
 _SAMPLE = 1 << 15  # bytes of a plane compressed first to tell whether the plane is worth compressing
-#: a delta is stored only below this fraction of the block's self-contained size (its reference's): a restore
-#: reads the reference too, so a delta that saves less would cost more time than it saves bytes
-MARGIN = 0.8
 
 def warm() -> None:
     """Create this thread's zstd contexts and run them once, so that an encoder thread's first block is

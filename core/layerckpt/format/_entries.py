@@ -16,11 +16,15 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 FORMAT_NAME = "layerckpt"
 #: 2: tensors may be encoded (TensorEntry.enc); 3: tensors stored as boxes (Manifest.boxes); 4: checksums sealed to
 #: their entry's key (``_places.SEALED``), which a reader of 3 or less would take for damage; 5: checksums sealed to
-#: their entry's key and its file's step (``_places.STEPPED``), which a reader of 4 or less would take for damage
-FORMAT_VERSION = 5
+#: their entry's key and its file's step (``_places.STEPPED``), which a reader of 4 or less would take for damage;
+#: 6: second moments' bounded-loss codes told against their reference's (``_qblock.QSQREF``, block mode 7), a mode a
+#: reader of 5 or less does not know
+FORMAT_VERSION = 6
 _BOXES_VERSION = 3  # the version a manifest with boxes is written as; without, 2 (4 once sealed, 5 once stepped)
 _SEALED_VERSION = 4
 _STEPPED_VERSION = 5
+_QSQREF_VERSION = 6
+_QSQREF_MODE = 7  # ``_qblock.QSQREF``
 
 MODEL = "model/"
 OPTIM = "optim/"

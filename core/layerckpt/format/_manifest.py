@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ._json import load_strict, loads_strict  # noqa: F401 - loads_strict: the JSON reader of every store file
 from ._places import SEALED, STEPPED
 from ._entries import (  # noqa: F401 - the entry types and key helpers, imported from here by the rest
-    BOX, Boxes, EXTRA, FORMAT_NAME, FORMAT_VERSION, FileEntry, LayerEntry, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, ROWS, RowBlocks, TensorEntry, _BOX, _BOXES_VERSION, _PIECE, _SEALED_VERSION, _STEPPED_VERSION, box_key, is_rng, model_key, model_name, param_of, piece_base, piece_key, rng_prefix, row_pieces, shard_pieces, split_piece)
+    BOX, Boxes, EXTRA, FORMAT_NAME, FORMAT_VERSION, FileEntry, LayerEntry, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, ROWS, RowBlocks, TensorEntry, _BOX, _BOXES_VERSION, _PIECE, _QSQREF_MODE, _QSQREF_VERSION, _SEALED_VERSION, _STEPPED_VERSION, box_key, is_rng, model_key, model_name, param_of, piece_base, piece_key, rng_prefix, row_pieces, shard_pieces, split_piece)
 from ._validate import _check_cover, validated  # noqa: F401 - _check_cover: for its tests
 
 @dataclass
@@ -144,6 +144,9 @@ class Manifest:
             d["version"] = max(d["version"], _STEPPED_VERSION)
         elif any(seals):
             d["version"] = max(d["version"], _SEALED_VERSION)
+        if any(b[3] == _QSQREF_MODE for e in d["tensors"].values() if e.enc and "lossy" in e.enc
+               for b in e.enc["blocks"]):
+            d["version"] = max(d["version"], _QSQREF_VERSION)
         return d
 
     def to_dict(self) -> Dict[str, Any]:

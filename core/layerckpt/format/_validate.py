@@ -200,7 +200,7 @@ def _check_enc(key: str, enc: Any, nbytes: int, size: int, fname: str, files: Di
                path: str) -> None:
     """An encoded tensor's record: a codec this reader knows, blocks inside the file covering the tensor's
     bytes, and a reference (itself self-contained) inside a file the manifest lists."""
-    from ._encode import CODEC, MODES, reads_ref
+    from ._encode import CODEC, MODES, SELF_CONTAINED, reads_ref
 
     if not (isinstance(enc, dict) and enc.get("codec") == CODEC and isinstance(enc.get("blocks"), list)):
         raise _corrupt(path, f"tensor {key!r} has an encoding this layerckpt does not read "
@@ -216,7 +216,8 @@ def _check_enc(key: str, enc: Any, nbytes: int, size: int, fname: str, files: Di
             and all(_is_int(ref.get(k)) for k in ("step", "rank", "size"))):
         raise _corrupt(path, f"tensor {key!r} has a malformed reference (file: one the manifest lists; step, "
                              f"rank, size and crc: integers; blocks: a list)", tensor=key)
-    _check_blocks(key, ref["blocks"], nbytes, files[ref["file"]].size, ref["file"], (0, 1), path, " (its reference)")
+    _check_blocks(key, ref["blocks"], nbytes, files[ref["file"]].size, ref["file"], SELF_CONTAINED, path,
+                  " (its reference)")
 
 
 _LOSSY_CODES = {"qdelta": "move", "qmom": "rms", "qsq": "rms"}  # a bounded-loss code -> what its error is against

@@ -17,6 +17,10 @@ from ..errors import CheckpointCorruptError
 #: 1.197x), sparse row updates 2.70 -> 3.17 GB/s (244x -> 273x).  Any zstd decoder reads the frames.
 PLANE_PARAMS = dict(window_log=20, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0)
 PAYS = 0.96  # a plane (or a block) is stored compressed only below this fraction of its raw size
+#: a block that reads its reference (a delta) is stored only below this fraction of the block's self-contained
+#: size (its reference's, or its own code's): a restore reads the reference too, so a delta that saves less
+#: would cost more time than it saves bytes
+MARGIN = 0.8
 
 _local = threading.local()
 

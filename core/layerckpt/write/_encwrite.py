@@ -14,8 +14,9 @@ version, and where the store holds it.  A delta refers to a reference only once 
 committed; a save that fails forgets the references it was writing.
 
 Under ``Config(encoding='lossy')`` the fp32 weights that have a reference are stored as bounded-loss deltas
-against it (``_qblock``), the moments as bounded-loss codes of their own; a tensor's self-contained versions,
-which become references, stay lossless.  The manifest's checksum of such a tensor is over the bytes a restore
+against it (``_qblock``), the moments as bounded-loss codes of their own, a second moment's told against the
+codes of its reference where that is smaller; a weight's self-contained versions, which become references,
+stay lossless, and a second moment's reference is the bytes its own codes restore to.  The manifest's checksum of such a tensor is over the bytes a restore
 decodes (the encoder decodes each block it codes), and its entry records the error the codes made.
 """
 from __future__ import annotations
@@ -95,13 +96,17 @@ class Refs:
         layers, rewritten only if they change: no host copy is kept for them.  ``modes``: per item, 'raw'
         (stored as it is, not encoded, no reference kept), 'compress' or 'delta' (``Config(encoding='auto')``'s
         decisions), or under ``Config(encoding='lossy')`` 'qdelta' (a delta as 'delta', bounded-loss where it
-        has a reference), 'qmom' or 'qsq' (bounded-loss codes of its own, no reference kept); None: every item
-        'delta' (or 'compress' where this Refs makes no deltas).  ``step``: the save's (a bounded-loss delta's
-        quantum is a fraction of one step's move since its reference)."""
+        has a reference), 'qmom' (bounded-loss codes of its own, no reference kept) or 'qsq' (bounded-loss
+        codes, told against its reference's for at most ``chain`` versions, the reference the bytes its own
+        codes restore to); None: every item 'delta' (or 'compress' where this Refs makes no deltas).
+        ``step``: the save's (a bounded-loss delta's quantum is a fraction of one step's move since its
+        reference)."""
         out = ItemPlan([], [], {}, quantum=self.quantum, bits=self.bits)
         for i, it in enumerate(layout.items):
             mode = modes[i] if modes is not None else "delta" if self.delta else "compress"
-            if mode in ("qmom", "qsq"):
+            if mode == "qsq":
+                out.lossy[i] = (mode, 0)
+            if mode == "qmom":
                 self._refs.pop(it.key, None)
                 out.refs.append(None)
                 out.news.append(None)
@@ -113,7 +118,7 @@ class Refs:
                 out.news.append(None)
                 out.raw.add(i)
                 continue
-            delta = self.delta and mode in ("delta", "qdelta")
+            delta = self.delta and mode in ("delta", "qdelta", "qsq")
             es = it.tensor.element_size()
             r = self._refs.get(it.key)
             usable = (delta and not self_contained and r is not None and r.where is not None
@@ -132,7 +137,7 @@ class Refs:
                 self._used.append(it.key)
                 continue
             out.refs.append(None)
-            big = it.nbytes >= (LOSSY_MIN if mode == "qdelta" else MIN_REF)
+            big = it.nbytes >= (LOSSY_MIN if mode in ("qdelta", "qsq") else MIN_REF)
             if delta and big and es in _encode.ESIZES and it.key not in frozen:
                 self._refs.pop(it.key, None)  # rewritten: no reference until this save commits
                 same = r is not None and r.data.size == it.nbytes
@@ -256,10 +261,12 @@ Restored = Tuple[int, int, int, bool, float, float, float]
 
 
 def _lossy_block(raw: np.ndarray, ref: Optional[np.ndarray], esize: int, code: str, steps: int, plan: ItemPlan,
-                 rival: Optional[int]) -> Tuple[int, Optional[bytes], Tuple[int, bool, float, float, float]]:
+                 rival: Optional[int], new: Optional[np.ndarray] = None
+                 ) -> Tuple[int, Optional[bytes], Tuple[int, bool, float, float, float]]:
     """(mode, encoded bytes, (checksum of what it restores to, coded with loss, largest error, summed squared
     error, summed squared move or value)) of one block of a bounded-loss item; lossless where its code does
-    not fit it, unchanged (``SAME``) where it equals its reference."""
+    not fit it, unchanged (``SAME``) where it equals its reference (the bytes it restores to).  ``new``: where
+    a second moment's block goes to become a reference: the bytes it restores to are put there."""
     if ref is not None and np.array_equal(raw, ref):
         return _encode.SAME, b"", (checksum(raw), False, 0.0, 0.0, 0.0)
     got = _qblock.encode(code, raw, ref, plan.quantum, steps, plan.bits)
@@ -267,6 +274,8 @@ def _lossy_block(raw: np.ndarray, ref: Optional[np.ndarray], esize: int, code: s
         mode, data = _encode.encode_block(raw, ref, esize, rival)
         return mode, data, (checksum(raw), False, 0.0, 0.0, 0.0)
     mode, data, restored, emax, esq, ss = got
+    if new is not None and code == "qsq":
+        new[:] = restored
     return mode, data, (checksum(restored), True, emax, esq, ss)
 
 
@@ -299,7 +308,8 @@ def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Lay
         elif lossy is not None:
             part = None if ref is None else ref[ra:rb]
             mode, data, got = _lossy_block(raw, part, it.tensor.element_size(), lossy[0], lossy[1], plan,
-                                           None if ref is None else plan.rival(i, ra, rb - ra))
+                                           None if ref is None else plan.rival(i, ra, rb - ra),
+                                           None if new is None else new[ra:rb])
             restored.append((i, got[0], b - a, *got[1:]))
         else:
             mode, data, stored, cpu = _encode.encode_timed(
