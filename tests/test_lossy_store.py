@@ -279,9 +279,12 @@ def test_a_lossy_composite_states_the_codes_price_in_its_cost(tmp_path, encoding
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_wide_delta_codes_go_as_zigzag_byte_planes_and_decode_bit_for_bit(monkeypatch, native):
-    """A reference 400 steps old: codes of hundreds of quanta, 2 bytes wide, stored as the byte planes of their
-    zigzag map, smaller than the same codes compressed as they are; native and numpy planes decode alike."""
+@pytest.mark.parametrize("steps,layout", [(400, "SPLIT"), (40000, "PLANES")])
+def test_wide_delta_codes_go_split_or_as_byte_planes_and_decode_bit_for_bit(monkeypatch, native, steps, layout):
+    """A reference 400 steps old: codes of hundreds of quanta, 2 bytes wide, their zigzag map split at 4 bits
+    (SPLIT), smaller than its byte planes and than the codes compressed as they are.  Codes 100 times wider
+    (quanta measured over 40,000 steps) pass what a split holds: byte planes.  Native and numpy planes decode
+    alike."""
     from layerckpt.format import _planes
     from layerckpt.format._zstd import codes_compressor
 
@@ -291,16 +294,25 @@ def test_wide_delta_codes_go_as_zigzag_byte_planes_and_decode_bit_for_bit(monkey
     ref = g.standard_normal(1 << 16).astype(np.float32)
     x = (ref + 1e-4 * np.cumsum(g.standard_normal((400, ref.size), dtype=np.float32), axis=0)[-1]
          + 3e-3 * g.standard_normal(ref.size, dtype=np.float32)).astype(np.float32)
-    mode, data, restored, emax, _, _ = _qblock.encode("qdelta", x.view(np.uint8), ref.view(np.uint8), QUANTUM, 400, 8)
-    width, layout, glog, _, step = _qblock.HEAD.unpack_from(data)
+    mode, data, restored, emax, _, _ = _qblock.encode("qdelta", x.view(np.uint8), ref.view(np.uint8), QUANTUM, steps,
+                                                      8)
+    width, got, glog, _, step = _qblock.HEAD.unpack_from(data)
     assert glog == 0
-    assert (mode, width, layout) == (_encode.QDELTA, 2, _qblock.PLANES)
-    codes = np.rint((x - ref) / np.float32(step)).astype(np.int16)
-    assert len(data) < _qblock.HEAD.size + len(codes_compressor().compress(codes.tobytes()))
+    assert (mode, width, got) == (_encode.QDELTA, 2 if layout == "SPLIT" else 4, getattr(_qblock, layout))
+    codes = np.rint((x - ref) / np.float32(step)).astype(np.int32)
+    assert len(data) < _qblock.HEAD.size + len(codes_compressor().compress(codes.astype(f"i{width}").tobytes()))
+    planes = codes_compressor().compress(_qblock._zigzag_planes(codes.astype(f"i{width}")).data)
+    as_planes = _qblock.HEAD.size + len(planes)
+    assert len(data) < as_planes if layout == "SPLIT" else len(data) == as_planes
     out = ref.copy().view(np.uint8)
     _qblock.decode(mode, memoryview(data), out, "test")
     assert np.array_equal(out, restored) and emax <= step / 2 * (1 + 1e-5) + 2 * np.spacing(np.float32(10))
     assert np.array_equal(out.view(np.float32), ref + np.float32(step) * codes.astype(np.float32))
+    if layout == "SPLIT":  # a damaged part table is refused by name
+        bad = bytearray(data)
+        bad[_qblock.HEAD.size] ^= 0x40
+        with pytest.raises(layerckpt.CheckpointCorruptError, match="split block"):
+            _qblock.decode(mode, memoryview(bytes(bad)), ref.copy().view(np.uint8), "test")
 
 
 def _numpy_and_native(monkeypatch, fn):

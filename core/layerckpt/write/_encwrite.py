@@ -16,8 +16,9 @@ committed; a save that fails forgets the references it was writing.
 Under ``Config(encoding='lossy')`` the fp32 weights that have a reference are stored as bounded-loss deltas
 against it (``_qblock``), the moments as bounded-loss codes of their own, a second moment's told against the
 codes of its reference where that is smaller; a weight's self-contained versions, which become references,
-stay lossless, and a second moment's reference is the bytes its own codes restore to.  The manifest's checksum of such a tensor is over the bytes a restore
-decodes (the encoder decodes each block it codes), and its entry records the error the codes made.
+stay lossless, and a second moment's reference is the bytes its own codes restore to.  The manifest's checksum
+of such a tensor is over the bytes a restore decodes (the encoder decodes each block it codes), and its entry
+records the error the codes made.
 """
 from __future__ import annotations
 
