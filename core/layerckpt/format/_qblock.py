@@ -113,16 +113,16 @@ def _from_zigzag_planes(planes: np.ndarray, width: int, n: int) -> np.ndarray:
 def _out(mode: int, width: int, scales: np.ndarray, step: float, codes: np.ndarray, raw_n: int,
          group: int = GROUP) -> Optional[bytes]:
     """The block's bytes, None where they would not be smaller than the raw ones.  A delta's wide codes go as
-    zigzag byte planes (``PLANES``) or split at ``SPLIT_LOW`` bits (``SPLIT``), whichever is smaller."""
+    split at ``SPLIT_LOW`` bits (``SPLIT``) where their zigzag maps fit it, else as its byte planes (``PLANES``)."""
     wide = mode == QDELTA and width > 1
-    body = _zigzag_planes(codes) if wide else codes
-    packed = codes_compressor().compress(body.data)
-    z = len(packed) < body.nbytes
-    layout = (PLANES if wide else ZSTD) if z else AS_IS
-    if wide:
-        split = _split(codes)
-        if split is not None and len(split) < (len(packed) if z else codes.nbytes):
-            layout, packed, z = SPLIT, split, True
+    packed = _split(codes) if wide else None
+    if packed is not None and len(packed) < codes.nbytes:
+        layout, z = SPLIT, True
+    else:
+        body = _zigzag_planes(codes) if wide else codes
+        packed = codes_compressor().compress(body.data)
+        z = len(packed) < body.nbytes
+        layout = (PLANES if wide else ZSTD) if z else AS_IS
     glog = 0 if group == GROUP else group.bit_length() - 1
     out = b"".join([HEAD.pack(width, layout, glog, scales.size, step), scales.astype("<f4").tobytes(),
                     packed if z else codes.tobytes()])
