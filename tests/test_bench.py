@@ -29,7 +29,7 @@ def _check_timings(run: dict) -> None:
         assert run["blocked_all_s"] == run["stall_all_s"], run
 
 
-BASE_RATIOS = {"durable_vs_odirect_write", "stall_vs_memcpy", "blocked_vs_memcpy", "restore_vs_odirect_read",
+BASE_RATIOS = {"durable_vs_odirect_write", "durable_vs_odirect_overwrite", "stall_vs_memcpy", "blocked_vs_memcpy", "restore_vs_odirect_read",
                "restore_vs_odirect_read_fresh_memory", "extra_mem_vs_state", "extra_mem_over_pool_vs_state"}
 ALL_RATIOS = BASE_RATIOS | {
     "delta_bytes_over_ours", "delta_durable_over_ours", "delta_restore_over_ours",
@@ -59,8 +59,10 @@ def test_ratios_are_the_quotients_their_names_say():
                     "torch.save": {"durable_s": 8.0, "restore_s": 10.0},
                     "safetensors": {"durable_s": 5.0, "restore_s": 1.0},
                     "dcp": {"durable_s": 6.0, "restore_s": 12.0, "async_durable_s": 7.0, "async_stall_s": 0.25}},
-           "disk": {"write_s": 0.5, "read_s": 2.0, "read_fresh_s": 16.0}, "memcpy_s": 0.125, "state_bytes": 400}
+           "disk": {"write_s": 0.5, "read_s": 2.0, "read_fresh_s": 16.0, "overwrite_s": 0.25}, "memcpy_s": 0.125,
+           "state_bytes": 400}
     base = {"durable_vs_odirect_write": 4.0,  # 2.0 s / 0.5 s
+            "durable_vs_odirect_overwrite": 8.0,  # 2.0 s / 0.25 s (over a written file)
             "stall_vs_memcpy": 4.0,  # 0.5 s / 0.125 s
             "blocked_vs_memcpy": 8.0,  # 1.0 s / 0.125 s
             "restore_vs_odirect_read": 2.0,  # 4.0 s / 2.0 s

@@ -138,8 +138,11 @@ class DiskLimits:
 
     Writes: plain pwrite of 64 MiB blocks at queue depth 1, and the raw ring at the
     configured depth and chunk size (layerckpt's write pattern minus staging and
-    checksums); the faster counts.  Reads: into a reused buffer (the disk alone),
-    and into fresh memory (what any restore in a new process pays: page faults).
+    checksums), each into a new file; the faster counts.  Beside them, the ring's
+    pattern over the file it just wrote (``overwrites``: no block to allocate, what
+    a save that writes over a retired file, a spare, pays).  Reads: into a reused
+    buffer (the disk alone), and into fresh memory (what any restore in a new process
+    pays: page faults).
     """
 
     def __init__(self, path: str, nbytes: int, chunk: int, depth: int, block: int = 64 * MiB):
@@ -150,6 +153,7 @@ class DiskLimits:
         self.buf.write(os.urandom(1 << 20) * (block >> 20))
         self.view = memoryview(self.buf)
         self.writes: List[float] = []
+        self.overwrites: List[float] = []
         self.reads: List[float] = []
         self.fresh_reads: List[float] = []
 
@@ -167,9 +171,9 @@ class DiskLimits:
             finally:
                 os.close(fd)
 
-        def ring():
+        def ring(over: bool = False):
             be = make_backend("auto", self.depth)
-            fd, _ = open_file(self.path, write=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_DIRECT) if over else open_file(self.path, write=True)[0]
             try:
                 for o, n in self._blocks(self.chunk):
                     be.write(fd, self.view[o % self.block:][:n], o, o, self.path)
@@ -187,6 +191,7 @@ class DiskLimits:
             times.append(_timed(fn))
         t = min(times)
         self.writes.append(t)
+        self.overwrites.append(_timed(lambda: ring(over=True)))  # over the file the ring just wrote
         return t
 
     def read(self, fresh: bool) -> float:
@@ -242,11 +247,17 @@ def bench_layerckpt(root: str, model, opt, cfg: Config, reps: int, disk: DiskLim
         ck = Checkpointer(d, model, opt, config=cfg)
         first = ck.save(0).wait()
     pool = ck.pool.allocated_bytes
+    # untimed: from the keep_last-th save on, each commit retires a file, and the save after it writes over that
+    # one (a spare, ``write/_spare``), as the saves of a run in progress do
+    warm = cfg.keep_last
+    for i in range(warm):
+        perturb(model, opt, seed=1000 + i)
+        ck.save(i + 1).wait()
     stalls, waits, durables, phases, written = [], [], [], [], []
     for i in range(reps):
         perturb(model, opt, seed=i)  # a training step's worth of change: deltas see what they would in training
         disk.write()
-        p = ck.save(i + 1)
+        p = ck.save(warm + i + 1)
         next_step(opt)
         p.wait()
         stalls.append(p.stall_s)

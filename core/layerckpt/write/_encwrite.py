@@ -393,6 +393,8 @@ class EncodingLoop(WriteLoop):
         self.writes.reap(self.writes.inflight)
         phases["encode"] = self.encode_s
         _write_header(fd, header_bytes(self._spans, self.reserve))
+        if self.recycled:  # a spare written over: what lies past the encoded file goes
+            os.ftruncate(fd, self.size)
         t = time.perf_counter()
         sync(fd)
         phases["fdatasync"] = time.perf_counter() - t

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from . import _commit, _encwrite
+from . import _commit, _encwrite, _spare
 from ..select import _cost
 from ..format import _encode
 from .. import _faults, _registry
@@ -312,11 +312,13 @@ class Flusher:
         path = job.pending.path
         self.backend.register_buffers([c.view for c in self.pool.chunks])
         try:
-            fd, direct = open_file(path, write=True, direct=self.config.direct_io)
+            spare = _spare.take(path, job.layout.size, self.config.direct_io)
+            fd, direct = spare or open_file(path, write=True, direct=self.config.direct_io)
         except OSError as e:
             self._discard(job)
             raise CheckpointWriteError(e.errno or errno.EIO, path) from None
         loop, probe = self._loop(job, path)
+        loop.recycled = spare is not None
         tee = self._tee(job, loop)
         try:
             crcs = loop.run(fd, direct, job.layout.size, phases=job.pending.phases)

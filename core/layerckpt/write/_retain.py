@@ -1,4 +1,5 @@
-"""Retention: drop old composites, and the data files no kept composite uses; clean up torn saves.
+"""Retention: drop old composites, and the data files no kept composite uses (a few of them kept as spares for
+later saves to write over, ``_spare``); clean up torn saves.
 
 Manifests go first and are made durable before any data file goes, so a kill
 at any moment leaves every kept composite whole; what it leaves behind is
@@ -12,6 +13,7 @@ import threading
 from typing import AbstractSet, Callable, Dict, Iterable, List, Set
 
 from .. import _faults
+from . import _spare
 from ..format._manifest import Manifest, parse_once, still_valid
 from ..format._store import (DATA_DIR, MANIFEST_DIR, data_step, fsync_dir, is_data_name, list_manifests,
                              manifest_name, read_all, recency)
@@ -149,7 +151,11 @@ def drop(root: str, good: Dict[str, Manifest], bad: List[str], names: List[str])
     gone = set(names)
     keep = referenced_files({n: m for n, m in good.items() if n not in gone})
     for f in sorted(referenced_files({n: good[n] for n in names}) - keep):
-        _unlink(os.path.join(root, DATA_DIR, f), removed)
+        path = os.path.join(root, DATA_DIR, f)
+        if _spare.keep(path):  # written over by a later save instead of deleted
+            removed.append(path)
+        else:
+            _unlink(path, removed)
     return removed
 
 

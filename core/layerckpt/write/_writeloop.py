@@ -71,6 +71,8 @@ class WriteLoop:
         self._ended = False  # the queue's last message (DONE or ABORT) was taken
         #: shown each staged buffer (image offset, memory, bytes filled) before it is written or encoded
         self.tap: Optional[Callable[[int, memoryview, int], None]] = None
+        #: the file is a spare written over (``_spare``): it is truncated to its size at the end, however long
+        self.recycled = False
 
     def run(self, fd: int, direct: bool, size: int, sync: Callable[[int], None] = os.fdatasync,
             phases: Optional[Dict[str, float]] = None) -> List[int]:
@@ -130,7 +132,7 @@ class WriteLoop:
         # staging is over: checksums now cost no stall, and run while the writes do
         self._checksum()
         self.writes.reap(self.writes.inflight)
-        if direct and size % ALIGN:
+        if (direct and size % ALIGN) or self.recycled:
             os.ftruncate(fd, size)
         t = time.perf_counter()
         sync(fd)

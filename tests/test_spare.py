@@ -1,0 +1,135 @@
+"""Spares (write/_spare): data files retention retired, written over by later saves instead of deleted; never one
+someone still reads, never one a kept composite uses, each cut to its new file's size."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import layerckpt
+from layerckpt import _faults
+from layerckpt.write import _spare
+
+from conftest import assert_same_optimizer, assert_same_state, train_steps, trained
+
+
+def _data(root):
+    d = os.path.join(root, "data")
+    return {n: os.stat(os.path.join(d, n)) for n in os.listdir(d)}
+
+
+def _manifest(root, step):
+    with open(os.path.join(root, "manifests", f"step-{step:08d}.json")) as f:
+        return json.load(f)
+
+
+def _restored(root, model, opt, step=None):
+    m2, o2 = trained(seed=1, steps=1)
+    layerckpt.restore(root, m2, o2, step=step)
+    assert_same_state(model, m2)
+    assert_same_optimizer(opt, o2)
+
+
+@pytest.mark.parametrize("encoding", ["off", "delta"])
+def test_a_retired_file_is_written_over_by_a_later_save(tmp_path, backend, encoding):
+    model, opt = trained()
+    inodes = {}
+    cfg = layerckpt.Config(full=True, keep_last=2, encoding=encoding, delta_chain=1)
+    with layerckpt.Checkpointer(tmp_path, model, opt, config=cfg) as ck:
+        for step in range(1, 7):
+            train_steps(model, opt, seed=step)
+            ck.save(step).wait()
+            files = _data(tmp_path)
+            inodes[step] = files[f"step-{step:08d}.rank0.safetensors"].st_ino
+            spares = [n for n in files if _spare.is_spare_name(n)]
+            assert len(spares) <= _spare.MAX_SPARES
+            m = _manifest(tmp_path, step)
+            for name, f in m["files"].items():  # each file exactly as long as its manifest says
+                assert files[name].st_size == f["size"], name
+    assert len({inodes[1], inodes[2], inodes[3]}) == 3
+    if encoding == "off":  # step 3's commit retired step 1's file (keep_last=2): step 4 went over its blocks...
+        assert inodes[4] == inodes[1] and inodes[5] == inodes[2] and inodes[6] == inodes[3]
+    else:  # (a delta's reference is kept while a kept composite reads it: the files retire later)
+        assert all(inodes[s] in {inodes[t] for t in range(1, s)} for s in (5, 6))
+    _restored(tmp_path, model, opt)
+    out = subprocess.run([sys.executable, "-m", "layerckpt.cli", "verify", str(tmp_path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("encoding", ["off", "delta"])  # a raw file image; an encoded file (4 KiB-aligned spans)
+def test_a_smaller_file_written_over_a_larger_spare_is_cut_to_its_own_size(tmp_path, encoding):
+    """A spare left by a larger model (a leftover of another run of the store): the save takes it, and its
+    file ends where its own bytes do, the spare's tail gone."""
+    os.makedirs(tmp_path / "data")
+    big = 8 << 20
+    with open(tmp_path / "data" / "spare-0", "wb") as f:
+        f.write(os.urandom(1 << 20) * 8)
+    model, opt = trained()
+    with layerckpt.Checkpointer(tmp_path, model, opt, config=layerckpt.Config(full=True, encoding=encoding)) as ck:
+        ck.save(1).wait()
+    files = _data(tmp_path)
+    assert "spare-0" not in files  # taken
+    size = _manifest(tmp_path, 1)["files"]["step-00000001.rank0.safetensors"]["size"]
+    assert files["step-00000001.rank0.safetensors"].st_size == size < big
+    _restored(tmp_path, model, opt)
+
+
+def test_a_file_someone_still_reads_is_not_written_over(tmp_path):
+    """A reader that opened step 1's file before retention retired it keeps the bytes it opened: the file is
+    neither kept as a spare nor written over (its inode is no later file's), and reads back unchanged."""
+    model, opt = trained()
+    with layerckpt.Checkpointer(tmp_path, model, opt, config=layerckpt.Config(full=True, keep_last=2)) as ck:
+        for step in (1, 2):
+            train_steps(model, opt, seed=step)
+            ck.save(step).wait()
+        path = tmp_path / "data" / "step-00000001.rank0.safetensors"
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            before = os.pread(fd, os.fstat(fd).st_size, 0)
+            ino = os.fstat(fd).st_ino
+            for step in range(3, 7):
+                train_steps(model, opt, seed=step)
+                ck.save(step).wait()
+                assert ino not in {st.st_ino for st in _data(tmp_path).values()}
+            assert os.pread(fd, len(before) + 1, 0) == before
+        finally:
+            os.close(fd)
+    _restored(tmp_path, model, opt)
+
+
+def test_a_save_that_fails_over_a_spare_leaves_the_committed_composites_whole(tmp_path):
+    """A save writing over a spare fails after its file is durable, before its commit: every kept composite
+    still restores bit for bit, and the next writer's open removes the torn file."""
+    model, opt = trained()
+    cfg = layerckpt.Config(full=True, keep_last=2)
+    with layerckpt.Checkpointer(tmp_path, model, opt, config=cfg) as ck:
+        for step in (1, 2, 3):
+            train_steps(model, opt, seed=step)
+            ck.save(step).wait()
+        want_model = {k: v.clone() for k, v in model.state_dict().items()}
+        want_opt = copy.deepcopy(opt.state_dict())
+        assert any(_spare.is_spare_name(n) for n in _data(tmp_path))
+
+        def fail():
+            raise OSError(5, "injected")
+
+        _faults.install("flush.written", fail)
+        try:
+            train_steps(model, opt, seed=4)
+            with pytest.raises(layerckpt.CheckpointError):
+                ck.save(4).wait()
+        finally:
+            _faults.remove("flush.written")
+    for step in (2, 3):
+        m2, o2 = trained(seed=1, steps=1)
+        layerckpt.restore(tmp_path, m2, o2, step=step)
+    m2, o2 = trained(seed=1, steps=1)
+    layerckpt.restore(tmp_path, m2, o2)
+    assert all(torch.equal(want_model[k], v) for k, v in m2.state_dict().items())
+    assert o2.state_dict()["state"][0]["exp_avg"].equal(want_opt["state"][0]["exp_avg"])
+    with layerckpt.Checkpointer(tmp_path, model, opt, config=cfg):
+        assert "step-00000004.rank0.safetensors" not in _data(tmp_path)
