@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt.write import _spare
 
 CHILD = r"""
 import os, signal, sys, time, torch, layerckpt
@@ -65,13 +64,6 @@ def _committed(out: str):
     return [int(f[1]) for f in map(str.split, out.splitlines()) if len(f) == 2 and f[0] == "COMMITTED" and f[1].isdigit()]
 
 
-def _data(root: str) -> set:
-    """The data folder's files but the spares (retired files kept for later saves to write over)."""
-    names = os.listdir(os.path.join(root, "data"))
-    assert sum(map(_spare.is_spare_name, names)) <= _spare.MAX_SPARES
-    return {n for n in names if not _spare.is_spare_name(n)}
-
-
 def _referenced(root: str) -> set:
     files = set()
     for n in os.listdir(os.path.join(root, "manifests")):
@@ -84,7 +76,7 @@ def _referenced(root: str) -> set:
 def _check_and_clean(root: str, committed) -> tuple:
     """Restore after a kill (newest committed, bit for bit), then open the store again.  Returns the restored step
     (0: nothing committed yet) and the data files the open removed (the torn save's)."""
-    data = _data(root)
+    data = set(os.listdir(os.path.join(root, "data")))
     model = expected(0)
     try:
         r = layerckpt.restore(root, model)
@@ -98,7 +90,7 @@ def _check_and_clean(root: str, committed) -> tuple:
             assert torch.equal(a, b)
         step = r.step
     layerckpt.Checkpointer(root, expected(0)).close()  # removes the leftovers of the torn save
-    after = _data(root)
+    after = set(os.listdir(os.path.join(root, "data")))
     assert after == _referenced(root)
     return step, data - after
 

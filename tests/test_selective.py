@@ -8,7 +8,6 @@ import torch
 from safetensors import safe_open
 
 import layerckpt
-from layerckpt.write import _spare
 from conftest import run_py, small_model, stored_byte
 from layerckpt.bench.workload import make_model, make_optimizer, post_training_run, run
 
@@ -236,7 +235,7 @@ def test_retention_keeps_what_retained_composites_reference(tmp_path):
             ck.save(step).wait()
     assert sorted(os.listdir(tmp_path / "manifests")) == ["step-00000003.json", "step-00000004.json"]
     # step 1's file still holds every layer but h.1, so it stays; step 2's file is gone
-    assert sorted(n for n in os.listdir(tmp_path / "data") if not _spare.is_spare_name(n)) == [
+    assert sorted(os.listdir(tmp_path / "data")) == [
         "step-00000001.rank0.safetensors", "step-00000003.rank0.safetensors", "step-00000004.rank0.safetensors"]
     for step in (3, 4):
         out = small_model(6)

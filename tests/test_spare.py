@@ -21,6 +21,11 @@ def _data(root):
     return {n: os.stat(os.path.join(d, n)) for n in os.listdir(d)}
 
 
+def _spares(root):
+    d = os.path.join(root, _spare.SPARE_DIR)
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
 def _manifest(root, step):
     with open(os.path.join(root, "manifests", f"step-{step:08d}.json")) as f:
         return json.load(f)
@@ -44,8 +49,10 @@ def test_a_retired_file_is_written_over_by_a_later_save(tmp_path, backend, encod
             ck.save(step).wait()
             files = _data(tmp_path)
             inodes[step] = files[f"step-{step:08d}.rank0.safetensors"].st_ino
-            spares = [n for n in files if _spare.is_spare_name(n)]
-            assert len(spares) <= _spare.MAX_SPARES
+            assert all(_spare.is_spare_name(n) for n in _spares(tmp_path))
+            assert len(_spares(tmp_path)) <= _spare.MAX_SPARES
+            kept = [int(n[5:13]) for n in os.listdir(tmp_path / "manifests")]
+            assert set(files) == {f for s in kept for f in _manifest(tmp_path, s)["files"]}  # what they use, only
             m = _manifest(tmp_path, step)
             for name, f in m["files"].items():  # each file exactly as long as its manifest says
                 assert files[name].st_size == f["size"], name
@@ -64,15 +71,15 @@ def test_a_retired_file_is_written_over_by_a_later_save(tmp_path, backend, encod
 def test_a_smaller_file_written_over_a_larger_spare_is_cut_to_its_own_size(tmp_path, encoding):
     """A spare left by a larger model (a leftover of another run of the store): the save takes it, and its
     file ends where its own bytes do, the spare's tail gone."""
-    os.makedirs(tmp_path / "data")
+    os.makedirs(tmp_path / _spare.SPARE_DIR)
     big = 8 << 20
-    with open(tmp_path / "data" / "spare-0", "wb") as f:
+    with open(tmp_path / _spare.SPARE_DIR / "spare-0", "wb") as f:
         f.write(os.urandom(1 << 20) * 8)
     model, opt = trained()
     with layerckpt.Checkpointer(tmp_path, model, opt, config=layerckpt.Config(full=True, encoding=encoding)) as ck:
         ck.save(1).wait()
     files = _data(tmp_path)
-    assert "spare-0" not in files  # taken
+    assert _spares(tmp_path) == []  # taken
     size = _manifest(tmp_path, 1)["files"]["step-00000001.rank0.safetensors"]["size"]
     assert files["step-00000001.rank0.safetensors"].st_size == size < big
     _restored(tmp_path, model, opt)
@@ -94,7 +101,8 @@ def test_a_file_someone_still_reads_is_not_written_over(tmp_path):
             for step in range(3, 7):
                 train_steps(model, opt, seed=step)
                 ck.save(step).wait()
-                assert ino not in {st.st_ino for st in _data(tmp_path).values()}
+                spares = [os.stat(tmp_path / _spare.SPARE_DIR / n).st_ino for n in _spares(tmp_path)]
+                assert ino not in {st.st_ino for st in _data(tmp_path).values()} | set(spares)
             assert os.pread(fd, len(before) + 1, 0) == before
         finally:
             os.close(fd)
@@ -112,7 +120,7 @@ def test_a_save_that_fails_over_a_spare_leaves_the_committed_composites_whole(tm
             ck.save(step).wait()
         want_model = {k: v.clone() for k, v in model.state_dict().items()}
         want_opt = copy.deepcopy(opt.state_dict())
-        assert any(_spare.is_spare_name(n) for n in _data(tmp_path))
+        assert _spares(tmp_path)
 
         def fail():
             raise OSError(5, "injected")

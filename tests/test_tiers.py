@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt.write import _spare
 from conftest import assert_same_optimizer, assert_same_state, assert_same_tensors, run_py, trained
 from layerckpt import _faults
 from layerckpt.tiers._memtier import memory_path
@@ -136,7 +135,7 @@ def test_remote_retention_follows_local_and_reuses_committed_files(s3, tmp_path)
             ck.save(step).wait()
             ck.wait()  # the remote copy too
             local_m = sorted(os.listdir(root / "manifests"))
-            local_d = sorted(n for n in os.listdir(root / "data") if not _spare.is_spare_name(n))  # (local only)
+            local_d = sorted(os.listdir(root / "data"))
             assert _remote_names(url, options, "manifests") == local_m
             assert _remote_names(url, options, "data") == local_d == sorted(_referenced(url, options))
     # every data object was put once: a composite's older files were reused, not uploaded again

@@ -63,8 +63,10 @@ class Config:
     composites reach the remote tier (so there 0 is refused unless every save is full)."""
     keep_last: int = 2
     """Composites kept restorable, locally and on the remote tier (besides ``Checkpointer.keep()``'s pins and
-    the composites a tier is still copying); older manifests (and data no kept manifest needs) are deleted.
-    0 keeps all.  The memory tier keeps 1 whatever this says.  The Lightning callback makes it 1 with a
+    the composites a tier is still copying); older manifests (and data no kept manifest needs) are deleted,
+    but for up to two data files kept for later saves to write over (``spares/spare-<n>``: a write over a
+    written file is faster than into a new one; a full-save store holds one such file at rest, the size of a
+    save).  0 keeps all.  The memory tier keeps 1 whatever this says.  The Lightning callback makes it 1 with a
     ``monitor`` (0 with ``save_top_k=-1``) when neither a config nor keep_last is given; under the Accelerate
     plugin accelerate's ``total_limit`` decides which folders stay and the composites follow the folders:
     keep_last does not apply there."""

@@ -6,9 +6,10 @@ retired file frees its blocks at a cost of the same kind, on the flusher thread.
 VM (ext4 on a virtio disk; 1.49 GB in 64 MiB O_DIRECT writes, then fdatasync; alternating, medians of 5): a
 new file 1.04 s, the same bytes over a file already written 0.615 s (1.7x less); deleting such a file 0.27 s.
 
-Retention (``_retain.drop``) renames a data file no kept composite uses to ``data/spare-<n>`` while fewer
-than ``MAX_SPARES`` are kept, instead of deleting it; a save (``_flush``) renames a spare to its data file's
-name and writes over it, truncating it to its own size at the end.  A spare is never a file a manifest
+Retention (``_retain.drop``) moves a data file no kept composite uses to ``spares/spare-<n>`` (beside
+``data/``, so that nothing reading ``data/`` meets it) while fewer than ``MAX_SPARES`` are kept, instead of
+deleting it; a save (``_flush``) moves a spare back to its data file's name and writes over it, truncating it
+to its own size at the end.  A spare is never a file a manifest
 references (its composite's manifest is gone, durably, before retention touches its data files), so a kill
 at any moment leaves every kept composite whole; a torn save's file is cleaned up as before.
 
@@ -20,7 +21,6 @@ systems, some network file systems), files are deleted as before.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import re
 import stat
@@ -29,8 +29,13 @@ from typing import List, Optional, Tuple
 from ..io._backend import NOFOLLOW
 
 MAX_SPARES = 2  # enough for full saves with keep_last: each commit retires about one file per rank
+SPARE_DIR = "spares"  # beside the store's data folder
 PREFIX = "spare-"
 _NAME = re.compile(r"^spare-(\d+)$")
+try:
+    import fcntl
+except ImportError:  # no fcntl (Windows): no lease, no spare
+    fcntl = None  # type: ignore[assignment]
 _LEASE = getattr(fcntl, "F_SETLEASE", None)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -52,18 +57,24 @@ def _alone(fd: int) -> bool:
     return True
 
 
+def spare_dir(data_dir: str) -> str:
+    """Where the spares of the store whose data folder is ``data_dir`` lie."""
+    return os.path.join(os.path.dirname(data_dir), SPARE_DIR)
+
+
 def _spares(data_dir: str) -> List[Tuple[int, str, int]]:
-    """(slot, path, size) of each spare in ``data_dir``."""
+    """(slot, path, size) of each spare of the store whose data folder is ``data_dir``."""
     out = []
+    where = spare_dir(data_dir)
     try:
-        names = os.listdir(data_dir)
+        names = os.listdir(where)
     except OSError:
         return out
     for n in names:
         m = _NAME.match(n)
         if m is None:
             continue
-        p = os.path.join(data_dir, n)
+        p = os.path.join(where, n)
         try:
             st = os.lstat(p)
         except OSError:
@@ -88,7 +99,8 @@ def keep(path: str) -> bool:
     try:
         if not _alone(fd):
             return False
-        os.rename(path, os.path.join(data_dir, f"{PREFIX}{free}"))
+        os.makedirs(spare_dir(data_dir), exist_ok=True)
+        os.rename(path, os.path.join(spare_dir(data_dir), f"{PREFIX}{free}"))
         return True
     except OSError:
         return False
