@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -141,3 +142,29 @@ def test_a_save_that_fails_over_a_spare_leaves_the_committed_composites_whole(tm
     assert o2.state_dict()["state"][0]["exp_avg"].equal(want_opt["state"][0]["exp_avg"])
     with layerckpt.Checkpointer(tmp_path, model, opt, config=cfg):
         assert "step-00000004.rank0.safetensors" not in _data(tmp_path)
+
+
+def test_an_open_that_breaks_the_lease_neither_ends_the_process_nor_passes_for_alone(tmp_path, monkeypatch):
+    """A reader opens the file while the lease is held (a reader racing retention): the lease break's signal
+    (SIGIO by default, which ends a process) is one ignored by default, the reader's open goes through once the
+    lease is given back, and the file does not count as no one else's."""
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 8192)
+    real = _spare.fcntl.fcntl
+    readers = []
+
+    def fcntl(fd, cmd, arg=0):
+        if cmd == _spare._GETLEASE and not readers:  # the lease is held: a reader opens now, and blocks
+            readers.append(subprocess.Popen([sys.executable, "-c", f"import os; os.open({str(path)!r}, os.O_RDONLY)"]))
+            deadline = time.monotonic() + 10
+            while real(fd, cmd) == _spare.fcntl.F_WRLCK and time.monotonic() < deadline:
+                time.sleep(0.01)  # until the kernel has broken the lease
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(_spare.fcntl, "fcntl", fcntl)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        assert _spare._alone(fd) is False
+    finally:
+        os.close(fd)
+    assert readers[0].wait(timeout=30) == 0

@@ -133,6 +133,7 @@ class Manifest:
             del d["rng_ranks"]
         if d["coding"] is None:
             del d["coding"]
+        d["version"] = min(d["version"], _QSQREF_VERSION - 1)  # 6 only where its blocks are there (below)
         if d["boxes"] is None:  # readable by the layerckpt that wrote version 2
             del d["boxes"]
             d["version"] = min(d["version"], _BOXES_VERSION - 1)

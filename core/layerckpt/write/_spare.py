@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
 import stat
 from typing import List, Optional, Tuple
 
@@ -37,6 +38,8 @@ try:
 except ImportError:  # no fcntl (Windows): no lease, no spare
     fcntl = None  # type: ignore[assignment]
 _LEASE = getattr(fcntl, "F_SETLEASE", None)
+_GETLEASE = getattr(fcntl, "F_GETLEASE", 1025)
+_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux's values
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
@@ -45,16 +48,21 @@ def is_spare_name(name: str) -> bool:
 
 
 def _alone(fd: int) -> bool:
-    """Whether no other descriptor or mapping of ``fd``'s file exists (a write lease is granted, then given
-    back); False where leases are refused or unsupported."""
+    """Whether no other descriptor or mapping of ``fd``'s file exists: a write lease is granted, is not broken
+    by an open while held, and is given back; False where leases are refused or unsupported.  An open that
+    breaks the lease notifies this process by a signal: SIGURG, ignored unless the program handles it (the
+    default, SIGIO, would end the process); the open itself waits only until the lease is given back."""
     if _LEASE is None:
         return False
     try:
+        fcntl.fcntl(fd, _SETSIG, signal.SIGURG)
         fcntl.fcntl(fd, _LEASE, fcntl.F_WRLCK)
     except OSError:
         return False
-    fcntl.fcntl(fd, _LEASE, fcntl.F_UNLCK)
-    return True
+    try:
+        return fcntl.fcntl(fd, _GETLEASE) == fcntl.F_WRLCK  # not broken meanwhile
+    finally:
+        fcntl.fcntl(fd, _LEASE, fcntl.F_UNLCK)
 
 
 def spare_dir(data_dir: str) -> str:
