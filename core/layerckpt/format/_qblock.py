@@ -39,7 +39,9 @@ the delta's step), the scales, then the codes.  The layouts: 0 the codes as they
 2 (a delta's 2- or 4-byte codes) zstd of their zigzag map's byte planes, low bytes first: a delta's codes
 spread over hundreds of quanta once the reference is a few hundred steps old, and zstd's byte-wise entropy
 coder sees their high bytes, mostly 0 or 1, apart from their noise-like low bytes (measured on classify-3e-5
-200 steps after the reference: 2.91x -> 3.42x smaller than fp32, against 3.69x for the codes' entropy).
+200 steps after the reference: 2.91x -> 3.42x smaller than fp32, against 3.69x for the codes' entropy);
+3 (a delta's 2- or 4-byte codes whose zigzag map stays under 2 ** 12, tried first) the map split at 4 bits,
+its high part a byte each and its low bits two a byte (``_split``), within about 1% of the codes' entropy.
 
 A block the code does not fit (a non-finite value, a negative second moment, a delta of more than 2 ** 24
 quanta, codes no smaller than the raw bytes) is left to the lossless modes.
