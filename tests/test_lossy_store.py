@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import layerckpt
-from layerckpt.format import _encode, _qblock
+from layerckpt.format import _encode, _entries, _qblock
 
 QUANTUM = 2.0
 GROUP = 2048
@@ -125,6 +125,7 @@ def test_every_restore_is_within_each_codes_bound_and_errors_never_add_up(tmp_pa
         m = _manifest(tmp_path, step)
         modes = {b[3] for e in m["tensors"].values() if e.get("enc") for b in e["enc"]["blocks"]}
         assert m["version"] == (6 if _encode.QSQREF in modes else 5)  # a reader of 5 says "upgrade", not "damaged"
+        assert _entries._QSQREF_MODE == _encode.QSQREF  # the manifest's own copy of the mode number
         model, opt, report = _restored(tmp_path, step)
         saved_model, saved_opt = states[step]
         for name in ("0.weight", "2.weight", "0.bias", "2.bias"):  # biases of 1 KiB and 512 bytes: coded too

@@ -411,9 +411,8 @@ def decode(mode: int, data: memoryview, out: np.ndarray, where: str) -> None:
         raise bad("a bounded-loss block is shorter than its scales")
     body = data[pos:]
     if layout == SPLIT:
-        out.view(np.float32)[:] += np.float32(step) * _from_split(body, n, where).astype(np.float32)
-        return
-    if layout != AS_IS:
+        codes = _from_split(body, n, where)
+    elif layout != AS_IS:
         codes = inflate(body, ncodes, where)
     elif len(body) != ncodes:
         raise bad(f"a bounded-loss block holds {len(body)} bytes of codes, expected {ncodes}")
@@ -421,7 +420,8 @@ def decode(mode: int, data: memoryview, out: np.ndarray, where: str) -> None:
         codes = np.frombuffer(body, dtype=np.uint8)
     dest = out.view(np.float32)
     if mode == QDELTA:
-        c = (_from_zigzag_planes(codes, width, n) if layout == PLANES else codes.view(_CODE[width])).astype(np.float32)
+        c = (codes if layout == SPLIT else _from_zigzag_planes(codes, width, n) if layout == PLANES
+             else codes.view(_CODE[width])).astype(np.float32)
         dest[:] = dest + np.float32(step) * c
         return
     scales = np.frombuffer(data[HEAD.size:pos], dtype="<f4")

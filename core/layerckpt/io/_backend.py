@@ -304,10 +304,11 @@ _direct_refused = threading.local()
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def open_file(path: str, write: bool, direct: bool = True) -> "tuple[int, bool]":
-    """Open for O_DIRECT I/O where the file system allows; returns (fd, is_direct)."""
+def open_file(path: str, write: bool, direct: bool = True, create: bool = True) -> "tuple[int, bool]":
+    """Open for O_DIRECT I/O where the file system allows; returns (fd, is_direct).  ``create=False``: write
+    over the file that is there (not created, not truncated)."""
     # a file the library creates is never written through a symbolic link planted in its place
-    flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC | NOFOLLOW) if write else os.O_RDONLY
+    flags = (os.O_WRONLY | NOFOLLOW | (os.O_CREAT | os.O_TRUNC if create else 0)) if write else os.O_RDONLY
     flags |= getattr(os, "O_CLOEXEC", 0)
     if direct and hasattr(os, "O_DIRECT"):
         try:

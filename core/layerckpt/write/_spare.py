@@ -13,21 +13,23 @@ to its own size at the end.  A spare is never a file a manifest
 references (its composite's manifest is gone, durably, before retention touches its data files), so a kill
 at any moment leaves every kept composite whole; a torn save's file is cleaned up as before.
 
-A file someone else still reads is neither kept nor written over: a reader that opened it before retention
-retired it keeps the bytes it opened.  Linux grants a write lease (``F_SETLEASE``) only while no other
-descriptor or mapping of the file exists, in any process; where leases are refused or not supported (other
+A file someone else still reads is never written over: a reader that opened it before retention retired it
+keeps the bytes it opened.  Linux grants a write lease (``F_SETLEASE``) only while no other descriptor or
+mapping of the file exists, in any process; a save takes a spare only under one, and deletes instead a spare
+it finds open.  The lease is taken on spares only, which no one can open by name: a reader opening a data
+file without blocking while it is leased would fail (EAGAIN).  Where leases are not supported (other
 systems, some network file systems), files are deleted as before.
 """
 from __future__ import annotations
 
-import errno
 import os
 import re
 import signal
 import stat
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from ..io._backend import NOFOLLOW
+from ..io._backend import NOFOLLOW, open_file
+from ._commit import unlink_quietly
 
 MAX_SPARES = 2  # enough for full saves with keep_last: each commit retires about one file per rank
 SPARE_DIR = "spares"  # beside the store's data folder
@@ -41,6 +43,7 @@ _LEASE = getattr(fcntl, "F_SETLEASE", None)
 _GETLEASE = getattr(fcntl, "F_GETLEASE", 1025)
 _SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux's values
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_LEASES: Dict[str, bool] = {}  # spare folder -> whether its file system grants write leases
 
 
 def is_spare_name(name: str) -> bool:
@@ -93,27 +96,42 @@ def _spares(data_dir: str) -> List[Tuple[int, str, int]]:
 
 
 def keep(path: str) -> bool:
-    """Make the retired data file ``path`` a spare, where a slot is free and no one else has it open; False
-    where it is not made one (delete it then)."""
+    """Make the retired data file ``path`` a spare, where a slot is free and this file system grants leases;
+    False where it is not made one (delete it then).  No lease is taken on ``path`` itself: a reader may be
+    opening it this instant, and a reader's open of a leased file without blocking fails (EAGAIN).  Once moved,
+    no one can open it by its old name; one who had it open still has, and :func:`take` finds it so."""
     data_dir = os.path.dirname(path)
     taken = {slot for slot, _, _ in _spares(data_dir)}
     free = next((i for i in range(MAX_SPARES) if i not in taken), None)
     if free is None:
         return False
+    where = spare_dir(data_dir)
     try:
-        fd = os.open(path, os.O_WRONLY | NOFOLLOW | _CLOEXEC)
-    except OSError:
-        return False
-    try:
-        if not _alone(fd):
+        os.makedirs(where, exist_ok=True)
+        if not _leases_work(where):
             return False
-        os.makedirs(spare_dir(data_dir), exist_ok=True)
-        os.rename(path, os.path.join(spare_dir(data_dir), f"{PREFIX}{free}"))
+        os.rename(path, os.path.join(where, f"{PREFIX}{free}"))
         return True
     except OSError:
         return False
-    finally:
-        os.close(fd)
+
+
+def _leases_work(where: str) -> bool:
+    """Whether the file system of the folder ``where`` grants write leases, tried once per folder on a file
+    of its own (no spare is kept where none could ever be taken)."""
+    got = _LEASES.get(where)
+    if got is None:
+        probe = os.path.join(where, ".lease-probe")
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | NOFOLLOW | _CLOEXEC, 0o600)
+        except OSError:
+            return False
+        try:
+            got = _LEASES[where] = _alone(fd)
+        finally:
+            os.close(fd)
+            unlink_quietly(probe)
+    return got
 
 
 def take(path: str, size: int, direct: bool) -> Optional[Tuple[int, bool]]:
@@ -123,23 +141,14 @@ def take(path: str, size: int, direct: bool) -> Optional[Tuple[int, bool]]:
     the largest.  One someone else has open is deleted instead: its reader keeps its bytes."""
     data_dir = os.path.dirname(path)
     for _, spare, _ in sorted(_spares(data_dir), key=lambda s: (s[2] < size, abs(s[2] - size))):
-        flags = os.O_WRONLY | NOFOLLOW | _CLOEXEC
-        fd, is_direct = -1, False
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                fd, is_direct = os.open(spare, flags | os.O_DIRECT), True
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    continue
         try:
-            if fd < 0:
-                fd = os.open(spare, flags)
+            fd, is_direct = open_file(spare, write=True, direct=direct, create=False)
         except OSError:
             continue
         try:
             if not _alone(fd):
                 os.close(fd)
-                _unlink_quietly(spare)
+                unlink_quietly(spare)
                 continue
             os.rename(spare, path)
         except OSError:
@@ -147,10 +156,3 @@ def take(path: str, size: int, direct: bool) -> Optional[Tuple[int, bool]]:
             continue
         return fd, is_direct
     return None
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
