@@ -5,8 +5,10 @@ import json
 import re
 import os
 import shutil
+import time
 
 import pytest
+import torch
 
 import layerckpt
 from layerckpt.read import _read
@@ -135,3 +137,83 @@ def test_the_ring_is_made_only_for_a_read_that_uses_it(tmp_path, monkeypatch):
     assert len(made) == 1
     assert_same_tensors(model3.state_dict(), model.state_dict())
     assert_same_optimizer_state(opt3.state_dict(), opt.state_dict())
+
+
+def _resident(path):
+    """The fraction of a file's pages the page cache holds, read in, by ``mincore`` on a mapping of it: a probe
+    that, unlike a read (even one with RWF_NOWAIT), starts no readahead of its own."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            pytest.skip(f"mmap: {os.strerror(ctypes.get_errno())}")
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = ctypes.create_string_buffer(pages)
+            if libc.mincore(addr, size, vec) != 0:
+                pytest.skip(f"mincore: {os.strerror(ctypes.get_errno())}")
+            return sum(b & 1 for b in vec.raw[:pages]) / pages
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def test_a_restore_asks_the_disk_for_every_range_at_once(tmp_path, monkeypatch):
+    """Before its reads start, a restore asks the disk for every range it will read buffered: all of a 25 MB
+    file comes into the page cache with nothing read yet (one hint would bring one readahead window: 8 MB
+    here); and the prefetch opens nothing a read refuses."""
+    from layerckpt.read import _reader
+
+    big = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])  # 25 MB of weights
+    with layerckpt.Checkpointer(str(tmp_path), big, config=layerckpt.Config(threshold=0.0)) as ck:
+        ck.save(1)
+    m = json.loads((tmp_path / "manifests" / "step-00000001.json").read_text())
+    (fname,) = {e["file"] for e in m["tensors"].values()}
+    path = tmp_path / "data" / fname
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if _resident(path) > 0.01:
+        pytest.skip("this file system keeps the file cached (tmpfs?)")
+
+    asked = []
+
+    class Probe(_reader.Reader):
+        def into(self, pairs):  # every page asked for: the page cache holds them all once the reads are in
+            end = time.monotonic() + 5
+            while _resident(path) < 0.99 and time.monotonic() < end:
+                time.sleep(0.02)
+            asked.append(_resident(path))
+            return super().into(pairs)
+
+    monkeypatch.setattr(_reader, "Reader", Probe)
+    big2 = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])
+    layerckpt.restore(str(tmp_path), big2)
+    assert len(asked) == 1 and asked[0] > 0.99, asked
+    assert_same_tensors(big2.state_dict(), big.state_dict())
+
+    # a data file replaced by a link to one outside the store: the prefetch leaves it alone, the read refuses it
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.bin"
+    shutil.copy(path, outside)
+    os.unlink(path)
+    os.symlink(outside, path)
+    opened = []
+    real_advise = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, *a: opened.append(os.readlink(f"/proc/self/fd/{fd}"))
+                        or real_advise(fd, *a))
+    with pytest.raises(layerckpt.CheckpointCorruptError, match="symbolic link"):
+        layerckpt.restore(str(tmp_path), big2)
+    assert str(outside) not in opened

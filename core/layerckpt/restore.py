@@ -122,6 +122,9 @@ def _restore_from(r: Reader, model: torch.nn.Module, optimizer: Optional[torch.o
     rng = m.rng_for(_dist.rank()) if r.cfg.restore_rng else None
     other_keys = set(opt_keys) | _state_keys(m, rng, with_optimizer=optimizer is not None)
     _check_staleness(m, bound, strict)
+    # the disk starts on every range at once, in the order they are read: the model's bytes come in while
+    # the optimizer state is checked and decoded
+    r.prefetch([sorted(other_keys - set(plan.keys)), plan.keys])
     # optimizer state, RNG and extra: into one fresh buffer per file, where they stay as views (no second copy),
     # read and verified first, so that damage there leaves the model untouched
     tensors = r.tensors(sorted(other_keys - set(plan.keys)),
@@ -156,6 +159,7 @@ def _load_from(r: Reader, strict: bool, bound: int) -> LoadedCheckpoint:
     _check_staleness(m, bound, strict)
     rng = m.rng_for(_dist.rank())
     keys = {k for k in m.logical_keys() if not is_rng(k)} | set(tensor_refs(rng or {}))
+    r.prefetch([sorted(keys)])
     tensors = r.tensors(sorted(keys))
     rng = rng if r.cfg.restore_rng else None
     state = _State.decoded(None, None, m, tensors, rng, r.mpath)

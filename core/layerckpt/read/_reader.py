@@ -16,6 +16,7 @@ import functools
 import inspect
 import os
 import stat
+import threading
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -31,7 +32,7 @@ from ..format._layout import CODES
 from ..format._manifest import Manifest, load_manifest
 from ..format._encode import reads_ref
 from ._encread import read_encoded, span
-from ._read import MissingDataError, Want, read_into, read_views
+from ._read import MissingDataError, Want, prefetch, read_into, read_views
 from ..write._stage import BufferPool
 from ..config import Config
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointGoneError, CheckpointNotFoundError
@@ -103,6 +104,7 @@ class Reader:
         self.bytes_read = 0
         self.backend = _LazyBackend(self.cfg)  # made at its first use
         self._pool: Optional[BufferPool] = None
+        self._prefetch: Optional[threading.Thread] = None
 
     def tensors(self, keys: List[str], windows: Optional[Dict[str, "Window"]] = None) -> Dict[str, torch.Tensor]:
         """The named tensors in fresh memory (see :func:`read_tensors`)."""
@@ -133,6 +135,26 @@ class Reader:
             for t, work in copy_back:
                 t.copy_(work)
 
+    def prefetch(self, groups: Sequence[Sequence[str]]) -> None:
+        """Ask the disk at once, on a helper thread, for the stored bytes of every group of keys that will be read
+        buffered (``_read.prefetch``), a group after the one before it, ahead of the reads that want them one
+        file, one tensor at a time.  A tensor stored in pieces is left to its read: a rank reads only the
+        pieces its shard overlaps."""
+        asks = []
+        for keys in groups:
+            by_file: Dict[str, List[Want]] = {}
+            for k in keys:
+                e = self.m.tensors.get(k)
+                if e is not None and e.enc is None and e.file in self.m.files and self.m.pieces(k) is None:
+                    by_file.setdefault(e.file, []).append(Want.from_entry(k, e, self.m.files[e.file].step))
+            for fname, wants in sorted(by_file.items()):
+                try:
+                    path = _store.safe_join(self.root, _store.DATA_DIR, fname, f"manifest {self.mpath}")
+                except CheckpointError:
+                    continue  # the read names it
+                asks.append((path, self.m.files[fname].size, wants))
+        self._prefetch = prefetch(asks, direct=self.cfg.direct_io)
+
     @contextlib.contextmanager
     def _naming_layers(self) -> Iterator[None]:
         try:
@@ -147,6 +169,8 @@ class Reader:
             raise with_layer(e, self.m) from None
 
     def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.join()  # it holds descriptors of the store's files
         self.backend.close()
         if self._pool is not None:
             self._pool.close()
