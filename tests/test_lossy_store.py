@@ -468,3 +468,55 @@ def test_a_four_bit_moment_block_records_its_group_and_older_blocks_still_decode
     assert _qblock.HEAD.unpack_from(old[1])[2] == 0
     _qblock.decode(old[0], memoryview(old[1]), out, "test")
     assert np.array_equal(out, old[2])
+
+
+def test_a_wandering_weights_quantum_follows_its_recent_move_and_bounds_its_error(tmp_path):
+    """Selective saves (the tracker samples every element here): a weight that wanders (a random walk: after n steps
+    it is only sqrt(n) steps' moves from its reference) gets the quantum of its move per step over the last
+    interval, not the smaller average since its reference; the manifest records that move, and every element is
+    restored within half a quantum of it."""
+    model = _model()
+    sigma = 1e-3
+    cfg = layerckpt.Config(encoding="lossy", keep_last=0, drift_sample=0, max_staleness=1)
+    saved, coded = {}, 0
+    with layerckpt.Checkpointer(tmp_path, model, config=cfg) as ck:
+        for step in range(1, 7):
+            g = torch.Generator().manual_seed(step)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * sigma)
+            ck.save(step).wait()
+            saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(3, 7):
+        m = _manifest(tmp_path, step)
+        got = _restored_model(tmp_path, step)
+        for name in ("0.weight", "2.weight"):
+            e = m["tensors"][f"model/{name}"]
+            rec = (e.get("enc") or {}).get("lossy")
+            if rec is None or e["file"] != f"step-{step:08d}.rank0.safetensors":
+                continue
+            ref = e["enc"]["ref"]
+            n = step - ref["step"]
+            x, r = saved[step][name].double(), saved[ref["step"]][name].double()
+            recent = (x - saved[step - 1][name].double()).pow(2).mean().sqrt().item()  # one step's interval
+            since = (x - r).pow(2).mean().sqrt().item() / n
+            assert rec["move"] == pytest.approx(recent, rel=1e-4), (step, name)
+            assert rec["move"] > 1.3 * since, (step, name, rec["move"], since)  # what a random walk makes of it
+            s, q, gv = x.reshape(-1), r.reshape(-1), got[name].double().reshape(-1)
+            for a, k, mode in _blocks(e):
+                err = (gv[a:a + k] - s[a:a + k]).abs().max().item()
+                if mode != _encode.QDELTA:
+                    assert err == 0.0
+                    continue
+                block_since = (s[a:a + k] - q[a:a + k]).pow(2).mean().sqrt().item() / n
+                bound = QUANTUM / 2 * max(block_since, rec["move"])
+                assert err <= bound * (1 + 1e-5) + 2 * np.spacing(np.float32(s[a:a + k].abs().max().item()))
+                assert err > 0.9 * QUANTUM / 2 * rec["move"]  # the coarser quantum was used (its errors reach near half)
+                coded += 1
+    assert coded >= 4
+
+
+def _restored_model(root, step):
+    model = _model()
+    layerckpt.restore(root, model, step=step)
+    return model.state_dict()

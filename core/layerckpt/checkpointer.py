@@ -352,7 +352,8 @@ class Checkpointer:
                        resolve=functools.partial(self.selector.resolve, plan) if plan.deferred else None,
                        on_fail=functools.partial(self.selector.failed, plan),
                        self_contained=_is_base(plan, self.config), charge=self._charge(),
-                       frozen={k for n in plan.persisted if plan.layers[n].frozen for k in plan.layers[n].tensors})
+                       frozen={k for n in plan.persisted if plan.layers[n].frozen for k in plan.layers[n].tensors},
+                       moves=plan.moves)
         self.pool.reserve(layout.size)
         self._flusher.submit(job)
         self._pending.append(pending)

@@ -157,9 +157,9 @@ class Config:
     (byte planes + zstd, no reference kept); 'off' writes raw bytes.  The remote tier gets what the disk
     got.  'lossy' (opt-in; restores are then not bit for bit) is 'delta' with bounded loss on fp32 training
     state of 512 bytes and more: a weight with a reference is stored as its difference from it rounded to a
-    quantum of ``lossy_quantum`` times the RMS by which one training step moved it since (each element within
-    half a quantum; the reference, a self-contained version, stays lossless, so errors never add up along
-    the versions), Adam's ``exp_avg`` and SGD's momentum as block-wise ``lossy_bits``-bit codes, ``exp_avg_sq``
+    quantum of ``lossy_quantum`` times the RMS by which one training step moved it (since the reference, or
+    lately where that is more; each element within half a quantum; the reference, a self-contained version,
+    stays lossless, so errors never add up along the versions), Adam's ``exp_avg`` and SGD's momentum as block-wise ``lossy_bits``-bit codes, ``exp_avg_sq``
     as block-wise codes of its logarithm (a relative error bound); everything else, and whatever a code does
     not fit (NaN, inf), as 'delta'.  Each tensor's error is recorded in the manifest (``layerckpt inspect``,
     and the restore report's ``quantization``)."""
@@ -190,7 +190,9 @@ class Config:
     # added after ``full``, to keep the fields' places
     lossy_quantum: float = 2.0
     """``encoding='lossy'``: a weight delta's quantum, in units of the RMS by which one training step moved the
-    tensor since its reference: each element is restored within half of it (2.0: within one step's move).
+    tensor (on average since its reference, or over the last interval between saves where that is more, as
+    the tracker's sample measures it; full mode samples nothing): each element is restored within half of it
+    (2.0: within one step's move).
     Larger writes fewer bytes and restores further from the saved state."""
     lossy_bits: int = 4
     """``encoding='lossy'``: the width of the optimizer moments' codes, 4 or 8 bits.  4, the default, writes half

@@ -48,6 +48,7 @@ quanta, codes no smaller than the raw bytes) is left to the lossless modes.
 """
 from __future__ import annotations
 
+import math
 import struct
 from typing import Optional, Tuple
 
@@ -182,16 +183,18 @@ def _errors(restored: np.ndarray, x: np.ndarray, ss: Optional[float] = None) -> 
     return emax, esq, ss
 
 
-def encode(code: str, raw: np.ndarray, ref: Optional[np.ndarray], fraction: float, steps: int, bits: int
-           ) -> Optional[Coded]:
+def encode(code: str, raw: np.ndarray, ref: Optional[np.ndarray], fraction: float, steps: int, bits: int,
+           recent: float = 0.0) -> Optional[Coded]:
     """One block of fp32 bytes (``raw``) in the bounded-loss ``code`` ('qdelta' against ``ref``'s same bytes,
     'qmom', 'qsq': against ``ref``, the restored bytes of its reference, where given), or None where it does not
-    fit (the block goes lossless)."""
+    fit (the block goes lossless).  'qdelta': its quantum is ``fraction`` of one step's move, the RMS move per
+    step since the reference over ``steps`` steps or ``recent`` (the tensor's over the last interval), the
+    larger: a weight that wanders moves less per step on average since its reference than lately."""
     if raw.size % 4:
         return None
     x = raw.view(np.float32)
     if code == "qdelta":
-        return _encode_delta(x, ref.view(np.float32), fraction, steps, raw.size)
+        return _encode_delta(x, ref.view(np.float32), fraction, steps, raw.size, recent)
     if code == "qmom":
         return _encode_moment(x, bits, raw.size)
     return _encode_sq(x, bits, raw.size, None if ref is None or ref.size != raw.size else ref.view(np.float32))
@@ -203,9 +206,10 @@ def _native(*arrays: np.ndarray):
     return _NATIVE if _NATIVE is not None and all(a.ctypes.data % 4 == 0 for a in arrays) else None
 
 
-def _step(fraction: float, ss: float, size: int, steps: int) -> Optional[np.float32]:
-    """A delta's quantum: ``fraction`` times the RMS per-step move, None where that is not a positive number."""
-    move = (ss / max(1, size)) ** 0.5 / max(1, steps)
+def _step(fraction: float, ss: float, size: int, steps: int, recent: float = 0.0) -> Optional[np.float32]:
+    """A delta's quantum: ``fraction`` times the RMS per-step move (since the reference, or ``recent`` where that
+    is more), None where that is not a positive number."""
+    move = max((ss / max(1, size)) ** 0.5 / max(1, steps), recent if math.isfinite(recent) else 0.0)
     step = np.float32(fraction * move)
     return step if np.isfinite(step) and step > 0 else None
 
@@ -215,11 +219,12 @@ def _width(top: float) -> int:
     return 1 if top <= 127 else 2 if top <= 32767 else 4 if top < 2 ** 24 else 0
 
 
-def _encode_delta(x: np.ndarray, r: np.ndarray, fraction: float, steps: int, n: int) -> Optional[Coded]:
+def _encode_delta(x: np.ndarray, r: np.ndarray, fraction: float, steps: int, n: int, recent: float = 0.0
+                  ) -> Optional[Coded]:
     native = _native(x, r)
     if native is not None:
         ss = native.qdelta_ss(x, r)
-        step = None if ss is None else _step(fraction, ss, x.size, steps)
+        step = None if ss is None else _step(fraction, ss, x.size, steps, recent)
         if step is None:
             return None
         codes, restored = np.empty(x.size, np.int32), np.empty(x.size, np.float32)
@@ -236,7 +241,7 @@ def _encode_delta(x: np.ndarray, r: np.ndarray, fraction: float, steps: int, n: 
         ss = float(np.dot(d64, d64))
         if not np.isfinite(ss):
             return None
-    step = _step(fraction, ss, d.size, steps)
+    step = _step(fraction, ss, d.size, steps, recent)
     if step is None:
         return None
     q = np.divide(d, step, out=d)

@@ -57,6 +57,10 @@ class SavePlan:
     deferred: Dict[str, object] = field(default_factory=dict)
     shapes: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = field(default_factory=dict)  # of every tensor saved
     step: int = 0  # the save's
+    #: ``Config(encoding='lossy')``: per weight key, the RMS by which one training step moved it over the last
+    #: interval (between the save before and this one), measured on the tracker's sample; a bounded-loss
+    #: delta's quantum is a fraction of it where it exceeds the move per step since the reference
+    moves: Dict[str, float] = field(default_factory=dict)
 
     @property
     def reasons(self) -> Dict[str, str]:
@@ -395,7 +399,22 @@ class Selector:
             cost=policy.composite_cost(states, persist) + quant,
             progress=sum(st.progress for st in states.values() if not st.frozen), deferred=deferred, shapes=shapes,
             step=step)
+        if self.config.encoding == "lossy" and prev is not None and step > prev.step and not self.full:
+            out.moves = self._moves(snaps, weights, held, step - prev.step)
         self._planned_now(out, snaps, world, self._references(out, held, taken, unpriced))
+        return out
+
+    def _moves(self, snaps, weights, held, interval: int) -> Dict[str, float]:
+        """:attr:`SavePlan.moves`: each weight key's RMS move per step over the last ``interval`` steps, from
+        the tracker's sample (taken before this save's snapshots become the next interval's start)."""
+        with self._lock:
+            rms = self.tracker.moves(snaps)
+        out: Dict[str, float] = {}
+        for layer, per in rms.items():
+            at = {name: m for name, m in zip(weights.get(layer, {}), per) if m is not None}
+            for key, (_, name) in held.get(layer, {}).items():
+                if name in at:
+                    out[key] = at[name] / interval
         return out
 
     def _sample(self, weights: Dict[str, torch.Tensor], grads: Dict[str, torch.Tensor]) -> LayerSample:

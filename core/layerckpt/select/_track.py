@@ -262,6 +262,27 @@ class DriftTracker:
                                  parts=(sq.get(layer, math.inf), ref[1], cost, step), moved=moved[layer])
         return out, snaps
 
+    def moves(self, snaps: Dict[str, "Snap"]) -> Dict[str, List[Optional[float]]]:
+        """Per layer, per tensor (in the order sampled): the RMS of what its sampled elements moved since the save
+        before (that save's snapshot; None where there is none, or the tensor changed shape).  Call before
+        :meth:`advance`."""
+        names: List[Tuple[str, int, int]] = []
+        a: Views = []
+        b: Views = []
+        for layer, (w, _, _) in snaps.items():
+            prev = self._prev.get(layer)
+            if prev is None or not _same_shapes(prev[0], w):
+                continue
+            for i, (x, y) in enumerate(zip(w, prev[0])):
+                if x.numel():
+                    names.append((layer, i, x.numel()))
+                    a.append(x if x.dtype == torch.float32 else x.float())
+                    b.append(y if y.device == x.device else y.to(x.device))
+        out: Dict[str, List[Optional[float]]] = {}
+        for (layer, i, n), s in zip(names, _squares(a, b)):
+            out.setdefault(layer, [None] * len(snaps[layer][0]))[i] = math.sqrt(s / n)
+        return out
+
     def advance(self, snaps: Dict[str, "Snap"]) -> None:
         """This save's samples become the start of the next interval; a layer's cost carries on until a save
         that persists it is planned (:meth:`commit`)."""

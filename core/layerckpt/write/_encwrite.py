@@ -91,7 +91,8 @@ class Refs:
         return sum(r.data.nbytes for r in self._refs.values()) + sum(r.data.nbytes for r in self._pending.values())
 
     def plan(self, layout: Layout, self_contained: bool, frozen: AbstractSet[str] = frozenset(),
-             modes: Optional[List[str]] = None, step: int = 0) -> "ItemPlan":
+             modes: Optional[List[str]] = None, step: int = 0, moves: Optional[Dict[str, float]] = None
+             ) -> "ItemPlan":
         """For each item of the save about to be written: its reference (or None: self-contained), and the
         buffer its bytes are copied into to become the next reference (or None).  ``frozen``: keys of frozen
         layers, rewritten only if they change: no host copy is kept for them.  ``modes``: per item, 'raw'
@@ -100,18 +101,19 @@ class Refs:
         has a reference), 'qmom' (bounded-loss codes of its own, no reference kept) or 'qsq' (bounded-loss
         codes, told against its reference's for at most ``chain`` versions, the reference the bytes its own
         codes restore to); None: every item 'delta' (or 'compress' where this Refs makes no deltas).
-        ``step``: the save's (a bounded-loss delta's quantum is a fraction of one step's move since its
-        reference)."""
+        ``step``: the save's; ``moves``: per key, its RMS move per step over the last interval (a bounded-loss
+        delta's quantum is a fraction of one step's move: since its reference, or over the last interval where
+        that is more)."""
         out = ItemPlan([], [], {}, quantum=self.quantum, bits=self.bits)
         for i, it in enumerate(layout.items):
             mode = modes[i] if modes is not None else "delta" if self.delta else "compress"
             if mode == "qsq":
-                out.lossy[i] = (mode, 0)
+                out.lossy[i] = (mode, 0, 0.0)
             if mode == "qmom":
                 self._refs.pop(it.key, None)
                 out.refs.append(None)
                 out.news.append(None)
-                out.lossy[i] = (mode, 0)
+                out.lossy[i] = (mode, 0, 0.0)
                 continue
             if mode == "raw":
                 self._refs.pop(it.key, None)  # a save in flight that encodes against it holds its bytes
@@ -133,7 +135,7 @@ class Refs:
                 out.news.append(None)
                 out.where[i] = r.where
                 if mode == "qdelta":
-                    out.lossy[i] = (mode, max(1, step - r.where["step"]))
+                    out.lossy[i] = (mode, max(1, step - r.where["step"]), (moves or {}).get(it.key, 0.0))
                 out.starts[i] = _starts(r.where["blocks"])
                 self._used.append(it.key)
                 continue
@@ -191,8 +193,9 @@ class ItemPlan:
     #: item -> {raw start of each of its reference's blocks: (stored length, raw length)}
     starts: Dict[int, Dict[int, Tuple[int, int]]] = field(default_factory=dict)
     raw: set = field(default_factory=set)  # items stored as they are, not encoded
-    #: item -> (its bounded-loss code, steps since its reference): ``Config(encoding='lossy')``
-    lossy: Dict[int, Tuple[str, int]] = field(default_factory=dict)
+    #: item -> (its bounded-loss code, steps since its reference, its RMS move per step over the last interval or
+    #: 0.0): ``Config(encoding='lossy')``
+    lossy: Dict[int, Tuple[str, int, float]] = field(default_factory=dict)
     quantum: float = 0.0
     bits: int = 8
 
@@ -261,16 +264,18 @@ Observed = Tuple[int, int, int, float]  # item, raw length, stored length, CPU s
 Restored = Tuple[int, int, int, bool, float, float, float]
 
 
-def _lossy_block(raw: np.ndarray, ref: Optional[np.ndarray], esize: int, code: str, steps: int, plan: ItemPlan,
-                 rival: Optional[int], new: Optional[np.ndarray] = None
+def _lossy_block(raw: np.ndarray, ref: Optional[np.ndarray], esize: int, lossy: Tuple[str, int, float],
+                 plan: ItemPlan, rival: Optional[int], new: Optional[np.ndarray] = None
                  ) -> Tuple[int, Optional[bytes], Tuple[int, bool, float, float, float]]:
     """(mode, encoded bytes, (checksum of what it restores to, coded with loss, largest error, summed squared
     error, summed squared move or value)) of one block of a bounded-loss item; lossless where its code does
-    not fit it, unchanged (``SAME``) where it equals its reference (the bytes it restores to).  ``new``: where
-    a second moment's block goes to become a reference: the bytes it restores to are put there."""
+    not fit it, unchanged (``SAME``) where it equals its reference (the bytes it restores to).  ``lossy``: the
+    item's (code, steps since its reference, recent move per step).  ``new``: where a second moment's block
+    goes to become a reference: the bytes it restores to are put there."""
+    code, steps, recent = lossy
     if ref is not None and np.array_equal(raw, ref):
         return _encode.SAME, b"", (checksum(raw), False, 0.0, 0.0, 0.0)
-    got = _qblock.encode(code, raw, ref, plan.quantum, steps, plan.bits)
+    got = _qblock.encode(code, raw, ref, plan.quantum, steps, plan.bits, recent)
     if got is None:
         mode, data = _encode.encode_block(raw, ref, esize, rival)
         return mode, data, (checksum(raw), False, 0.0, 0.0, 0.0)
@@ -308,7 +313,7 @@ def encode_chunk(s: StagedChunk, blocks: List[Tuple[int, int, int]], layout: Lay
                 restored.append((i, checksum(raw), b - a, False, 0.0, 0.0, 0.0))
         elif lossy is not None:
             part = None if ref is None else ref[ra:rb]
-            mode, data, got = _lossy_block(raw, part, it.tensor.element_size(), lossy[0], lossy[1], plan,
+            mode, data, got = _lossy_block(raw, part, it.tensor.element_size(), lossy, plan,
                                            None if ref is None else plan.rival(i, ra, rb - ra),
                                            None if new is None else new[ra:rb])
             restored.append((i, got[0], b - a, *got[1:]))
@@ -490,15 +495,16 @@ class EncodingLoop(WriteLoop):
 
 
 
-def _lossy_record(lossy: Tuple[str, int], n: int, emax: float, esq: float, ss: float) -> Dict[str, Any]:
+def _lossy_record(lossy: Tuple[str, int, float], n: int, emax: float, esq: float, ss: float) -> Dict[str, Any]:
     """The manifest's record of a tensor stored with bounded loss: its code, its largest and RMS element error,
-    and the RMS of what the error is measured against: a weight's move per step since its reference (so
-    ``rms_err / move`` is the error in steps of training), a moment's values."""
-    code, steps = lossy
+    and the RMS of what the error is measured against: a weight's move per step (since its reference, or over
+    the last interval where that is more: what its quantum is a fraction of; so ``rms_err / move`` is the
+    error in steps of training), a moment's values."""
+    code, steps, recent = lossy
     out = {"code": code, "max_err": emax, "rms_err": (esq / max(1, n)) ** 0.5}
     rms = (ss / max(1, n)) ** 0.5
     if code == "qdelta":
-        out["move"] = rms / max(1, steps)
+        out["move"] = max(rms / max(1, steps), recent)
     else:
         out["rms"] = rms
     return out

@@ -141,6 +141,7 @@ class FlushJob:
     #: the share of the encoder's CPU time that comes out of the training (``_cost.charge``)
     charge: float = 1.0
     frozen: AbstractSet[str] = frozenset()  # keys of frozen layers' tensors: no reference copy kept for them
+    moves: Dict[str, float] = field(default_factory=dict)  # ``SavePlan.moves``: weights' recent move per step
     #: once written encoded: what the manifest says of each tensor, and the file's size
     encoded: Optional[Dict[str, Any]] = None
     size: Optional[int] = None
@@ -378,7 +379,7 @@ class Flusher:
             return WriteLoop(self.backend, self.pool, job.chunks, path, **kw), None
         elif self.config.encoding == "lossy":
             modes = [_lossy_mode(it.key, it.tensor, it.nbytes, it.key in job.frozen) for it in job.layout.items]
-        plan = self.refs.plan(job.layout, job.self_contained, job.frozen, modes, job.pending.step)
+        plan = self.refs.plan(job.layout, job.self_contained, job.frozen, modes, job.pending.step, job.moves)
         loop = _encwrite.EncodingLoop(self.backend, self.pool, job.chunks, path, layout=job.layout, plan=plan,
                                       pool_exec=self._encoder_threads(), chunk_bytes=self.pool.chunk_bytes,
                                       hurry=self._hurry, observe=self._observer(job, plan), **kw)
