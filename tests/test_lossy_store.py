@@ -520,3 +520,22 @@ def _restored_model(root, step):
     model = _model()
     layerckpt.restore(root, model, step=step)
     return model.state_dict()
+
+
+
+@pytest.mark.parametrize("recent", [math.inf, math.nan])
+def test_a_move_out_of_inf_or_nan_measures_nothing(recent):
+    """A weight that held inf or NaN at the save before moved an infinite (or no) amount over the last interval:
+    its quantum and its manifest record come from its move since the reference, and the record stays finite
+    (the manifest's reader refuses anything else)."""
+    from layerckpt.write import _encwrite
+
+    x = np.linspace(-1, 1, 4096, dtype=np.float32)
+    r = x - np.float32(1e-3) * np.cos(np.arange(4096, dtype=np.float32))
+    ss = float(np.sum((x.astype(np.float64) - r) ** 2))
+    since = (ss / x.size) ** 0.5 / 4
+    assert _qblock._step(QUANTUM, ss, x.size, 4, recent) == np.float32(QUANTUM * since)
+    got = _qblock.encode("qdelta", x.view(np.uint8), r.view(np.uint8), QUANTUM, 4, 4, recent)
+    assert got is not None and got[3] <= QUANTUM / 2 * since * (1 + 1e-5) + 2 * np.spacing(np.float32(1))
+    rec = _encwrite._lossy_record(("qdelta", 4, recent), x.size, got[3], got[4], got[5])
+    assert rec["move"] == pytest.approx(since, rel=1e-6) and all(math.isfinite(rec[k]) for k in rec if k != "code")

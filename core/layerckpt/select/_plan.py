@@ -411,7 +411,8 @@ class Selector:
             rms = self.tracker.moves(snaps)
         out: Dict[str, float] = {}
         for layer, per in rms.items():
-            at = {name: m for name, m in zip(weights.get(layer, {}), per) if m is not None}
+            # a move out of or into inf or NaN measures nothing: the average since the reference decides
+            at = {name: m for name, m in zip(weights.get(layer, {}), per) if m is not None and math.isfinite(m)}
             for key, (_, name) in held.get(layer, {}).items():
                 if name in at:
                     out[key] = at[name] / interval

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import threading
 import time
@@ -504,7 +505,7 @@ def _lossy_record(lossy: Tuple[str, int, float], n: int, emax: float, esq: float
     out = {"code": code, "max_err": emax, "rms_err": (esq / max(1, n)) ** 0.5}
     rms = (ss / max(1, n)) ** 0.5
     if code == "qdelta":
-        out["move"] = max(rms / max(1, steps), recent)
+        out["move"] = max(rms / max(1, steps), recent if math.isfinite(recent) else 0.0)
     else:
         out["rms"] = rms
     return out
