@@ -217,3 +217,26 @@ def test_a_restore_asks_the_disk_for_every_range_at_once(tmp_path, monkeypatch):
     with pytest.raises(layerckpt.CheckpointCorruptError, match="symbolic link"):
         layerckpt.restore(str(tmp_path), big2)
     assert str(outside) not in opened
+
+
+def test_a_restore_whose_files_the_page_cache_holds_asks_for_nothing(tmp_path, monkeypatch):
+    """A warm restore starts no prefetch and gives no hints: walking them over cached pages only costs time."""
+    from layerckpt.read import _reader
+
+    model, opt = _saved(tmp_path)
+    for f in os.listdir(tmp_path / "data"):
+        (tmp_path / "data" / f).read_bytes()  # into the page cache
+    hints, threads = [], []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, how: (hints.append(how), real(fd, o, n, how))[1])
+
+    class Probe(_reader.Reader):
+        def into(self, pairs):
+            threads.append(self._prefetch)
+            return super().into(pairs)
+
+    monkeypatch.setattr(_reader, "Reader", Probe)
+    model2, opt2 = trained(seed=1)
+    layerckpt.restore(str(tmp_path), model2, opt2)
+    assert threads == [None] and os.POSIX_FADV_WILLNEED not in hints
+    assert_same_tensors(model2.state_dict(), model.state_dict())
