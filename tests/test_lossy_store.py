@@ -511,7 +511,7 @@ def test_a_wandering_weights_quantum_follows_its_recent_move_and_bounds_its_erro
                 block_since = (s[a:a + k] - q[a:a + k]).pow(2).mean().sqrt().item() / n
                 bound = QUANTUM / 2 * max(block_since, rec["move"])
                 assert err <= bound * (1 + 1e-5) + 2 * np.spacing(np.float32(s[a:a + k].abs().max().item()))
-                assert err > 0.9 * QUANTUM / 2 * rec["move"]  # the coarser quantum was used (its errors reach near half)
+                assert err > 0.9 * QUANTUM / 2 * rec["move"]  # the coarser quantum was used: its errors reach half
                 coded += 1
     assert coded >= 4
 

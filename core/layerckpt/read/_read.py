@@ -292,15 +292,16 @@ def prefetch(files: Sequence[Tuple[str, int, Sequence[Want]]], direct: bool = Tr
     The reads of every file then overlap the restore's other work (the plan, the decoding, the copies of
     what came in first) instead of each file waiting its turn.  Queueing the requests takes a few ms of its
     own (about 7 ms for 40 MB here), which the helper takes off the reader; a file the page cache holds is
-    not asked for (walking hints over cached pages cost a warm 40 MB resume 3-4 ms).  Only a hint: anything amiss with a file is left to the read itself to
-    report.  Returns the thread (None where there was nothing to ask)."""
+    not asked for (walking hints over cached pages cost a warm 40 MB resume 3-4 ms).  Only a hint: anything
+    amiss with a file is left to the read itself to report.  Returns the thread (None where there was nothing
+    to ask)."""
     if not hasattr(os, "posix_fadvise"):
         return None
     todo = []
     for path, size, wants in files:
         if wants and not (direct and size > SMALL_FILE):
             wants = sorted(wants, key=lambda w: w.offset)
-            if not _cached(path, wants):  # (here: a helper running Python holds up the reader's GIL)
+            if not _cached(path, wants):  # asked here, before any thread: a helper running Python holds the GIL
                 todo.append((path, wants))
     if not todo:
         return None
@@ -342,6 +343,7 @@ def _in_memory(path: str) -> bool:
 
 
 def _mounted_in_memory(path: str) -> bool:
+    """:func:`_in_memory`, from the mount table: the file system of the longest mount point above ``path``."""
     try:
         with open("/proc/self/mounts") as f:
             mounts = [line.split()[1:3] for line in f]
