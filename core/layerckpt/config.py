@@ -159,10 +159,10 @@ class Config:
     state of 512 bytes and more: a weight with a reference is stored as its difference from it rounded to a
     quantum of ``lossy_quantum`` times the RMS by which one training step moved it (since the reference, or
     lately where that is more; each element within half a quantum; the reference, a self-contained version,
-    stays lossless, so errors never add up along the versions), Adam's ``exp_avg`` and SGD's momentum as block-wise ``lossy_bits``-bit codes, ``exp_avg_sq``
-    as block-wise codes of its logarithm (a relative error bound); everything else, and whatever a code does
-    not fit (NaN, inf), as 'delta'.  Each tensor's error is recorded in the manifest (``layerckpt inspect``,
-    and the restore report's ``quantization``)."""
+    stays lossless, so errors never add up along the versions), Adam's ``exp_avg`` and SGD's momentum as
+    block-wise ``lossy_bits``-bit codes, ``exp_avg_sq`` as block-wise codes of its logarithm (a relative error
+    bound); everything else, and whatever a code does not fit (NaN, inf), as 'delta'.  Each tensor's error is
+    recorded in the manifest (``layerckpt inspect``, and the restore report's ``quantization``)."""
     delta_chain: int = 8
     """Where tensors are delta-encoded (``encoding='delta'``, or 'auto' where a delta pays): a tensor is
     encoded against its reference for at most this many versions, then written self-contained again (a new
