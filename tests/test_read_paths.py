@@ -5,6 +5,7 @@ import json
 import re
 import os
 import shutil
+import threading
 import time
 
 import pytest
@@ -171,8 +172,8 @@ def _resident(path):
 def test_a_restore_asks_the_disk_for_every_range_at_once(tmp_path, monkeypatch):
     """Before its reads start, a restore asks the disk for every range it will read buffered: all of a 25 MB
     file comes into the page cache with nothing read yet (one hint would bring one readahead window: 8 MB
-    here); and the prefetch opens nothing a read refuses."""
-    from layerckpt.read import _reader
+    here), and the reads do not ask again; the prefetch opens nothing a read refuses."""
+    from layerckpt.read import _read, _reader
 
     big = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])  # 25 MB of weights
     with layerckpt.Checkpointer(str(tmp_path), big, config=layerckpt.Config(threshold=0.0)) as ck:
@@ -200,10 +201,17 @@ def test_a_restore_asks_the_disk_for_every_range_at_once(tmp_path, monkeypatch):
             return super().into(pairs)
 
     monkeypatch.setattr(_reader, "Reader", Probe)
+    hinted = []  # the threads that gave read-ahead hints: the prefetch's, not the reads' again, whose pages are
+    monkeypatch.setattr(_read, "_cached", lambda path, wants: False)  # not all in yet when they start, as here
+    real_advise = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, how: (
+        how == os.POSIX_FADV_WILLNEED and hinted.append(threading.current_thread().name), real_advise(fd, o, n, how))[1])
     big2 = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])
     layerckpt.restore(str(tmp_path), big2)
     assert len(asked) == 1 and asked[0] > 0.99, asked
     assert_same_tensors(big2.state_dict(), big.state_dict())
+    assert set(hinted) == {"layerckpt-prefetch"} and len(hinted) >= 50, (set(hinted), len(hinted))
+    monkeypatch.undo()
 
     # a data file replaced by a link to one outside the store: the prefetch leaves it alone, the read refuses it
     outside = tmp_path.parent / f"{tmp_path.name}-outside.bin"
@@ -211,7 +219,6 @@ def test_a_restore_asks_the_disk_for_every_range_at_once(tmp_path, monkeypatch):
     os.unlink(path)
     os.symlink(outside, path)
     opened = []
-    real_advise = os.posix_fadvise
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, *a: opened.append(os.readlink(f"/proc/self/fd/{fd}"))
                         or real_advise(fd, *a))
     with pytest.raises(layerckpt.CheckpointCorruptError, match="symbolic link"):

@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,12 +56,13 @@ class Want:
 
 
 def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Optional[Callable],
-               piece_bytes: int, direct: bool = True) -> Tuple[Dict[str, torch.Tensor], int]:
-    """Read every wanted tensor of one data file; returns ({key: tensor}, bytes read)."""
+               piece_bytes: int, direct: bool = True, advised: bool = False) -> Tuple[Dict[str, torch.Tensor], int]:
+    """Read every wanted tensor of one data file; returns ({key: tensor}, bytes read).  ``advised``: a
+    :func:`prefetch` has asked the disk for these ranges already."""
     wants = sorted(wants, key=lambda w: w.offset)
     fd = _direct_fd(path, size, wants, direct)
     if fd is None:
-        return _views_small(path, size, wants, check)
+        return _views_small(path, size, wants, check, advised)
     try:
         extents = _extents(wants)
         total = sum(e - s for s, e in extents)
@@ -100,7 +101,7 @@ def fresh_bytes(nbytes: int, align: int = 64) -> torch.Tensor:
     return raw[off:off + nbytes]
 
 
-def _views_small(path: str, size: int, wants: Sequence[Want], check: Optional[Callable]
+def _views_small(path: str, size: int, wants: Sequence[Want], check: Optional[Callable], advised: bool = False
                  ) -> Tuple[Dict[str, torch.Tensor], int]:
     """The tensors, read buffered into one fresh allocation packed at 64-byte boundaries, whose pages a
     helper thread faults in (one call per piece, not a fault per page inside the reads) ahead of them."""
@@ -117,7 +118,7 @@ def _views_small(path: str, size: int, wants: Sequence[Want], check: Optional[Ca
         def ready(key: str, a: int, n: int) -> None:  # the buffer's pages under this piece are in
             pre.wait((where[key] + a + n - 1) // PIECE)
 
-        total = _read_small(path, size, [w for w in wants if w.nbytes], sinks, check, ready)
+        total = _read_small(path, size, [w for w in wants if w.nbytes], sinks, check, ready, advised)
     finally:
         pre.close()
         view.release()
@@ -132,14 +133,14 @@ def _views_small(path: str, size: int, wants: Sequence[Want], check: Optional[Ca
 
 
 def read_into(backend, pool, path: str, size: int, wants: Sequence[Want], sinks: Dict[str, torch.Tensor],
-              check: Optional[Callable], direct: bool = True) -> int:
+              check: Optional[Callable], direct: bool = True, advised: bool = False) -> int:
     """Read tensors into existing memory (``sinks``: key -> flat uint8 view of the target) through
     a few reused bounce buffers; cheaper than fresh memory where page faults are dear.
     A checksum failure can leave targets partly overwritten."""
     wants = sorted(wants, key=lambda w: w.offset)
     fd = _direct_fd(path, size, wants, direct)
     if fd is None:
-        return _read_small(path, size, wants, sinks, check)
+        return _read_small(path, size, wants, sinks, check, advised=advised)
     try:
         extents = _extents(wants)
         pieces = [(o, min(pool.chunk_bytes, e - o)) for s, e in extents for o in range(s, e, pool.chunk_bytes)]
@@ -189,14 +190,17 @@ def read_into(backend, pool, path: str, size: int, wants: Sequence[Want], sinks:
 
 
 def _read_small(path: str, size: int, wants: Sequence[Want], sinks: Dict[str, torch.Tensor],
-                check: Optional[Callable], ready: Optional[Callable[[str, int, int], None]] = None) -> int:
+                check: Optional[Callable], ready: Optional[Callable[[str, int, int], None]] = None,
+                advised: bool = False) -> int:
     """Each tensor read buffered straight into its target, a piece at a time; the checksums run on a
-    helper thread a piece behind the reads (both release the GIL), and are compared at the end."""
+    helper thread a piece behind the reads (both release the GIL), and are compared at the end.  The disk
+    is asked for every range at once first, unless the page cache holds them or ``advised`` (a
+    :func:`prefetch` asked already: asking again costs a cold 40 MB resume about 4 ms)."""
     fd, _ = _open_checked(path, size, wants, direct=False)
     total = sum(w.nbytes for w in wants)
     sums = _Checksums(check, len(wants), threaded=total >= 2 * PIECE)
     try:
-        if not _cached(path, wants):  # walking the hints over pages the cache holds costs ms for nothing
+        if not advised and not _cached(path, wants):  # hints over pages the cache holds cost ms for nothing
             _advise(fd, wants)
         for i, w in enumerate(wants):
             view = memoryview(sinks[w.key].numpy()) if w.nbytes else memoryview(b"")
@@ -286,7 +290,8 @@ def _advise(fd: int, wants: Sequence[Want]) -> None:
                 return
 
 
-def prefetch(files: Sequence[Tuple[str, int, Sequence[Want]]], direct: bool = True) -> Optional[threading.Thread]:
+def prefetch(files: Sequence[Tuple[str, int, Sequence[Want]]], direct: bool = True
+             ) -> Tuple[Optional[threading.Thread], FrozenSet[str]]:
     """Ask the disk, on a helper thread and in the order given, for every range that buffered reads of these
     ``(path, size, wants)`` will ask for (where the read will be buffered: a small file, or O_DIRECT off).
     The reads of every file then overlap the restore's other work (the plan, the decoding, the copies of
@@ -294,9 +299,9 @@ def prefetch(files: Sequence[Tuple[str, int, Sequence[Want]]], direct: bool = Tr
     own (about 7 ms for 40 MB here), which the helper takes off the reader; a file the page cache holds is
     not asked for (walking hints over cached pages cost a warm 40 MB resume 3-4 ms).  Only a hint: anything
     amiss with a file is left to the read itself to report.  Returns the thread (None where there was nothing
-    to ask)."""
+    to ask) and the paths it asks for, whose reads need not ask again."""
     if not hasattr(os, "posix_fadvise"):
-        return None
+        return None, frozenset()
     todo = []
     for path, size, wants in files:
         if wants and not (direct and size > SMALL_FILE):
@@ -304,7 +309,7 @@ def prefetch(files: Sequence[Tuple[str, int, Sequence[Want]]], direct: bool = Tr
             if not _cached(path, wants):  # asked here, before any thread: a helper running Python holds the GIL
                 todo.append((path, wants))
     if not todo:
-        return None
+        return None, frozenset()
 
     def run() -> None:
         for path, wants in todo:
@@ -319,7 +324,7 @@ def prefetch(files: Sequence[Tuple[str, int, Sequence[Want]]], direct: bool = Tr
 
     t = threading.Thread(target=run, daemon=True, name="layerckpt-prefetch")
     t.start()
-    return t
+    return t, frozenset(path for path, _ in todo)
 
 
 MEMORY_FS = ("tmpfs", "ramfs", "hugetlbfs")

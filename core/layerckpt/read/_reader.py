@@ -17,7 +17,7 @@ import inspect
 import os
 import stat
 import threading
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import AbstractSet, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -105,11 +105,13 @@ class Reader:
         self.backend = _LazyBackend(self.cfg)  # made at its first use
         self._pool: Optional[BufferPool] = None
         self._prefetch: Optional[threading.Thread] = None
+        self._advised: FrozenSet[str] = frozenset()  # the data files a prefetch asked the disk for
 
     def tensors(self, keys: List[str], windows: Optional[Dict[str, "Window"]] = None) -> Dict[str, torch.Tensor]:
         """The named tensors in fresh memory (see :func:`read_tensors`)."""
         with self._naming_layers():
-            out, n = read_tensors(self.root, self.m, self.mpath, keys, self.backend, self.check, self.cfg, windows)
+            out, n = read_tensors(self.root, self.m, self.mpath, keys, self.backend, self.check, self.cfg, windows,
+                                  self._advised)
         self.bytes_read += n
         return out
 
@@ -129,7 +131,7 @@ class Reader:
             self._pool = BufferPool(self.cfg.chunk_bytes, self.cfg.chunk_bytes * min(4, self.cfg.queue_depth))
         with self._naming_layers():
             _, n = _read_targets(self.root, self.m, self.mpath, targets, [], self.backend, self._pool, self.check,
-                                 self.cfg)
+                                 self.cfg, self._advised)
         self.bytes_read += n
         with torch.no_grad():
             for t, work in copy_back:
@@ -153,7 +155,7 @@ class Reader:
                 except CheckpointError:
                     continue  # the read names it
                 asks.append((path, self.m.files[fname].size, wants))
-        self._prefetch = prefetch(asks, direct=self.cfg.direct_io)
+        self._prefetch, self._advised = prefetch(asks, direct=self.cfg.direct_io)
 
     @contextlib.contextmanager
     def _naming_layers(self) -> Iterator[None]:
@@ -199,10 +201,12 @@ Window = Tuple[Tuple[int, ...], List[Tuple[List[int], List[int], Tuple[slice, ..
 
 
 def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, check, cfg: Config,
-                 windows: Optional[Dict[str, Window]] = None) -> Tuple[Dict[str, torch.Tensor], int]:
+                 windows: Optional[Dict[str, Window]] = None, advised: AbstractSet[str] = frozenset()
+                 ) -> Tuple[Dict[str, torch.Tensor], int]:
     """Read the named tensors of manifest ``m`` (file by file, checksums verified); a tensor stored in
     pieces (row blocks, boxes) comes back whole, or, for a key in ``windows``, only the shard the window
-    names (e.g. this rank's), read from the pieces that overlap it."""
+    names (e.g. this rank's), read from the pieces that overlap it.  ``advised``: the paths of the data
+    files a prefetch has asked the disk for (:meth:`Reader.prefetch`)."""
     windows = windows or {}
     check_claims(root, m, mpath, keys)
     out: Dict[str, torch.Tensor] = {}
@@ -224,7 +228,7 @@ def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, c
             plain.append(k)
     pool = BufferPool(cfg.chunk_bytes, cfg.chunk_bytes * min(4, cfg.queue_depth))  # bounce buffers
     try:
-        read, total = _read_targets(root, m, mpath, targets, plain, backend, pool, check, cfg)
+        read, total = _read_targets(root, m, mpath, targets, plain, backend, pool, check, cfg, advised)
     finally:
         pool.close()
     out.update({k: read[k] for k in plain})
@@ -270,7 +274,7 @@ def _end(e) -> int:
 
 
 def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str], backend, pool, check,
-                  cfg: Config) -> Tuple[Dict[str, torch.Tensor], int]:
+                  cfg: Config, advised: AbstractSet[str] = frozenset()) -> Tuple[Dict[str, torch.Tensor], int]:
     """Read the ``plain`` keys into fresh memory, and each target's box (see :func:`_route`) into the
     target, file by file; returns the fresh tensors and the bytes read."""
     direct, partial = _route(m, targets)
@@ -292,11 +296,12 @@ def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str],
             path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest {mpath}")
             ins = [w for w in wants if w.key in direct]
             if ins:
-                total += read_into(backend, pool, path, m.files[fname].size, ins, direct, check, direct=cfg.direct_io)
+                total += read_into(backend, pool, path, m.files[fname].size, ins, direct, check, direct=cfg.direct_io,
+                                   advised=path in advised)
             rest = [w for w in wants if w.key not in direct]
             if rest:
                 views, n = read_views(backend, path, m.files[fname].size, rest, check, cfg.chunk_bytes,
-                                      direct=cfg.direct_io)
+                                      direct=cfg.direct_io, advised=path in advised)
                 read.update(views)
                 total += n
         _copy_partial(partial, read)
