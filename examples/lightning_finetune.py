@@ -12,8 +12,10 @@
    restart's: each path's first use in its process, as after a real failure).
 4. the same fine-tuning without any checkpointing, for the step-time overhead.
 It prints bytes written, what training paid for checkpointing (the save itself, the wait inside the
-next optimizer step for copies still running, and the training time against no checkpointing over
-the same steps), resume time, and the loss after the resume against the run that never stopped.
+next optimizer step for copies still running, the training time against no checkpointing over
+the same steps, and per checkpoint against each run's own steps away from its saves, which the step time
+of a whole process, 10-20% apart from one run to the next, does not move), resume time, and the loss after
+the resume against the run that never stopped.
 """
 from __future__ import annotations
 
@@ -154,8 +156,8 @@ def main() -> int:
         plain = resume_plain(args, resumed["step"])
         bare = no_checkpoints(args)
         start = resumed["step"]
-        report(args.crash_at, ref_ck, ref_steps.seconds, stats, bare.seconds, (plain["seconds"], resumed["seconds"]),
-               resumed["losses"], ref.losses[start:])
+        report(args.crash_at, args.every, ref_ck, ref_steps.seconds, stats, bare.seconds,
+               (plain["seconds"], resumed["seconds"]), resumed["losses"], ref.losses[start:])
         return 0
     finally:
         if not keep:
@@ -242,7 +244,28 @@ def no_checkpoints(args: argparse.Namespace) -> StepTimer:
     return timer
 
 
-def report(crash_at: int, ref_ck: TimedModelCheckpoint, ref_step_s, stats, bare_step_s, resumes, after, want) -> None:
+def per_checkpoint(seconds, every: int, span: slice):
+    """What each checkpoint cost a run's steps, against that run's own steps away from its checkpoints: the
+    steps' total over ``span`` beyond the median of the steps that neither hold a save (batch ``i`` with
+    ``i % every == every - 1``: its batch end saves) nor follow one; per save.  Runs of the same steps in other
+    processes differ by 10-20% in their step time alone, which decides a difference of their totals; a run's
+    steps among themselves do not.  Returns (ms per checkpoint, the baseline step in ms), or None where every
+    step is next to a save (``every`` < 3)."""
+    idx = range(span.start, span.stop)
+    saves = sum(1 for i in idx if i % every == every - 1)
+    if every < 3 or not saves:
+        return None
+    base = quiet_median(seconds, every, span)
+    return sum(seconds[i] * 1e3 - base for i in idx) / saves, base
+
+
+def quiet_median(seconds, every: int, span: slice) -> float:
+    """The median step, in ms, over ``span`` of the steps :func:`per_checkpoint` takes as a run's baseline."""
+    return statistics.median(seconds[i] for i in range(span.start, span.stop) if i % every not in (every - 1, 0)) * 1e3
+
+
+def report(crash_at: int, every: int, ref_ck: TimedModelCheckpoint, ref_step_s, stats, bare_step_s, resumes, after,
+           want) -> None:
     n = stats["saves"]  # ModelCheckpoint's saves over the same steps
     ref_bytes = ref_ck.bytes / ref_ck.saves * n
     ref_blocked = ref_ck.blocked_s / ref_ck.saves * n
@@ -268,6 +291,13 @@ def report(crash_at: int, ref_ck: TimedModelCheckpoint, ref_step_s, stats, bare_
         print("    (LayerCheckpoint's steps took no longer than the run without checkpoints: within the steps' noise)")
     print(f"    (training time of steps 1-{crash_at - 1}: {base:.2f}s without checkpoints, {theirs:.2f}s and "
           f"{ours:.2f}s with; median step {med[0]:.1f}, {med[1]:.1f} and {med[2]:.1f} ms)")
+    own = [per_checkpoint(x, every, span) for x in (ref_step_s, stats["step_s"])]
+    if None not in own:
+        (t_ms, t_base), (o_ms, o_base) = own
+        print(f"  per checkpoint, against the run's own {t_ms:>12.1f}ms {o_ms:>14.1f}ms "
+              + (f"{t_ms / o_ms:>7.1f}x" if o_ms > 0 else f"{'-':>8}"))
+        print(f"    (each run's steps beyond its median step away from the saves and the steps after them: "
+              f"{t_base:.1f} and {o_base:.1f} ms; {quiet_median(bare_step_s, every, span):.1f} ms without checkpoints)")
     print(f"  resume in a new process               {plain_s * 1e3:>14.0f}ms {ours_s * 1e3:>14.0f}ms "
           f"{plain_s / ours_s:>7.1f}x")
     print("    (Trainer setup to the first step: reading the checkpoint and putting the state back)")

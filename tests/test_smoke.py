@@ -2,6 +2,7 @@
 `layerckpt bench --steps` (docs/performance.md) and `layerckpt bench --policy --plot` (docs/selection.md).  Each
 in a new process, as a user runs it: exit 0 and the lines that carry its figures (a smoke test, not a
 measurement)."""
+import importlib.util
 import os
 import re
 import subprocess
@@ -37,7 +38,7 @@ def test_main_job_runs_small(tmp_path):
            "the same 7 steps without checkpointing, for the step-time overhead ...",
            "over the 2 checkpoints before the kill", "bytes written", "save() returned after",
            "= training blocked by the saves", "step-time overhead vs no checkpoints",
-           "resume in a new process", "(Trainer setup to the first step: reading the checkpoint and putting the state back)",
+           "per checkpoint, against the run's own", "resume in a new process", "(Trainer setup to the first step: reading the checkpoint and putting the state back)",
            "loss after resume vs uninterrupted")
     # the newest composite committed before the kill: step 6, or step 3 where 6's flush was still running
     start = int(re.search(r"^resumed from the composite of step (\d+): ", out, re.M).group(1))
@@ -45,6 +46,24 @@ def test_main_job_runs_small(tmp_path):
     assert f"mean over the {12 - start} steps after the resume within " in out
     # the resumed run went on to the end, saving as it went (the default keep_last=2)
     assert sorted(os.listdir(tmp_path / "layerckpt" / "manifests")) == ["step-00000009.json", "step-00000012.json"]
+
+
+def test_main_job_prices_a_checkpoint_against_its_own_quiet_steps():
+    """The per-checkpoint row: each run's steps beyond the median of its steps that neither save nor follow a
+    save, per save; a run whose every step was slower by the same amount (another process) costs the same."""
+    spec = importlib.util.spec_from_file_location("main_job", MAIN_JOB)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    every, span = 4, slice(1, 41)  # batches 1-40: saves at the ends of batches 3, 7, ..., 39 (10 saves)
+    for base in (0.040, 0.050):
+        steps = [base] * 41
+        for i in range(3, 41, 4):
+            steps[i] += 0.045  # the save
+            if i + 1 < 41:
+                steps[i + 1] += 0.010  # the step after it waits for the copies
+        ms, got_base = job.per_checkpoint(steps, every, span)
+        assert got_base == pytest.approx(base * 1e3) and ms == pytest.approx(45 + 10)
+    assert job.per_checkpoint([0.04] * 41, 2, span) is None  # every step is next to a save: no baseline
 
 
 def test_bench_steps_runs_small(tmp_path):
