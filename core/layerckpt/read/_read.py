@@ -291,7 +291,7 @@ def _advise(fd: int, wants: Sequence[Want]) -> None:
 
 
 def prefetch(files: Sequence[Tuple[str, int, Sequence[Want]]], direct: bool = True
-             ) -> Tuple[Optional[threading.Thread], FrozenSet[str]]:
+             ) -> Tuple[Optional[threading.Thread], FrozenSet[Tuple[str, str]]]:
     """Ask the disk, on a helper thread and in the order given, for every range that buffered reads of these
     ``(path, size, wants)`` will ask for (where the read will be buffered: a small file, or O_DIRECT off).
     The reads of every file then overlap the restore's other work (the plan, the decoding, the copies of
@@ -299,7 +299,7 @@ def prefetch(files: Sequence[Tuple[str, int, Sequence[Want]]], direct: bool = Tr
     own (about 7 ms for 40 MB here), which the helper takes off the reader; a file the page cache holds is
     not asked for (walking hints over cached pages cost a warm 40 MB resume 3-4 ms).  Only a hint: anything
     amiss with a file is left to the read itself to report.  Returns the thread (None where there was nothing
-    to ask) and the paths it asks for, whose reads need not ask again."""
+    to ask) and the (path, key) of every tensor it asks for, whose reads need not ask again."""
     if not hasattr(os, "posix_fadvise"):
         return None, frozenset()
     todo = []
@@ -324,7 +324,7 @@ def prefetch(files: Sequence[Tuple[str, int, Sequence[Want]]], direct: bool = Tr
 
     t = threading.Thread(target=run, daemon=True, name="layerckpt-prefetch")
     t.start()
-    return t, frozenset(path for path, _ in todo)
+    return t, frozenset((path, w.key) for path, wants in todo for w in wants)
 
 
 MEMORY_FS = ("tmpfs", "ramfs", "hugetlbfs")

@@ -105,7 +105,7 @@ class Reader:
         self.backend = _LazyBackend(self.cfg)  # made at its first use
         self._pool: Optional[BufferPool] = None
         self._prefetch: Optional[threading.Thread] = None
-        self._advised: FrozenSet[str] = frozenset()  # the data files a prefetch asked the disk for
+        self._advised: FrozenSet[Tuple[str, str]] = frozenset()  # (data file, key) a prefetch asked the disk for
 
     def tensors(self, keys: List[str], windows: Optional[Dict[str, "Window"]] = None) -> Dict[str, torch.Tensor]:
         """The named tensors in fresh memory (see :func:`read_tensors`)."""
@@ -201,12 +201,12 @@ Window = Tuple[Tuple[int, ...], List[Tuple[List[int], List[int], Tuple[slice, ..
 
 
 def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, check, cfg: Config,
-                 windows: Optional[Dict[str, Window]] = None, advised: AbstractSet[str] = frozenset()
+                 windows: Optional[Dict[str, Window]] = None, advised: AbstractSet[Tuple[str, str]] = frozenset()
                  ) -> Tuple[Dict[str, torch.Tensor], int]:
     """Read the named tensors of manifest ``m`` (file by file, checksums verified); a tensor stored in
     pieces (row blocks, boxes) comes back whole, or, for a key in ``windows``, only the shard the window
-    names (e.g. this rank's), read from the pieces that overlap it.  ``advised``: the paths of the data
-    files a prefetch has asked the disk for (:meth:`Reader.prefetch`)."""
+    names (e.g. this rank's), read from the pieces that overlap it.  ``advised``: the (data file path, key) of
+    the tensors a prefetch has asked the disk for (:meth:`Reader.prefetch`)."""
     windows = windows or {}
     check_claims(root, m, mpath, keys)
     out: Dict[str, torch.Tensor] = {}
@@ -274,7 +274,8 @@ def _end(e) -> int:
 
 
 def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str], backend, pool, check,
-                  cfg: Config, advised: AbstractSet[str] = frozenset()) -> Tuple[Dict[str, torch.Tensor], int]:
+                  cfg: Config, advised: AbstractSet[Tuple[str, str]] = frozenset()
+                  ) -> Tuple[Dict[str, torch.Tensor], int]:
     """Read the ``plain`` keys into fresh memory, and each target's box (see :func:`_route`) into the
     target, file by file; returns the fresh tensors and the bytes read."""
     direct, partial = _route(m, targets)
@@ -297,11 +298,11 @@ def _read_targets(root: str, m: Manifest, mpath: str, targets, plain: List[str],
             ins = [w for w in wants if w.key in direct]
             if ins:
                 total += read_into(backend, pool, path, m.files[fname].size, ins, direct, check, direct=cfg.direct_io,
-                                   advised=path in advised)
+                                   advised=all((path, w.key) in advised for w in ins))
             rest = [w for w in wants if w.key not in direct]
             if rest:
                 views, n = read_views(backend, path, m.files[fname].size, rest, check, cfg.chunk_bytes,
-                                      direct=cfg.direct_io, advised=path in advised)
+                                      direct=cfg.direct_io, advised=all((path, w.key) in advised for w in rest))
                 read.update(views)
                 total += n
         _copy_partial(partial, read)
