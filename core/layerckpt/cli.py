@@ -179,6 +179,27 @@ def cmd_verify(args) -> int:
     return 1 if failures else 0
 
 
+def cmd_shm(args) -> int:
+    from .tiers import _shm
+    from .tiers._memtier import _base
+
+    found = _shm.scan()
+    if not found:
+        print(f"no memory tier in {_base()}")
+        return 0
+    for f in found:
+        print(f"{f.state:8s} {f.nbytes / 1e6:10.1f} MB  {f.path}  ({f.why})")
+    orphans = [f for f in found if f.state == _shm.ORPHAN]
+    if args.prune:
+        gone = _shm.prune(found)
+        print(f"removed {len(gone)} orphan(s), {sum(f.nbytes for f in gone) / 1e6:.1f} MB")
+        return 0 if len(gone) == len(orphans) else 1
+    if orphans:
+        print(f"{len(orphans)} orphan(s), {sum(f.nbytes for f in orphans) / 1e6:.1f} MB: "
+              f"`layerckpt shm --prune` removes them")
+    return 0
+
+
 def _verify_one(root: str, name: str, m: Manifest, bar: _progress.Bar, failures: List[str], damaged: set) -> bool:
     """Read every tensor of one committed checkpoint and decode what a restore decodes besides them (RNG states,
     extra); a failure goes to ``failures`` (and its data file, when named, to ``damaged``)."""
@@ -430,6 +451,11 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--max-rows", type=int, default=64, help="more layers than this are drawn as this many rows")
     a.add_argument("--title", help="the figure's title (default: DIR)")
     a.set_defaults(fn=cmd_plot)
+    a = sub.add_parser("shm", help="the memory tiers in /dev/shm (or LAYERCKPT_SHM) with their stores and sizes; "
+                                   "--prune removes the orphans, whose store is gone")
+    a.add_argument("--prune", action="store_true",
+                   help="remove each tier whose store was deleted or replaced by another (it holds only copies)")
+    a.set_defaults(fn=cmd_shm)
     add_parser(sub).set_defaults(fn=_bench)
     a = sub.add_parser("launch", help="run a training script; restart it when it fails, each attempt a fork of a "
                                       "process that has imported torch and the --preload modules already")

@@ -34,6 +34,7 @@ from ..format import _store
 from ..format._json import loads_strict
 from ..format._manifest import Manifest, head_first
 from ._memtier import base_hint, make_private, memory_path
+from ._shm import record_origin
 from ._remote import DATA, MANIFESTS, FsspecStore, LocalStore
 from ..config import REMOTE_BASES, Config
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointWriteError
@@ -429,6 +430,7 @@ class Tier:
         if tier_id(self.store) != identity:  # left by an earlier store at this path: not ours to continue
             shutil.rmtree(self.store.root)
             make_private(self.store.root)
+        record_origin(self.store.root, self.root)  # `layerckpt shm` finds the tier an orphan once the store is gone
 
     def _claim(self, identity: str) -> None:
         found, why = _tier_id(self.store)
