@@ -1,6 +1,8 @@
 """`layerckpt shm`: memory tiers whose store is gone are found and removed; nothing else is touched."""
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,3 +105,12 @@ def test_what_it_cannot_vouch_for_is_left_alone(base, tmp_path):
 def test_no_tier_at_all(base, capsys):
     assert cli.main(["shm"]) == 0
     assert capsys.readouterr().out == f"no memory tier in {base}\n"
+
+
+def test_a_base_that_is_no_folder_is_one_line(tmp_path, monkeypatch):
+    f = tmp_path / "file"
+    f.write_bytes(b"")
+    monkeypatch.setenv("LAYERCKPT_SHM", str(f))
+    r = subprocess.run([sys.executable, "-m", "layerckpt.cli", "shm"], capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert f"the memory tiers' folder {f} cannot be listed: Not a directory; check that LAYERCKPT_SHM names" in r.stderr

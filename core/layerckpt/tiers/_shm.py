@@ -25,7 +25,7 @@ from typing import List, Optional
 from ..format import _store
 from ..format._store import parse_store_id
 from ..errors import CheckpointError
-from ._memtier import _base, memory_path, refusal
+from ._memtier import _base, base_hint, memory_path, refusal
 
 ORIGIN = ".origin"  # in a memory tier: the absolute path of the store it copies, and a newline
 ORIGIN_BYTES = 4096
@@ -130,6 +130,9 @@ def scan(base: Optional[str] = None) -> List[Found]:
         names = sorted(n for n in os.listdir(base) if _NAME.match(n))
     except FileNotFoundError:
         return []
+    except OSError as e:
+        raise CheckpointError(f"the memory tiers' folder {base} cannot be listed: {os.strerror(e.errno or 0)}; "
+                              f"check {base_hint()}") from None
     return [_judge(os.path.join(base, n)) for n in names]
 
 
