@@ -18,6 +18,7 @@ import stat
 from typing import Optional
 
 SHM = "/dev/shm"
+ORIGIN = ".origin"  # in a memory tier: the absolute path of the directory whose composites it copies, and a newline
 
 
 def _base() -> str:
@@ -70,3 +71,19 @@ def make_private(path: str) -> Optional[str]:
     except FileExistsError:
         pass
     return refusal(path)
+
+
+def record_origin(tier: str, root: str) -> None:
+    """Write ``tier``'s ``.origin``: the directory ``root`` whose composites it copies, read by ``layerckpt shm``
+    (``_shm``) to find the tiers whose directory is gone (atomically; a failure only leaves the tier "unknown"
+    there)."""
+    tmp = os.path.join(tier, f"{ORIGIN}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write((os.path.abspath(root) + "\n").encode("utf-8", "surrogateescape"))
+        os.replace(tmp, os.path.join(tier, ORIGIN))
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass

@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ..format import _store
-from ..format._store import parse_store_id
+from ..format._json import read_regular
 from ..errors import CheckpointError
-from ._memtier import _base, base_hint, memory_path, refusal
+from ._memtier import ORIGIN, _base, base_hint, memory_path, refusal
 
-ORIGIN = ".origin"  # in a memory tier: the absolute path of the store it copies, and a newline
 ORIGIN_BYTES = 4096
 _NAME = re.compile(r"^layerckpt-[0-9a-f]{16}$")
 
@@ -43,44 +42,11 @@ class Found:
     origin: Optional[str] = None
 
 
-def record_origin(tier: str, root: str) -> None:
-    """Write ``tier``'s ``.origin``: the store ``root`` it copies (atomically; a failure only leaves the tier
-    "unknown" to :func:`scan`)."""
-    tmp = os.path.join(tier, f"{ORIGIN}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write((os.path.abspath(root) + "\n").encode("utf-8", "surrogateescape"))
-        os.replace(tmp, os.path.join(tier, ORIGIN))
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-
-
-def _small(path: str, cap: int) -> Optional[bytes]:
-    """The bytes of the regular file ``path`` (no link followed, no FIFO waited on), None where it is not one,
-    or holds more than ``cap`` bytes."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > cap:
-            return None
-        return os.read(fd, cap + 1)[:cap]
-    finally:
-        os.close(fd)
-
-
 def _identity(folder: str) -> Optional[str]:
-    raw = _small(os.path.join(folder, _store.STORE_ID), 256)
-    if raw is None:
-        return None
+    """The store identity ``folder`` holds (``_store.store_id``), None where it has none or it cannot be read."""
     try:
-        return parse_store_id(raw, os.path.join(folder, _store.STORE_ID))
-    except CheckpointError:
+        return _store.store_id(folder)
+    except (CheckpointError, OSError):
         return None
 
 
@@ -106,8 +72,9 @@ def _judge(path: str) -> Found:
     if why is not None:
         return Found(path, REFUSED, why)
     nbytes = _size(path)
-    raw = _small(os.path.join(path, ORIGIN), ORIGIN_BYTES)
-    if raw is None:
+    try:
+        raw = read_regular(os.path.join(path, ORIGIN), "memory tier origin", ORIGIN_BYTES, follow=False, under=path)
+    except (CheckpointError, OSError):
         return Found(path, UNKNOWN, "no record of its store (written before layerckpt recorded one)", nbytes)
     origin = raw.decode("utf-8", "surrogateescape").rstrip("\n")
     if not os.path.isabs(origin) or "\n" in origin:

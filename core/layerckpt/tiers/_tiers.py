@@ -33,8 +33,7 @@ from ..write import _commit, _retain
 from ..format import _store
 from ..format._json import loads_strict
 from ..format._manifest import Manifest, head_first
-from ._memtier import base_hint, make_private, memory_path
-from ._shm import record_origin
+from ._memtier import base_hint, make_private, memory_path, record_origin
 from ._remote import DATA, MANIFESTS, FsspecStore, LocalStore
 from ..config import REMOTE_BASES, Config
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointWriteError
