@@ -58,7 +58,7 @@ class Want:
 def read_views(backend, path: str, size: int, wants: Sequence[Want], check: Optional[Callable],
                piece_bytes: int, direct: bool = True, advised: bool = False) -> Tuple[Dict[str, torch.Tensor], int]:
     """Read every wanted tensor of one data file; returns ({key: tensor}, bytes read).  ``advised``: a
-    :func:`prefetch` has asked the disk for these ranges already."""
+    :func:`prefetch` has asked the disk for these ranges already, or found them in the page cache."""
     wants = sorted(wants, key=lambda w: w.offset)
     fd = _direct_fd(path, size, wants, direct)
     if fd is None:
@@ -195,7 +195,7 @@ def _read_small(path: str, size: int, wants: Sequence[Want], sinks: Dict[str, to
     """Each tensor read buffered straight into its target, a piece at a time; the checksums run on a
     helper thread a piece behind the reads (both release the GIL), and are compared at the end.  The disk
     is asked for every range at once first, unless the page cache holds them or ``advised`` (a
-    :func:`prefetch` asked already: asking again costs a cold 40 MB resume about 4 ms)."""
+    :func:`prefetch` asked already, or found them cached: asking again costs a cold 40 MB resume about 4 ms)."""
     fd, _ = _open_checked(path, size, wants, direct=False)
     total = sum(w.nbytes for w in wants)
     sums = _Checksums(check, len(wants), threaded=total >= 2 * PIECE)
@@ -299,17 +299,19 @@ def prefetch(files: Sequence[Tuple[str, int, Sequence[Want]]], direct: bool = Tr
     own (about 7 ms for 40 MB here), which the helper takes off the reader; a file the page cache holds is
     not asked for (walking hints over cached pages cost a warm 40 MB resume 3-4 ms).  Only a hint: anything
     amiss with a file is left to the read itself to report.  Returns the thread (None where there was nothing
-    to ask) and the (path, key) of every tensor it asks for, whose reads need not ask again."""
+    to ask) and the (path, key) of every tensor it asked for or found in the page cache: their reads need
+    neither ask again nor look at the page cache again."""
     if not hasattr(os, "posix_fadvise"):
         return None, frozenset()
-    todo = []
+    todo, settled = [], []
     for path, size, wants in files:
         if wants and not (direct and size > SMALL_FILE):
             wants = sorted(wants, key=lambda w: w.offset)
+            settled.extend((path, w.key) for w in wants)
             if not _cached(path, wants):  # asked here, before any thread: a helper running Python holds the GIL
                 todo.append((path, wants))
     if not todo:
-        return None, frozenset()
+        return None, frozenset(settled)
 
     def run() -> None:
         for path, wants in todo:
@@ -324,7 +326,7 @@ def prefetch(files: Sequence[Tuple[str, int, Sequence[Want]]], direct: bool = Tr
 
     t = threading.Thread(target=run, daemon=True, name="layerckpt-prefetch")
     t.start()
-    return t, frozenset((path, w.key) for path, wants in todo for w in wants)
+    return t, frozenset(settled)
 
 
 MEMORY_FS = ("tmpfs", "ramfs", "hugetlbfs")

@@ -105,7 +105,7 @@ class Reader:
         self.backend = _LazyBackend(self.cfg)  # made at its first use
         self._pool: Optional[BufferPool] = None
         self._prefetch: Optional[threading.Thread] = None
-        self._advised: FrozenSet[Tuple[str, str]] = frozenset()  # (data file, key) a prefetch asked the disk for
+        self._advised: FrozenSet[Tuple[str, str]] = frozenset()  # (data file, key) a prefetch asked for or found cached
 
     def tensors(self, keys: List[str], windows: Optional[Dict[str, "Window"]] = None) -> Dict[str, torch.Tensor]:
         """The named tensors in fresh memory (see :func:`read_tensors`)."""
@@ -206,7 +206,7 @@ def read_tensors(root: str, m: Manifest, mpath: str, keys: List[str], backend, c
     """Read the named tensors of manifest ``m`` (file by file, checksums verified); a tensor stored in
     pieces (row blocks, boxes) comes back whole, or, for a key in ``windows``, only the shard the window
     names (e.g. this rank's), read from the pieces that overlap it.  ``advised``: the (data file path, key) of
-    the tensors a prefetch has asked the disk for (:meth:`Reader.prefetch`)."""
+    the tensors a prefetch has asked the disk for or found in the page cache (:meth:`Reader.prefetch`)."""
     windows = windows or {}
     check_claims(root, m, mpath, keys)
     out: Dict[str, torch.Tensor] = {}
