@@ -121,50 +121,6 @@ def test_rng_states_restored(tmp_path):
     assert expect[0] == got[0] and expect[1] == got[1] and torch.equal(expect[2], got[2])
 
 
-NUMPY_RNG_SAVE = r"""
-import json, random, sys, torch, layerckpt
-model = torch.nn.Linear(8, 8)
-random.seed(1), torch.manual_seed(3)
-with layerckpt.Checkpointer(sys.argv[1], model) as ck:
-    ck.save(1).wait()
-    loaded_at_1 = "numpy.random" in sys.modules
-    import numpy as np
-    np.random.seed(2)  # the run starts to use numpy's RNG: from now on its state is part of the run
-    ck.save(2).wait()
-print(json.dumps({"loaded_at_1": loaded_at_1, "next": [random.random(), float(np.random.rand()), torch.rand(1).item()]}))
-"""
-
-NUMPY_RNG_RESTORE = r"""
-import json, random, sys, torch, layerckpt
-model = torch.nn.Linear(8, 8)
-layerckpt.restore(sys.argv[1], model, step=1)
-loaded_by_1 = "numpy.random" in sys.modules
-random.seed(9), torch.manual_seed(9)
-layerckpt.restore(sys.argv[1], model, step=2)
-import numpy as np
-print(json.dumps({"loaded_by_1": loaded_by_1, "next": [random.random(), float(np.random.rand()), torch.rand(1).item()]}))
-"""
-
-
-def test_numpy_rng_recorded_only_once_the_run_loaded_it(tmp_path):
-    """numpy's global RNG has no state before numpy.random is imported (the import seeds it from the OS): a save
-    in a process that has not loaded it records none, and its restore does not load it; once the run loads it,
-    saves record it and a restore puts it back."""
-    from conftest import run_py
-
-    r = run_py(NUMPY_RNG_SAVE, str(tmp_path))
-    assert r.returncode == 0, r.stderr
-    saved = json.loads(r.stdout.strip().splitlines()[-1])
-    assert saved["loaded_at_1"] is False
-    rngs = {s: json.loads((tmp_path / "manifests" / f"step-{s:08d}.json").read_text())["rng"] for s in (1, 2)}
-    assert set(rngs[1]) == {"python", "torch"} and set(rngs[2]) == {"python", "numpy", "torch"}
-    r = run_py(NUMPY_RNG_RESTORE, str(tmp_path))
-    assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["loaded_by_1"] is False  # step 1 has no numpy state to set: numpy.random stays unloaded
-    assert got["next"] == saved["next"]  # step 2's python, numpy and torch states put back
-
-
 def test_back_pressure_small_pool_and_many_saves(tmp_path):
     model, opt = trained()
     cfg = layerckpt.Config(staging_bytes="16KiB", chunk_bytes="4KiB", keep_last=2, threshold=0.0, encoding="delta")

@@ -100,14 +100,11 @@ def optimizer_state(optimizer: torch.optim.Optimizer, names: Dict[int, str], out
 
 def rng_state(out: Entries, rank: int = 0) -> Dict[str, Any]:
     k = rng_prefix(rank)
-    st: Dict[str, Any] = {"python": encode(random.getstate(), f"{k}/python", out, "python RNG")}
-    # numpy's global RNG only where this process has loaded numpy.random: until then it has no state (its import
-    # seeds it from the OS), so nothing the run did depends on it, and a restore need not load the module (a
-    # first import that reads its extension modules from a cold disk: ~10 ms of a cold resume)
-    npr = sys.modules.get("numpy.random")
-    if npr is not None:
-        st["numpy"] = encode(npr.get_state(), f"{k}/numpy", out, "numpy RNG")
-    st["torch"] = encode(torch.get_rng_state(), f"{k}/torch", out, "torch RNG")
+    st: Dict[str, Any] = {
+        "python": encode(random.getstate(), f"{k}/python", out, "python RNG"),
+        "numpy": encode(np.random.get_state(), f"{k}/numpy", out, "numpy RNG"),
+        "torch": encode(torch.get_rng_state(), f"{k}/torch", out, "torch RNG"),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["cuda"] = encode(torch.cuda.get_rng_state_all(), f"{k}/cuda", out, "CUDA RNG")
     return st
