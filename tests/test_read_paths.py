@@ -226,6 +226,50 @@ def test_a_restore_asks_the_disk_for_every_range_at_once(tmp_path, monkeypatch):
     assert str(outside) not in opened
 
 
+def test_a_strict_restore_asks_the_disk_before_its_checks_and_a_mismatch_still_touches_nothing(tmp_path, monkeypatch):
+    """A strict restore hints every range of the model and the optimizer state from the manifest alone, before
+    it matches names and shapes (its plan), so the disk starts sooner; the hints cover every read (none of the
+    reads hints again); a restore that then finds a mismatch has read nothing into the model.  A non-strict
+    restore, which may read only part, hints once its plan is known."""
+    import importlib
+
+    from layerckpt.read import _reader
+
+    restore_mod = importlib.import_module("layerckpt.restore")  # the module: layerckpt.restore is the function
+    model, opt = _saved(tmp_path)
+    order = []
+    real_plan, real_prefetch = restore_mod._ModelPlan, _reader.Reader.prefetch
+    monkeypatch.setattr(restore_mod, "_ModelPlan", lambda *a: (order.append("plan"), real_plan(*a))[1])
+    monkeypatch.setattr(_reader.Reader, "prefetch", lambda self, groups: (order.append("prefetch"),
+                                                                            real_prefetch(self, groups))[1])
+    monkeypatch.setattr(_read, "_cached", lambda path, wants: False)  # every read would hint, had it to
+    hinted = []
+    real_advise = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, how: (
+        how == os.POSIX_FADV_WILLNEED and hinted.append(threading.current_thread().name), real_advise(fd, o, n, how))[1])
+    model2, opt2 = trained(seed=1)
+    layerckpt.restore(str(tmp_path), model2, opt2)
+    assert order == ["prefetch", "plan"]
+    assert set(hinted) == {"layerckpt-prefetch"}, set(hinted)
+    assert_same_tensors(model2.state_dict(), model.state_dict())
+    assert_same_optimizer_state(opt2.state_dict(), opt.state_dict())
+
+    order.clear()
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(layerckpt.CheckpointMismatchError):
+        layerckpt.restore(str(tmp_path), other)
+    assert order == ["prefetch", "plan"]
+    assert_same_tensors(other.state_dict(), before)
+    assert not [t for t in threading.enumerate() if t.name == "layerckpt-prefetch"]  # joined as the reader closed
+
+    order.clear()
+    model3, opt3 = trained(seed=2)
+    layerckpt.restore(str(tmp_path), model3, opt3, strict=False)
+    assert order == ["plan", "prefetch"]
+    assert_same_tensors(model3.state_dict(), model.state_dict())
+
+
 def test_a_restore_whose_files_the_page_cache_holds_asks_for_nothing(tmp_path, monkeypatch):
     """A warm restore starts no prefetch and gives no hints: walking them over cached pages only costs time."""
     from layerckpt.read import _reader

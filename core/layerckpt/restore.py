@@ -116,15 +116,19 @@ def _restore_from(r: Reader, model: torch.nn.Module, optimizer: Optional[torch.o
                   bound: int) -> RestoreReport:
     """restore() of the composite ``r`` reads: match, check, read what the model does not hold, then the model."""
     m = r.m
+    rng = m.rng_for(_dist.rank()) if r.cfg.restore_rng else None
+    # the disk starts on every range at once, in the order they are read (the model's bytes come in while the
+    # optimizer state is checked and decoded); for a strict restore before the checks below, as one that passes
+    # them reads every tensor the manifest holds for the model and the optimizer, and a hint reads nothing into
+    # either: a mismatch found next still leaves both untouched
+    hinted = strict and _prefetch_all(r, rng, optimizer is not None)
     plan = _ModelPlan(model, m, strict)  # names, shapes and dtypes: every difference before anything is read
     with _malformed(r.mpath, "the optimizer state"):
         opt_keys = _optimizer_keys(optimizer, model, m, strict) if optimizer is not None else []
-    rng = m.rng_for(_dist.rank()) if r.cfg.restore_rng else None
     other_keys = set(opt_keys) | _state_keys(m, rng, with_optimizer=optimizer is not None)
     _check_staleness(m, bound, strict)
-    # the disk starts on every range at once, in the order they are read: the model's bytes come in while
-    # the optimizer state is checked and decoded
-    r.prefetch([sorted(other_keys - set(plan.keys)), plan.keys])
+    if not hinted:
+        r.prefetch([sorted(other_keys - set(plan.keys)), plan.keys])
     # optimizer state, RNG and extra: into one fresh buffer per file, where they stay as views (no second copy),
     # read and verified first, so that damage there leaves the model untouched
     tensors = r.tensors(sorted(other_keys - set(plan.keys)),
@@ -192,6 +196,22 @@ def _bound(config: Optional[Config]) -> int:
     """The staleness bound restore checks: the caller's Config's, else the default's; never the one the
     manifest records (the policy that wrote the composite does not vouch for itself)."""
     return config.max_staleness if config is not None else Config.max_staleness
+
+
+def _prefetch_all(r: Reader, rng: Optional[Dict[str, Any]], with_optimizer: bool) -> bool:
+    """:meth:`Reader.prefetch` of what a strict restore of the composite reads, known from its manifest alone:
+    the optimizer state and the other state first, then the model's tensors.  False, with nothing asked, where
+    the optimizer state is not what a restore could read: the checks after it name the damage."""
+    m = r.m
+    try:
+        model_keys = [k for k in m.logical_keys() if model_name(k) is not None]
+        other = _state_keys(m, rng, with_optimizer)
+        if with_optimizer:
+            other |= set(tensor_refs(m.optimizer["state"]))
+    except (TypeError, KeyError, AttributeError, ValueError):
+        return False
+    r.prefetch([sorted(other - set(model_keys)), sorted(model_keys)])
+    return True
 
 
 def _state_keys(m: Manifest, rng: Optional[Dict[str, Any]], with_optimizer: bool) -> Set[str]:
