@@ -121,11 +121,12 @@ def _restore_from(r: Reader, model: torch.nn.Module, optimizer: Optional[torch.o
     # optimizer state is checked and decoded); for a strict restore before the checks below, as one that passes
     # them reads every tensor the manifest holds for the model and the optimizer, and a hint reads nothing into
     # either: a mismatch found next still leaves both untouched
-    hinted = strict and _prefetch_all(r, rng, optimizer is not None)
+    state_keys = _state_keys(m, rng, with_optimizer=optimizer is not None)
+    hinted = strict and _prefetch_all(r, state_keys, optimizer is not None)
     plan = _ModelPlan(model, m, strict)  # names, shapes and dtypes: every difference before anything is read
     with _malformed(r.mpath, "the optimizer state"):
         opt_keys = _optimizer_keys(optimizer, model, m, strict) if optimizer is not None else []
-    other_keys = set(opt_keys) | _state_keys(m, rng, with_optimizer=optimizer is not None)
+    other_keys = set(opt_keys) | state_keys
     _check_staleness(m, bound, strict)
     if not hinted:
         r.prefetch([sorted(other_keys - set(plan.keys)), plan.keys])
@@ -198,19 +199,19 @@ def _bound(config: Optional[Config]) -> int:
     return config.max_staleness if config is not None else Config.max_staleness
 
 
-def _prefetch_all(r: Reader, rng: Optional[Dict[str, Any]], with_optimizer: bool) -> bool:
+def _prefetch_all(r: Reader, state_keys: Set[str], with_optimizer: bool) -> bool:
     """:meth:`Reader.prefetch` of what a strict restore of the composite reads, known from its manifest alone:
-    the optimizer state and the other state first, then the model's tensors.  False, with nothing asked, where
-    the optimizer state is not what a restore could read: the checks after it name the damage."""
+    the optimizer state and the other state (``state_keys``) first, then the model's tensors.  False, with
+    nothing asked, where the manifest holds no optimizer state to read: the checks after it say so."""
     m = r.m
-    try:
-        model_keys = [k for k in m.logical_keys() if model_name(k) is not None]
-        other = _state_keys(m, rng, with_optimizer)
-        if with_optimizer:
-            other |= set(tensor_refs(m.optimizer["state"]))
-    except (TypeError, KeyError, AttributeError, ValueError):
-        return False
-    r.prefetch([sorted(other - set(model_keys)), sorted(model_keys)])
+    other = set(state_keys)
+    if with_optimizer:
+        saved = (m.optimizer or {}).get("state")  # validated: an object of objects where present
+        if saved is None:
+            return False
+        other |= set(tensor_refs(saved))
+    model_keys = sorted(k for k in m.logical_keys() if model_name(k) is not None)
+    r.prefetch([sorted(other - set(model_keys)), model_keys])
     return True
 
 
