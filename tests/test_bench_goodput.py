@@ -199,3 +199,33 @@ def test_standby_restarts_are_forks_that_resume_where_a_new_interpreter_would(la
             break
         time.sleep(0.01)
     assert left == []
+
+
+def test_a_contender_that_cannot_finish_leaves_the_others_results(monkeypatch):
+    """A run that fails (a restart that could not restore) becomes a row saying so, the others still run, and the
+    table and the targets name it: one failure no longer loses hours of results."""
+    from layerckpt.bench import goodput
+    from layerckpt.bench.goodput_report import format_table
+
+    def supervise(c, spec, work, steps, failures, node_loss, restarts):
+        if c.name == "layerckpt" and c.mtbf:
+            raise RuntimeError(f"{c.label}: attempt 1 exited with status 1 before step {steps}: Traceback ...\n"
+                               f"MissingDataError: data file x is missing")
+        return [dict(a, failure_s=None if a["killed"] is None else 8.5) for a in ATTEMPTS]
+
+    monkeypatch.setattr(goodput, "supervise", supervise)
+    monkeypatch.setattr(goodput, "machine", lambda: {"cpu": "a test", "cores": 2, "torch": "2"})
+    said = []
+    res = goodput.run(size="tiny", steps=6, kinds=("crash",), cadences=(5,), say=said.append)
+    rows = res["runs"]["crash"]
+    assert [(r["name"], r["every"], r["mtbf"]) for r in rows] == [(c.name, c.every, c.mtbf) for c in contenders([5])]
+    failed = [r for r in rows if r.get("failed")]
+    assert [(r["name"], r["mtbf"]) for r in failed] == [("layerckpt", True)]
+    assert failed[0]["failed"].endswith("MissingDataError: data file x is missing")
+    assert all(set(r["buckets"]) == set(PARTS) for r in rows if not r.get("failed"))
+    text = format_table(json.loads(json.dumps(res)))  # what --json prints, rendered as the docs render it
+    assert "  layerckpt         mtbf  FAILED: MissingDataError: data file x is missing" in text
+    assert "layerckpt mtbf= (plain loop): its run FAILED, so no target holds for it" in text
+    assert "goodput, LayerCheckpoint mtbf=" in text  # the other rows' targets are still judged
+    assert [line for line in said if "FAILED" in line] == [
+        "goodput: crash: layerckpt mtbf=: FAILED: " + failed[0]["failed"]]

@@ -341,8 +341,14 @@ def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("c
                     rows.append(ran[(c, mode)])
                     continue
                 free = res["free"][c.loop]
-                r = _one(c, {**spec, "mtbf": mtbf if c.mtbf else None}, root, steps, free["base_step_s"], failures,
-                         kind == "node", mode)
+                try:
+                    r = _one(c, {**spec, "mtbf": mtbf if c.mtbf else None}, root, steps, free["base_step_s"],
+                             failures, kind == "node", mode)
+                except Exception as e:  # a contender that cannot finish: its row says why, the others still run
+                    rows.append(failed_row(c, mode, kind, e))
+                    say(f"goodput: {kind}: {c.label}{f' every {c.every}' if c.every else ''}: FAILED: "
+                        f"{rows[-1]['failed']}")
+                    continue
                 figures(r, free, mtbf)
                 r["ran_under"] = kind
                 rows.append(r)
@@ -355,6 +361,14 @@ def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("c
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return res
+
+
+def failed_row(c: Contender, mode: str, kind: str, e: BaseException) -> Dict[str, Any]:
+    """The row of a contender whose run could not finish (a restart that failed): what it was, and why, with the
+    end of its message (a child's traceback ends with the error)."""
+    why = f"{type(e).__name__}: {e}"
+    return {"name": c.name, "label": c.label, "loop": c.loop, "every": c.every, "mtbf": c.mtbf, "restarts": mode,
+            "ran_under": kind, "failed": why if len(why) <= 2000 else why[:300] + " ... " + why[-1700:]}
 
 
 def _params(cfg: Dict[str, Any]) -> int:

@@ -57,11 +57,22 @@ def _head(res: Dict[str, Any]) -> List[str]:
 def _best(rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """name and loop -> the row of that contender with the least lost time (over its cadences and mtbf=)."""
     out: Dict[str, Dict[str, Any]] = {}
-    for r in rows:
+    for r in _ran(rows):
         key = f"{r['loop']}:{r['name']}" + ("" if _mode(r) == "fresh" else f":{_mode(r)}")
         if key not in out or r["lost_s"] < out[key]["lost_s"]:
             out[key] = r
     return out
+
+
+def _ran(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The rows of runs that finished (a failed run's row has only what it was and why, ``failed``)."""
+    return [r for r in rows if not r.get("failed")]
+
+
+def _why(r: Dict[str, Any]) -> str:
+    """A failed run's reason, its last line cut to fit a table."""
+    last = r["failed"].strip().splitlines()[-1] if r["failed"].strip() else "?"
+    return last if len(last) <= 150 else last[:75] + " ... " + last[-70:]
 
 
 def _num(x: Optional[float], fmt: str, width: int) -> str:
@@ -69,8 +80,10 @@ def _num(x: Optional[float], fmt: str, width: int) -> str:
 
 
 def _row(r: Dict[str, Any], best: bool, kind: str) -> str:
-    b = r["buckets"]
     every = "mtbf" if r["mtbf"] else str(r["every"])
+    if r.get("failed"):
+        return f"  {r['name']:<16}{every:>6}  FAILED: {_why(r)}"
+    b = r["buckets"]
     pct = lambda x: None if x is None else x * 100  # noqa: E731
     name = r["name"] + ("^" if r.get("ran_under", kind) != kind else "")
     return (f"{'*' if best else ' '} {name:<16}{every:>6}{_num(pct(r['goodput']), '.1f', 8)}"
@@ -111,6 +124,9 @@ def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any]) -> List
     """The targets' lines for one failure kind: each layerckpt row against the contenders' best cadence."""
     best = _best(rows)
     out = [f"targets ({kind}):"]
+    out += [f"  {r['name']} {'mtbf=' if r['mtbf'] else 'every ' + str(r['every'])} ({LOOPS[r['loop']]}): its run "
+            f"FAILED, so no target holds for it: {_why(r)}" for r in rows if r.get("failed") and r["name"] in OURS]
+    rows = _ran(rows)
     for (loop, (them, most)), mode in ((x, m) for x in LOST_VS.items() for m in sorted({_mode(r) for r in rows})):
         tail = "" if mode == "fresh" else f":{mode}"
         theirs = best.get(f"{loop}:{them}{tail}")
