@@ -271,3 +271,33 @@ def test_a_folder_of_shards_is_read_as_one(tmp_path):
     other = Net(5)
     layerckpt.restore(root, other, config=layerckpt.Config(pretrained=str(folder)))
     _same(_state(other), _state(model))
+
+
+def test_the_family_frozen_backbone_writes_only_what_trains(tmp_path):
+    """The policy bench's frozen backbone with Config.pretrained naming the weights it was built from: no save
+    writes a frozen tensor (the first neither), and every restore is the uninterrupted run's state bit for bit."""
+    from layerckpt.bench import policy
+    from layerckpt.bench.family import WORKLOADS, pretrained_file
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        w = WORKLOADS["frozen-backbone"]
+        r = policy.run(w, layerckpt.Config(pretrained=pretrained_file("gpt")), str(tmp_path), steps=40)
+    finally:
+        torch.set_num_threads(n)
+    model, opt = w.make()
+    w.train_step(model, opt, 0)
+    head = sum(p.nbytes for p in model.head.parameters())
+    moments = sum(v.nbytes for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    on_disk = {}
+    for name in sorted(os.listdir(tmp_path / "manifests")):
+        m = json.loads((tmp_path / "manifests" / name).read_text())
+        assert len(m["pretrained"]) == len([k for k in model.state_dict() if not k.startswith("head.")])
+        for k, t in m["tensors"].items():
+            if m["files"][t["file"]]["step"] == m["step"] and k.startswith(("model/", "optim/")):
+                assert k.startswith(("model/head.", "optim/head.")), k
+                on_disk[k, m["step"]] = t["nbytes"]
+    assert r["saves"] == 8 and sum(on_disk.values()) == r["saves"] * (head + moments)
+    assert r["full_bytes"] >= 15 * r["written_bytes"], r  # raw full checkpoints against the files written
+    assert [c["deviation"] for c in r["crashes"]] == [0.0] * 3

@@ -204,7 +204,7 @@ class Config:
     need not agree) is recorded by reference instead of written, in any encoding (one process; with several,
     every tensor is written).  A restore takes such a tensor from the model where the model holds it already
     (built from the same weights, proven by its fingerprint), else from the files its own Config names here.
-    The files are only read; a manifest names no path.  See [Selection](selection.md)."""
+    The files are only read; a manifest names no path (docs/selection.md, "Pretrained weights by reference")."""
 
     def __post_init__(self) -> None:
         self._check_selection()
