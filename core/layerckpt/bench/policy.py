@@ -295,7 +295,8 @@ def sweep(names: Optional[Sequence[str]] = None, config: Optional[Config] = None
                 cfg = cfg.replace(pretrained=pretrained_file(w.base))
             root = tempfile.mkdtemp(prefix=f"layerckpt-policy-{name}-", dir=dirpath)
             try:
-                rows.append({**run(w, cfg, root, steps=steps, frontier=frontier), "pretrained": cfg.pretrained is not None})
+                row = run(w, cfg, root, steps=steps, frontier=frontier)
+                rows.append({**row, "pretrained": cfg.pretrained is not None})
             finally:
                 shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -402,7 +403,8 @@ def main(args) -> int:
     through = policy_through.parse_through(args.through)
     res: Dict[str, Any] = {"config": config.to_dict(),
                            "rows": sweep(args.workloads, config, args.dir, frontier=True, encodings=_encodings(args),
-                                         pretrained=bool(getattr(args, "pretrained", None))) if "core" in through else []}
+                                         pretrained=bool(getattr(args, "pretrained", None)))
+                           if "core" in through else []}
     adapters = [t for t in through if t != "core"]
     if adapters:
         policy_through.quiet_frameworks()

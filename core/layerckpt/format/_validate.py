@@ -297,8 +297,8 @@ def _read_pretrained(pre: Any, known: AbstractSet[str], path: str) -> Dict[str, 
         name, dtype, shape, nbytes, fp, sealed = (e.get(f) if isinstance(e, dict) else None for f in _PRETRAINED_FIELDS)
         if not (model_name(key) is not None and piece_base(key)[1] == "" and isinstance(name, str)
                 and 0 < len(name) <= MAX_NAME and _is_shape(shape, dtype) and _is_int(nbytes)
-                and _is_int(sealed, 0, 0xFFFFFFFF) and isinstance(fp, list) and len(fp) <= MAX_TENSOR_BYTES // FINGERPRINT_CHUNK + 1
-                and all(_is_int(x, 0, (1 << 64) - 1) for x in fp)):
+                and _is_int(sealed, 0, 0xFFFFFFFF) and isinstance(fp, list)
+                and len(fp) <= MAX_TENSOR_BYTES // FINGERPRINT_CHUNK + 1 and all(_is_int(x, 0, (1 << 64) - 1) for x in fp)):
             raise _corrupt(path, f"entry for tensor {key!r} in 'pretrained' is malformed (a whole model tensor; name: "
                                  f"a string of 1 to {MAX_NAME} characters, dtype and shape as a tensor's, nbytes: an "
                                  f"integer, fp: a list of 64-bit integers, seal: a 32-bit integer)", tensor=key)
