@@ -247,7 +247,7 @@ def test_a_path_that_is_not_pretrained_weights_is_a_config_error(tmp_path):
         layerckpt.Checkpointer(tmp_path / "b", model, config=layerckpt.Config(pretrained=fifo))
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
-    with pytest.raises(ConfigError, match="not a safetensors file .* a header of"):
+    with pytest.raises(ConfigError, match=r"not a safetensors file .*\(a header of"):
         layerckpt.Checkpointer(tmp_path / "c", model, config=layerckpt.Config(pretrained=str(bad)))
     empty = tmp_path / "empty"
     empty.mkdir()
