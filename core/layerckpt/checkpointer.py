@@ -37,6 +37,7 @@ from .format import _store
 from .format._codec import Entries
 from .format._layout import LayoutCache
 from .format._manifest import Manifest, RowBlocks, load_manifest
+from .read._pretrained import PretrainedFiles
 from .select import _cost, _policy
 from .select._blocks import split, table_names
 from .select._layers import LayerSpec
@@ -81,6 +82,8 @@ class Checkpointer:
         distributed: bool = True,
     ):
         self.config = _checked(model, optimizer, config)
+        # their headers parsed now, before anything is opened: a path that is not one is a ConfigError here
+        pretrained = PretrainedFiles(self.config.pretrained) if self.config.pretrained is not None else None
         self._charge_now = [1.0]  # the newest save's share of the encoder's CPU charged to training (_cost.charge)
         self.dirpath = _store.local_path(dirpath)
         self.model = model
@@ -112,6 +115,11 @@ class Checkpointer:
         self._release = self._arrange_release(hook)
         self._layout_cache = LayoutCache()
         self.selector = Selector(model, self.config, layers, self.group)
+        if pretrained is not None and self.group.world > 1:
+            log.warning("layerckpt: Config.pretrained is used by one process only; with %d ranks every tensor is "
+                        "written", self.group.world)
+        elif pretrained is not None:
+            self.selector.pretrained = pretrained
 
     # ------------------------------------------------------------ opening (the store, the I/O: ``_session``)
 
@@ -343,7 +351,8 @@ class Checkpointer:
             config=self.config.recorded(), files=dict(plan.files), tensors=dict(plan.carried), layers=plan.layers,
             model=meta["model"], optimizer=meta["optimizer"], rng=meta["rng"], extra=meta["extra"],
             cost=None if full else plan.cost, progress=None if full else plan.progress,
-            loss=loss, name=name, blocks=meta["blocks"] or None, boxes=meta["boxes"] or None)
+            loss=loss, name=name, blocks=meta["blocks"] or None, boxes=meta["boxes"] or None,
+            pretrained=dict(plan.pretrained) or None)
 
     def _submit(self, pending: PendingSave, plan, layout, fname: str, manifest: Manifest, t0: float) -> FlushJob:
         """Queue the flush; it writes what the stager hands it, chunk by chunk."""

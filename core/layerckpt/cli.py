@@ -77,6 +77,11 @@ def cmd_inspect(args) -> int:
     named = f" ({m.name})" if m.name else ""
     print(f"{path}{named}: step {m.step}, world size {m.world_size}, {len(m.files)} file(s), "
           f"{sum(nbytes.values()) / 1e6:.1f} MB in {len(m.tensors)} tensors")
+    if m.pretrained:
+        held = sum(e.nbytes for e in m.pretrained.values())
+        print(f"held by reference to the pretrained weights the training started from (in no file: a restore takes "
+              f"them from the model, or from Config.pretrained): {held / 1e6:.1f} MB in {len(m.pretrained)} tensors")
+        nbytes.update({k: e.nbytes for k, e in m.pretrained.items()})
     lag = ""
     if m.loss_increase is not None:
         lag = f"; estimated fidelity cost {m.cost:.3g} (+{m.loss_increase:.3%} of the training loss {m.loss:.4g})"
@@ -349,10 +354,14 @@ def _watch_output(out: str, mpath: str, desc: str, shown: bool):
 def _export_safetensors(args, root: str, path: str, shown: bool) -> int:
     from safetensors.torch import save_file
 
+    from .read._pretrained import read_all
+
     m = load_manifest(path)
     keys = [k for k in m.logical_keys() if model_name(k) is not None]
+    held = read_all(m, args.pretrained, checksum_function(m.checksum), path)  # refused first where it cannot be
     with _progress.Bar(_stored_total(m, keys), "export (read)", shown) as bar:
         ts = _read_tensors(root, m, keys, bar=bar)
+    ts.update(held)
     out = {model_name(k): t for k, t in ts.items()}
     for alias, canon in m.aliases.items():
         out[alias] = out[canon].clone()
@@ -442,6 +451,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--transformers", action="store_true",
                    help="instead: DIR is a checkpoint-<step> folder of an attached Trainer; -o a folder a plain "
                         "Trainer resumes from")
+    a.add_argument("--pretrained", metavar="PATH",
+                   help="-o FILE of a checkpoint that holds tensors by reference to the pretrained weights the "
+                        "training started from (Config.pretrained): that safetensors file, or folder of them")
     a.set_defaults(fn=cmd_export)
     a = sub.add_parser("plot", help="a figure of the store's history from its manifests: layers written, skipped "
                                     "or unchanged per checkpoint, bytes, estimated loss increase (needs the 'plot' "

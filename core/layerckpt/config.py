@@ -198,6 +198,13 @@ class Config:
     """``encoding='lossy'``: the width of the optimizer moments' codes, 4 or 8 bits.  4, the default, writes half
     the bytes of 8 for an error 18x larger; measured on the bench family (``layerckpt bench --policy``), the
     loss after restore moved by 0.1 points at most either way.  ``layerckpt inspect`` shows what it was."""
+    pretrained: Optional[str] = None
+    """The pretrained weights the training started from: a safetensors file, or a folder of them (a sharded
+    checkpoint).  A frozen tensor a save proves bit-identical to one of theirs (every byte, by content: names
+    need not agree) is recorded by reference instead of written, in any encoding (one process; with several,
+    every tensor is written).  A restore takes such a tensor from the model where the model holds it already
+    (built from the same weights, proven by its fingerprint), else from the files its own Config names here.
+    The files are only read; a manifest names no path (docs/selection.md, "Pretrained weights by reference")."""
 
     def __post_init__(self) -> None:
         self._check_selection()
@@ -225,6 +232,11 @@ class Config:
                 isinstance(k, str) and isinstance(v, str) and v for k, v in self.layers.items())):
             raise ConfigError(f"Config.layers must map name patterns to layer names, got {self.layers!r}")
         _flags(self, "full")
+        if self.pretrained is not None:
+            if not isinstance(self.pretrained, (str, os.PathLike)) or not os.fspath(self.pretrained):
+                raise ConfigError(f"Config.pretrained must be the path of a safetensors file or a folder of them, got "
+                                  f"{self.pretrained!r}")
+            self.pretrained = os.fspath(self.pretrained)
         self._check_rule(fidelity_given)
 
     def _check_rule(self, fidelity_given: bool) -> None:
@@ -349,8 +361,9 @@ class Config:
         return _plain(dataclasses.asdict(self))
 
     def recorded(self) -> Dict[str, Any]:
-        """What a manifest records: every field but ``remote_options`` (it may hold credentials)."""
-        return _plain(dataclasses.asdict(dataclasses.replace(self, remote_options={})))
+        """What a manifest records: every field but ``remote_options`` (it may hold credentials) and ``pretrained``
+        (a manifest names no path to open; which tensors it holds by reference, ``Manifest.pretrained`` says)."""
+        return _plain(dataclasses.asdict(dataclasses.replace(self, remote_options={}, pretrained=None)))
 
     def replace(self, **changes: Any) -> "Config":
         """A validated copy with ``changes``.  On a full Config, a new ``threshold`` or ``budget_bytes``
@@ -365,7 +378,7 @@ class Config:
 
 GROUPS: Dict[str, Tuple[str, ...]] = {
     "selection": ("full", "fidelity", "threshold", "budget_bytes", "max_staleness", "base_every", "drift_sample",
-                  "row_block_bytes", "layers"),
+                  "row_block_bytes", "layers", "pretrained"),
     "io": ("staging_bytes", "chunk_bytes", "queue_depth", "max_inflight", "lazy_staging", "backend", "direct_io",
            "encoding", "delta_chain", "encode_threads", "lossy_quantum", "lossy_bits"),
     "tiers": ("keep_last", "memory_tier", "remote", "remote_options", "remote_every", "remote_bandwidth"),

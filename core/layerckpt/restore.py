@@ -21,7 +21,8 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, TypeVar, Uni
 import torch
 
 from . import _dist
-from .read import _fetch
+from .io._backend import checksum_function
+from .read import _fetch, _pretrained
 from .format._codec import decode, tensor_refs
 from .write._gather import model_state, optimizer_params, param_names, rng_values, set_rng_state
 from .format._layout import CODES, DTYPES
@@ -124,6 +125,10 @@ def _restore_from(r: Reader, model: torch.nn.Module, optimizer: Optional[torch.o
     state_keys = _state_keys(m, rng, with_optimizer=optimizer is not None)
     hinted = strict and _prefetch_all(r, state_keys, optimizer is not None)
     plan = _ModelPlan(model, m, strict)  # names, shapes and dtypes: every difference before anything is read
+    # tensors held by reference to the pretrained files: proven held by the model, or read from Config.pretrained
+    plan.pairs, held_back = _pretrained.resolve(m, plan.pairs, plan.targets, r.cfg.pretrained,
+                                                checksum_function(m.checksum), r.mpath)
+    plan.keys = sorted({k for _, k in plan.pairs})
     with _malformed(r.mpath, "the optimizer state"):
         opt_keys = _optimizer_keys(optimizer, model, m, strict) if optimizer is not None else []
     other_keys = set(opt_keys) | state_keys
@@ -135,7 +140,9 @@ def _restore_from(r: Reader, model: torch.nn.Module, optimizer: Optional[torch.o
     tensors = r.tensors(sorted(other_keys - set(plan.keys)),
                         windows=_shard_windows(model, m) if optimizer is not None else None)
     state = _State.decoded(model, optimizer, m, tensors, rng, r.mpath)  # every malformation, before the model
+    held_back.read()  # what the model lacks of the pretrained files' tensors: read and proven, before the model
     r.into([(key, plan.targets[name]) for name, key in plan.pairs])  # through bounce buffers into its memory
+    held_back.load()
     state.load(model, optimizer)
     return RestoreReport(
         **_summary(r, tensors), missing=plan.missing, unexpected=plan.unexpected, mismatched=plan.mismatched,
@@ -166,6 +173,7 @@ def _load_from(r: Reader, strict: bool, bound: int) -> LoadedCheckpoint:
     keys = {k for k in m.logical_keys() if not is_rng(k)} | set(tensor_refs(rng or {}))
     r.prefetch([sorted(keys)])
     tensors = r.tensors(sorted(keys))
+    tensors.update(_pretrained.read_all(m, r.cfg.pretrained, checksum_function(m.checksum), r.mpath))
     rng = rng if r.cfg.restore_rng else None
     state = _State.decoded(None, None, m, tensors, rng, r.mpath)
     return LoadedCheckpoint(
@@ -319,7 +327,8 @@ class _ModelPlan:
         tensors, aliases, _ = model_state(model)
         current = {**{n: t for n, t in tensors.items()}, **{a: tensors[c] for a, c in aliases.items()}}
         saved_alias = m.aliases
-        saved = {n for n in map(model_name, m.logical_keys()) if n is not None} | set(saved_alias)
+        saved = {n for n in map(model_name, [*m.logical_keys(), *(m.pretrained or {})]) if n is not None} | set(
+            saved_alias)
 
         def key_of(name: str) -> str:
             return model_key(saved_alias.get(name, name))

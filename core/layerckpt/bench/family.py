@@ -286,6 +286,21 @@ def pretrained(kind: str) -> Dict[str, torch.Tensor]:
     return state
 
 
+def pretrained_file(kind: str) -> str:
+    """The pre-trained weights of ``kind`` as a safetensors file beside the cached state_dict (written once,
+    atomically): what a user's fine-tune starts from and names in ``Config(pretrained=...)``."""
+    from safetensors.torch import save_file
+
+    state = pretrained(kind)
+    key = hashlib.sha256(json.dumps(sorted((k, list(v.shape)) for k, v in state.items())).encode()).hexdigest()[:8]
+    path = os.path.join(cache_dir(), f"{kind}-{VERSION}-{key}.safetensors")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        save_file(state, tmp)
+        os.replace(tmp, path)
+    return path
+
+
 # ---------------------------------------------------------------------------------- workloads
 @dataclass
 class Workload:
@@ -298,6 +313,7 @@ class Workload:
     every: int = 5  # checkpoint cadence, in steps
     layers: Optional[Callable[[str], str]] = None  # None: layerckpt's default grouping
     note: str = ""
+    base: Optional[str] = None  # the pre-trained weights it starts from ("gpt", "cnn": ``pretrained_file``)
 
     def make(self) -> Tuple[nn.Module, torch.optim.Optimizer]:
         model = self.build()
@@ -362,19 +378,23 @@ WORKLOADS: Dict[str, Workload] = {}
 for _lr in ("1e-5", "3e-5", "1e-4"):
     WORKLOADS[f"classify-{_lr}"] = Workload(
         f"classify-{_lr}", _classifier, _adamw(float(_lr)), cls_batch, cls_loss,
-        note="pre-trained GPT encoder (4 blocks, d=128) + fresh classification head, AdamW")
+        note="pre-trained GPT encoder (4 blocks, d=128) + fresh classification head, AdamW", base="gpt")
 for _lr in ("1e-5", "3e-5", "1e-4"):
     WORKLOADS[f"finetune-{_lr}"] = Workload(f"finetune-{_lr}", _gpt, _adamw(float(_lr)), _lm("fine"), lm_loss,
-                                            note="pre-trained GPT (4 blocks, d=128), shifted LM task, AdamW")
+                                            note="pre-trained GPT (4 blocks, d=128), shifted LM task, AdamW",
+                                            base="gpt")
 WORKLOADS.update({
     "scratch-1e-3": Workload("scratch-1e-3", lambda: _gpt(pretrain=False), _adamw(1e-3), _lm("fine"), lm_loss,
                              note="the same GPT from random init, AdamW 1e-3"),
     "frozen-backbone": Workload("frozen-backbone", lambda: _gpt(frozen=True), _adamw(1e-3), _lm("fine"), lm_loss,
-                                note="pre-trained GPT frozen except the head; the optimizer holds only the head"),
+                                note="pre-trained GPT frozen except the head; the optimizer holds only the head",
+                                base="gpt"),
     "lora": Workload("lora", lambda: _gpt(lora=4), _adamw(1e-3, 0.0), _lm("fine"), lm_loss,
-                     note="frozen pre-trained GPT + rank-4 adapters on qkv/proj of every block (in the block's layer)"),
+                     note="frozen pre-trained GPT + rank-4 adapters on qkv/proj of every block (in the block's layer)",
+                     base="gpt"),
     "cnn": Workload("cnn", _cnn, _adamw(1e-4), lambda s: img_batch("fine", s), img_loss,
-                    note="pre-trained conv net (channels_last, BatchNorm), new class pairs, fresh head, AdamW 1e-4"),
+                    note="pre-trained conv net (channels_last, BatchNorm), new class pairs, fresh head, AdamW 1e-4",
+                    base="cnn"),
     "embedding": Workload("embedding", lambda: _seeded(2, Recommender),
                           lambda m: torch.optim.Adam(m.parameters(), lr=1e-3), rec_batch, rec_loss,
                           note="50k x 64 EmbeddingBag + MLP, Zipf item ids; dense Adam without weight decay"),

@@ -20,7 +20,7 @@ DEFAULT = "run"
 #: bench module -> the options (args attributes) it reads beside --dir, --json and --quiet
 USES: Dict[str, Tuple[str, ...]] = {
     "run": ("preset", "reps", "config", "chunk_bytes", "queue_depth", "only", "remote", "remote_options"),
-    "policy": ("config", "workloads", "plot", "through", "encodings"),
+    "policy": ("config", "workloads", "plot", "through", "encodings", "pretrained"),
     "sharded": ("size", "reps", "nproc", "mesh", "encoding"),
     "lightning_io": ("size", "reps"),
     "restore": ("sizes", "cache", "reps"),
@@ -80,6 +80,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--encodings",
                    help="with --policy: comma-separated Config.encoding values, each run on every workload, one row "
                         "apiece (e.g. auto,lossy; default: the config's)")
+    a.add_argument("--pretrained", action="store_true", default=None,
+                   help="with --policy: each workload that starts from the family's pre-trained weights names them "
+                        "in Config.pretrained (frozen tensors held by reference, not written)")
     a.add_argument("--plot", metavar="FILE",
                    help="with --policy: the steps-lost frontiers as a .png, .svg or .pdf (needs matplotlib)")
     a.add_argument("--sharded", action="store_true",

@@ -37,7 +37,7 @@ from ..format._manifest import load_manifest
 from ..config import Config
 from ..errors import CheckpointError
 from ..restore import restore
-from .family import WORKLOADS, Workload
+from .family import WORKLOADS, Workload, pretrained_file
 from .frontier import INTERVALS, crash_points, format_frontier, frontier_at, lag_steps, mean_steps_since, plot, steps_since
 
 CRASHES = (0.25, 0.5, 0.75)
@@ -281,15 +281,22 @@ def _frontier(w: Workload, config: Config, stores: Dict[Any, _Store], curve: Lis
 
 def sweep(names: Optional[Sequence[str]] = None, config: Optional[Config] = None,
           dirpath: Optional[str] = None, steps: Optional[int] = None, frontier: bool = False,
-          encodings: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
-    """Every workload of ``names`` (all: None), with ``config``, or once with each of ``encodings`` in it."""
+          encodings: Optional[Sequence[str]] = None, pretrained: bool = False) -> List[Dict[str, Any]]:
+    """Every workload of ``names`` (all: None), with ``config``, or once with each of ``encodings`` in it;
+    ``pretrained``: each workload that starts from the family's pre-trained weights names them in
+    ``Config.pretrained`` (a safetensors copy of the cached weights, ``family.pretrained_file``)."""
     config = config or Config()
     rows = []
     for name in names or list(WORKLOADS):
+        w = WORKLOADS[name]
         for enc in encodings or (config.encoding,):
+            cfg = config.replace(encoding=enc)
+            if pretrained and w.base is not None:
+                cfg = cfg.replace(pretrained=pretrained_file(w.base))
             root = tempfile.mkdtemp(prefix=f"layerckpt-policy-{name}-", dir=dirpath)
             try:
-                rows.append(run(WORKLOADS[name], config.replace(encoding=enc), root, steps=steps, frontier=frontier))
+                row = run(w, cfg, root, steps=steps, frontier=frontier)
+                rows.append({**row, "pretrained": cfg.pretrained is not None})
             finally:
                 shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -329,6 +336,7 @@ def format_table(rows: List[Dict[str, Any]], config: Config) -> str:
         enc = r.get("encoding", getattr(config, "encoding", None) or "auto")
         target = (LOSSY_BYTES_TARGET if enc == "lossy" else BYTES_TARGET).get(r["workload"])
         goal = (f">={target:.0f}x, " if target else "") + ("0.5%, 1% after 5" if enc == "lossy" else "0.5%")
+        enc += "+pre" if r.get("pretrained") else ""
         cyc = r.get("cycles") or {}
         after = "REFUSED" if cyc.get("refused") else "-" if cyc.get("deviation") is None else \
             f"{cyc['deviation'] * 100:+.3f}%"
@@ -394,8 +402,9 @@ def main(args) -> int:
     config = Config.from_yaml(args.config) if args.config else Config()
     through = policy_through.parse_through(args.through)
     res: Dict[str, Any] = {"config": config.to_dict(),
-                           "rows": sweep(args.workloads, config, args.dir, frontier=True,
-                                         encodings=_encodings(args)) if "core" in through else []}
+                           "rows": sweep(args.workloads, config, args.dir, frontier=True, encodings=_encodings(args),
+                                         pretrained=bool(getattr(args, "pretrained", None)))
+                           if "core" in through else []}
     adapters = [t for t in through if t != "core"]
     if adapters:
         policy_through.quiet_frameworks()

@@ -18,13 +18,17 @@ FORMAT_NAME = "layerckpt"
 #: their entry's key (``_places.SEALED``), which a reader of 3 or less would take for damage; 5: checksums sealed to
 #: their entry's key and its file's step (``_places.STEPPED``), which a reader of 4 or less would take for damage;
 #: 6: second moments' bounded-loss codes told against their reference's (``_qblock.QSQREF``, block mode 7), a mode a
-#: reader of 5 or less does not know
-FORMAT_VERSION = 6
+#: reader of 5 or less does not know; 7: model tensors held by reference to the pretrained files the training
+#: started from (``Manifest.pretrained``), whose layers a reader of 6 or less would find without entries
+FORMAT_VERSION = 7
 _BOXES_VERSION = 3  # the version a manifest with boxes is written as; without, 2 (4 once sealed, 5 once stepped)
 _SEALED_VERSION = 4
 _STEPPED_VERSION = 5
 _QSQREF_VERSION = 6
 _QSQREF_MODE = 7  # ``_qblock.QSQREF``
+_PRETRAINED_VERSION = 7
+#: the bytes each CRC pair of a fingerprint covers (``select/_exact``; ``PretrainedEntry.fp``)
+FINGERPRINT_CHUNK = 16 << 20
 
 MODEL = "model/"
 OPTIM = "optim/"
@@ -122,6 +126,23 @@ class TensorEntry:
     #: "ref": None or the reference's {"file", "step", "rank", "size", "crc", "blocks"}}; None: raw bytes at
     #: ``offset`` (format version 1's only kind)
     enc: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class PretrainedEntry:
+    """A model tensor a save proved bit-identical to a tensor of the pretrained files the training started from
+    (``Config(pretrained=...)``), recorded instead of its bytes (``read/_pretrained``).  It names no file: a
+    restore takes the tensor from the model where the model holds it already, else from the pretrained files its
+    caller names, each proven by ``fp``."""
+    name: str  # the tensor's name in the pretrained files
+    dtype: str  # safetensors dtype code
+    shape: List[int]
+    nbytes: int
+    #: the fingerprint of its bytes (``select/_exact``): crc32c << 32 | crc32 of each ``_exact.CHUNK`` bytes
+    fp: List[int]
+    #: the manifest's checksum over the entry's key, ``name`` and ``fp`` (``_places.pretrained_seal``): an entry
+    #: copied onto another key does not pass
+    seal: int
 
 
 @dataclass

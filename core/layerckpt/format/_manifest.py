@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ._json import load_strict, loads_strict  # noqa: F401 - loads_strict: the JSON reader of every store file
 from ._places import SEALED, STEPPED
 from ._entries import (  # noqa: F401 - the entry types and key helpers, imported from here by the rest
-    BOX, Boxes, EXTRA, FORMAT_NAME, FORMAT_VERSION, FileEntry, LayerEntry, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, ROWS, RowBlocks, TensorEntry, _BOX, _BOXES_VERSION, _PIECE, _QSQREF_MODE, _QSQREF_VERSION, _SEALED_VERSION, _STEPPED_VERSION, box_key, is_rng, model_key, model_name, param_of, piece_base, piece_key, rng_prefix, row_pieces, shard_pieces, split_piece)
+    BOX, Boxes, EXTRA, FORMAT_NAME, FORMAT_VERSION, FileEntry, LayerEntry, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, PretrainedEntry, RNG, ROWS, RowBlocks, TensorEntry, _BOX, _BOXES_VERSION, _PIECE, _PRETRAINED_VERSION, _QSQREF_MODE, _QSQREF_VERSION, _SEALED_VERSION, _STEPPED_VERSION, box_key, is_rng, model_key, model_name, param_of, piece_base, piece_key, rng_prefix, row_pieces, shard_pieces, split_piece)
 from ._validate import _check_cover, validated  # noqa: F401 - _check_cover: for its tests
 
 @dataclass
@@ -59,6 +59,9 @@ class Manifest:
     #: why, with the measured ratio, encoder rate, sink bandwidth and CPU charge} (``Config(encoding='auto')``;
     #: informational: a restore never reads it)
     coding: Optional[Dict[str, Dict[str, Dict[str, Any]]]] = None
+    #: model tensors held by reference to the pretrained files the training started from, by key, instead of
+    #: in a data file (``Config(pretrained=...)``, ``read/_pretrained``); a layer lists them among its tensors
+    pretrained: Optional[Dict[str, PretrainedEntry]] = None
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -101,6 +104,8 @@ class Manifest:
         if rec is not None:
             return rec.dtype, list(rec.shape)
         e = self.tensors.get(key)
+        if e is None and self.pretrained:
+            e = self.pretrained.get(key)
         return None if e is None else (e.dtype, list(e.shape))
 
     def steps_behind(self) -> Dict[str, int]:
@@ -133,6 +138,8 @@ class Manifest:
             del d["rng_ranks"]
         if d["coding"] is None:
             del d["coding"]
+        if d["pretrained"] is None:
+            del d["pretrained"]
         d["version"] = min(d["version"], _QSQREF_VERSION - 1)  # 6 only where its blocks are there (below)
         if d["boxes"] is None:  # readable by the layerckpt that wrote version 2
             del d["boxes"]
@@ -148,6 +155,8 @@ class Manifest:
         if any(b[3] == _QSQREF_MODE for e in d["tensors"].values() if e.enc and "lossy" in e.enc
                for b in e.enc["blocks"]):
             d["version"] = max(d["version"], _QSQREF_VERSION)
+        if "pretrained" in d:  # a reader that does not know them would find layers without their tensors
+            d["version"] = max(d["version"], _PRETRAINED_VERSION)
         return d
 
     def to_dict(self) -> Dict[str, Any]:

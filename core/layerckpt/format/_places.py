@@ -64,6 +64,15 @@ def seal(check: Check, key: str, crc: int, step: Optional[int] = None) -> int:
     return SEALED | STEPPED | (check(step.to_bytes(8, "little"), sealed) & 0xFFFFFFFF)
 
 
+def pretrained_seal(check: Check, key: str, name: str, fp: List[int]) -> int:
+    """The seal of a tensor held by reference to the pretrained files (``PretrainedEntry.seal``): the manifest's
+    checksum over the entry's key, the pretrained tensor's name and its fingerprint, so that an entry copied onto
+    another key (which would hand that key another tensor's bytes, each sound under its own fingerprint) is
+    refused."""
+    msg = f"{key}\0{name}\0{','.join(map(str, fp))}".encode("utf-8", "surrogatepass")
+    return check(msg, 0) & 0xFFFFFFFF
+
+
 def sealed_ok(check: Check, recorded: int, key: str, crc: int, step: int) -> bool:
     """Whether bytes whose CRC is ``crc``, read for the entry ``key`` in a file of ``step``, match its ``recorded``
     crc (sealed to key and step, to the key only, or plain: as the entry was written)."""

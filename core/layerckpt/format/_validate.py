@@ -23,11 +23,12 @@ import dataclasses
 import math
 import os
 import re
-from typing import Any, Dict, Optional, Sequence
+from typing import AbstractSet, Any, Dict, Optional, Sequence
 
 from ._layout import CODES, ITEMSIZE
-from ._entries import (EXTRA, FORMAT_NAME, FORMAT_VERSION, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG, Boxes,
-                       FileEntry, LayerEntry, RowBlocks, TensorEntry, model_key, row_pieces, shard_pieces)
+from ._entries import (EXTRA, FINGERPRINT_CHUNK, FORMAT_NAME, FORMAT_VERSION, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG,
+                       Boxes, FileEntry, LayerEntry, PretrainedEntry, RowBlocks, TensorEntry, model_key, model_name,
+                       piece_base, row_pieces, shard_pieces)
 from ._places import CRC_MAX, check_block_order, check_regions, check_seal_kinds, max_blocks
 from ..errors import CheckpointCorruptError
 
@@ -47,15 +48,19 @@ def validated(m: Any, path: str, other_fields: Sequence[str]) -> Dict[str, Any]:
     if rest.get("boxes") is not None:
         rest["boxes"] = _read_boxes(rest["boxes"], tensors, set(rest.get("blocks") or {}), path)
     known = set(tensors) | set(rest.get("blocks") or {}) | set(rest.get("boxes") or {})
+    if rest.get("pretrained") is not None:
+        rest["pretrained"] = _read_pretrained(rest["pretrained"], known, path)
+    # the model's tensors: stored, or held by reference to the pretrained files (never the optimizer's, RNG or extra)
+    model_known = known | set(rest.get("pretrained") or {})
     for name, layer in layers.items():  # a deleted entry would otherwise read back as a model without it
-        lost = next((k for k in layer.tensors if k not in known), None)
+        lost = next((k for k in layer.tensors if k not in model_known), None)
         if lost is not None:
             raise _corrupt(path, f"layer {name!r} lists tensor {lost!r}, which the manifest has no entry for",
                            tensor=lost)
     _check_versions(m["step"], files, tensors, layers, {**(rest.get("blocks") or {}), **(rest.get("boxes") or {})},
-                    path)
+                    path, set(rest.get("pretrained") or {}))
     _check_other(rest, path, known)
-    _check_model(m["model"], path, known)
+    _check_model(m["model"], path, model_known)
     _check_all_places(rest, m["model"].get("other"), path)
     return dict(step=m["step"], world_size=m["world_size"], files=files, tensors=tensors, layers=layers,
                 model=m["model"], **rest)
@@ -139,7 +144,8 @@ def _file_entry(name: str, e: Any, step: int, path: str) -> FileEntry:
 
 
 def _check_versions(step: int, files: Dict[str, FileEntry], tensors: Dict[str, TensorEntry],
-                    layers: Dict[str, LayerEntry], stored: Dict[str, Any], path: str) -> None:
+                    layers: Dict[str, LayerEntry], stored: Dict[str, Any], path: str,
+                    by_reference: AbstractSet[str] = frozenset()) -> None:
     """Each tensor's bytes are the version the manifest says it holds: a layer's tensors (each piece of one stored
     in row blocks or boxes) lie in data files of the step the layer records, every other tensor (RNG, extra,
     optimizer groups, non-tensor model state: written by every save) in files of the manifest's own step.  An
@@ -151,6 +157,8 @@ def _check_versions(step: int, files: Dict[str, FileEntry], tensors: Dict[str, T
     owned = set()
     for name, layer in layers.items():
         for k in layer.tensors:
+            if k in by_reference:  # in no file: its version is the pretrained one, proven at every read
+                continue
             rec = stored.get(k)
             for pk in [p for p, _, _ in shard_pieces(rec, k)] if rec is not None else [k]:
                 owned.add(pk)
@@ -271,6 +279,40 @@ def _check_blocks(key: str, blocks: list, nbytes: int, size: int, fname: str, mo
 _LAYER_TYPES = {"step": int, "file": (str, type(None)), "tensors": list, "nbytes": int, "rank": int, "age": int,
                 "reason": str, "drift": (int, float, type(None)), "frozen": bool,
                 "cost": (int, float, type(None)), "unchanged": bool}
+
+
+#: the longest name of a pretrained tensor a manifest may record
+MAX_NAME = 4096
+_PRETRAINED_FIELDS = ("name", "dtype", "shape", "nbytes", "fp", "seal")
+
+
+def _read_pretrained(pre: Any, known: AbstractSet[str], path: str) -> Dict[str, PretrainedEntry]:
+    """``pretrained``: model tensors held by reference to the pretrained files (``read/_pretrained``), each a whole
+    model tensor of a known dtype and shape, with a name, a fingerprint of as many parts as its bytes make, and a
+    32-bit seal; none that also has an entry of its own."""
+    if not isinstance(pre, dict):
+        raise _corrupt(path, f"field 'pretrained' is {_short(pre)}, not an object")
+    out: Dict[str, PretrainedEntry] = {}
+    for key, e in pre.items():
+        name, dtype, shape, nbytes, fp, sealed = (e.get(f) if isinstance(e, dict) else None for f in _PRETRAINED_FIELDS)
+        if not (model_name(key) is not None and piece_base(key)[1] == "" and isinstance(name, str)
+                and 0 < len(name) <= MAX_NAME and _is_shape(shape, dtype) and _is_int(nbytes)
+                and _is_int(sealed, 0, 0xFFFFFFFF) and isinstance(fp, list)
+                and len(fp) <= MAX_TENSOR_BYTES // FINGERPRINT_CHUNK + 1 and all(_is_int(x, 0, (1 << 64) - 1) for x in fp)):
+            raise _corrupt(path, f"entry for tensor {key!r} in 'pretrained' is malformed (a whole model tensor; name: "
+                                 f"a string of 1 to {MAX_NAME} characters, dtype and shape as a tensor's, nbytes: an "
+                                 f"integer, fp: a list of 64-bit integers, seal: a 32-bit integer)", tensor=key)
+        if nbytes != math.prod(shape) * ITEMSIZE[dtype]:
+            raise _corrupt(path, f"tensor {key!r} in 'pretrained' has shape {_short(shape)} and dtype {dtype} but "
+                                 f"{nbytes} bytes", tensor=key)
+        parts = max(1, -(-nbytes // FINGERPRINT_CHUNK))
+        if len(fp) != parts:
+            raise _corrupt(path, f"tensor {key!r} in 'pretrained' has a fingerprint of {len(fp)} parts where its "
+                                 f"{nbytes} bytes make {parts}", tensor=key)
+        if key in known:
+            raise _corrupt(path, f"tensor {key!r} has an entry of its own and one in 'pretrained'", tensor=key)
+        out[key] = PretrainedEntry(name, dtype, list(shape), nbytes, list(fp), sealed)
+    return out
 
 
 def _layer_entry(name: str, e: Any, path: str) -> LayerEntry:

@@ -36,9 +36,10 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
+from ..format._entries import FINGERPRINT_CHUNK
 from ..io._backend import checksum_function
 
-CHUNK = 16 << 20
+CHUNK = FINGERPRINT_CHUNK
 PARALLEL_BYTES = 32 << 20  # below this many bytes in all, the caller's thread fingerprints alone
 THREADS = max(1, min(8, os.cpu_count() or 1))
 _crc32c = checksum_function("crc32c")
@@ -67,6 +68,13 @@ def _pieces(raw: torch.Tensor) -> List[torch.Tensor]:
 def fingerprint(t: torch.Tensor) -> Fingerprint:
     """The fingerprint of every byte of ``t`` (see the module docstring for what a match proves)."""
     return str(t.dtype), tuple(t.shape), tuple(_chunk_crc(p) for p in _pieces(_raw(t)))
+
+
+def fingerprint_parts(dtype: torch.dtype, shape: Iterable[int], parts: Iterable[memoryview]) -> Fingerprint:
+    """The fingerprint :func:`fingerprint` gives a tensor of ``dtype`` and ``shape`` whose bytes are ``parts``, read
+    in turn (each ``CHUNK`` bytes but the last; one empty part for a tensor of no bytes): of bytes not in memory
+    as a tensor (a file read a chunk at a time, ``read/_pretrained``)."""
+    return str(dtype), tuple(shape), tuple((_crc32c(v) << 32) | zlib.crc32(v) for v in parts)
 
 
 def fingerprints(tensors: Mapping[str, torch.Tensor]) -> Dict[str, Fingerprint]:

@@ -26,9 +26,11 @@ from . import _policy as policy
 from ..format._codec import Entries
 from ._exact import Fingerprint, Fingerprints, fingerprints
 from ._layers import LayerSpec, group_layers
-from ..format._layout import CODES, ITEMSIZE
-from ..format._manifest import (ROWS, Boxes, FileEntry, LayerEntry, Manifest, RowBlocks, TensorEntry, is_rng,
-                                model_name, param_of, piece_base, shard_pieces)
+from ..format._layout import CODES, DTYPES, ITEMSIZE
+from ..format._manifest import (ROWS, Boxes, FileEntry, LayerEntry, Manifest, PretrainedEntry, RowBlocks, TensorEntry,
+                                is_rng, model_name, param_of, piece_base, shard_pieces)
+from ..format._places import pretrained_seal
+from ..io._backend import CHECKSUM, checksum_function
 from .._dist import Group
 from ._track import DriftTracker, LayerSample, Measure, Views, combine
 from ..config import REMOTE_BASES, Config
@@ -61,6 +63,9 @@ class SavePlan:
     #: interval (between the save before and this one), measured on the tracker's sample; a bounded-loss
     #: delta's quantum is a fraction of it where it exceeds the move per step since the reference
     moves: Dict[str, float] = field(default_factory=dict)
+    #: the model tensors the composite holds by reference to the pretrained files after this save (``Config.
+    #: pretrained``): those its layers carry, and those of the layers it persists that it proved the files hold
+    pretrained: Dict[str, PretrainedEntry] = field(default_factory=dict)
 
     @property
     def reasons(self) -> Dict[str, str]:
@@ -103,13 +108,15 @@ def _finite(x: float) -> Optional[float]:
 
 def _compose(prev, layer_keys: Dict[str, List[str]], states: Dict[str, policy.LayerState], reasons: Dict[str, str],
              persist: Set[str], owner_rank: Dict[str, int], nbytes: Dict[str, int], step: int, fname: Optional[str]
-             ) -> Tuple[Dict[str, LayerEntry], Dict[str, TensorEntry], Dict[str, object]]:
+             ) -> Tuple[Dict[str, LayerEntry], Dict[str, TensorEntry], Dict[str, object], Dict[str, PretrainedEntry]]:
     """The composite's layer map after this save: a persisted layer's new entry (in ``fname``), a skipped
-    layer's entry carried forward from ``prev``.  Returns it, the tensors carried from committed files, and
-    the layers carried from a save still in flight (layer -> that save's token)."""
+    layer's entry carried forward from ``prev``.  Returns it, the tensors carried from committed files, the
+    layers carried from a save still in flight (layer -> that save's token), and the skipped layers' tensors
+    held by reference to the pretrained files (known at once: they lie in no file)."""
     layers: Dict[str, LayerEntry] = {}
     carried: Dict[str, TensorEntry] = {}
     deferred: Dict[str, object] = {}
+    pretrained: Dict[str, PretrainedEntry] = {}
     pending = prev if isinstance(prev, SavePlan) else None
     for layer, keys in layer_keys.items():
         st = states[layer]
@@ -122,14 +129,16 @@ def _compose(prev, layer_keys: Dict[str, List[str]], states: Dict[str, policy.La
             continue
         before = prev.layers[layer]
         layers[layer] = dataclasses.replace(before, age=before.age + 1, **info)
+        refs = (pending.pretrained if pending is not None else prev.pretrained) or {}
+        pretrained.update({k: refs[k] for k in before.tensors if k in refs})
         if pending is not None and layer in pending.persisted:  # written by a save still in flight
             deferred[layer] = pending.token
         elif pending is not None and layer in pending.deferred:
             deferred[layer] = pending.deferred[layer]
         else:
             known = pending.carried if pending is not None else prev.tensors
-            carried.update({k: known[k] for k in before.tensors})
-    return layers, carried, deferred
+            carried.update({k: known[k] for k in before.tensors if k not in refs})
+    return layers, carried, deferred, pretrained
 
 
 class Selector:
@@ -162,6 +171,9 @@ class Selector:
         #: average's parameter name): what ``_by_layer`` works out of the keys alone, kept while they repeat
         self._roles: Optional[Tuple[tuple, list]] = None
         self._prev_shapes: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = {}
+        #: ``Config.pretrained``'s files (``read/_pretrained.PretrainedFiles``, opened by the Checkpointer): where
+        #: set, a frozen tensor they hold bit for bit is recorded by reference instead of written (one process)
+        self.pretrained = None
 
     @property
     def shards(self) -> Dict[str, Union[RowBlocks, Boxes]]:
@@ -387,8 +399,8 @@ class Selector:
         shard_keys = {pk for _, pk, _ in self._shard_pieces}
         sharded = {key_layer[pk] for pk in shard_keys if pk in key_layer}
         owner_rank = assign(persist - sharded, nbytes, world)
-        layers, carried, deferred = _compose(prev, layer_keys, states, reasons, persist, owner_rank, nbytes,
-                                             step, fname if world == 1 else None)
+        layers, carried, deferred, by_ref = _compose(prev, layer_keys, states, reasons, persist, owner_rank, nbytes,
+                                                     step, fname if world == 1 else None)
         out = SavePlan(
             write=[(k, t) for k, t in entries
                    if _mine(k, key_layer.get(k), persist, owner_rank, rank, sharded, shard_keys)],
@@ -398,11 +410,32 @@ class Selector:
             samples={layer: snaps[layer][0] for layer in persist if layer in snaps},
             cost=policy.composite_cost(states, persist) + quant,
             progress=sum(st.progress for st in states.values() if not st.frozen), deferred=deferred, shapes=shapes,
-            step=step)
+            step=step, pretrained=by_ref)
         if self.config.encoding == "lossy" and prev is not None and step > prev.step and not self.full:
             out.moves = self._moves(snaps, weights, held, step - prev.step)
-        self._planned_now(out, snaps, world, self._references(out, held, taken, unpriced))
+        refs = self._references(out, held, taken, unpriced)
+        if self.pretrained is not None and world == 1:
+            self._by_reference(out, held, refs)
+        self._planned_now(out, snaps, world, refs)
         return out
+
+    def _by_reference(self, out: SavePlan, held, refs: Dict[str, Fingerprint]) -> None:
+        """Of the frozen layers' tensors this save persists, those the pretrained files hold bit for bit (the
+        fingerprints taken to prove the layers unchanged at the next saves, ``_references``) are recorded by
+        reference (``SavePlan.pretrained``) instead of written."""
+        frozen = self._frozen
+        wanted = {k: refs[k] for layer in out.persisted if layer in frozen for k in held.get(layer, {})
+                  if k in refs and model_name(k) is not None and not piece_base(k)[1]}
+        found = self.pretrained.match(wanted)
+        if not found:
+            return
+        check = checksum_function(CHECKSUM)
+        for k, name in found.items():
+            dtype, shape = out.shapes[k]
+            code, fp = DTYPES[dtype], list(refs[k][2])
+            out.pretrained[k] = PretrainedEntry(name, code, list(shape), math.prod(shape) * ITEMSIZE[code], fp,
+                                                pretrained_seal(check, k, name, fp))
+        out.write = [(k, t) for k, t in out.write if k not in found]
 
     def _moves(self, snaps, weights, held, interval: int) -> Dict[str, float]:
         """:attr:`SavePlan.moves`: each weight key's RMS move per step over the last ``interval`` steps, from
@@ -520,6 +553,8 @@ class Selector:
                     f"the checkpoint of step {m.step} was not committed: it carries layer {layer!r} from a save "
                     f"before it that failed; the saves after it build on the last committed checkpoint")
             for k in m.layers[layer].tensors:
+                if k in (m.pretrained or {}):  # held by reference: carried at the plan, in no file
+                    continue
                 e = m.tensors[k] = src.tensors[k]
                 m.files[e.file] = src.files[e.file]
 
@@ -564,6 +599,7 @@ class Selector:
     def committed(self, manifest: Manifest, samples: Dict[str, Views], plan: Optional[SavePlan] = None) -> None:
         """Called by the flusher once a save committed: it becomes the base of the next composite."""
         shapes = {k: (CODES[e.dtype], tuple(e.shape)) for k, e in manifest.tensors.items()}
+        shapes.update({k: (CODES[e.dtype], tuple(e.shape)) for k, e in (manifest.pretrained or {}).items()})
         with self._lock:
             self.composite = manifest
             if plan is None:  # adopt(): a plan's references moved when it was planned
