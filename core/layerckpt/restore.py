@@ -171,9 +171,9 @@ def _load_from(r: Reader, strict: bool, bound: int) -> LoadedCheckpoint:
     _check_staleness(m, bound, strict)
     rng = m.rng_for(_dist.rank())
     keys = {k for k in m.logical_keys() if not is_rng(k)} | set(tensor_refs(rng or {}))
+    held = _pretrained.read_all(m, r.cfg.pretrained, checksum_function(m.checksum), r.mpath)  # refused before reading
     r.prefetch([sorted(keys)])
-    tensors = r.tensors(sorted(keys))
-    tensors.update(_pretrained.read_all(m, r.cfg.pretrained, checksum_function(m.checksum), r.mpath))
+    tensors = {**r.tensors(sorted(keys)), **held}
     rng = rng if r.cfg.restore_rng else None
     state = _State.decoded(None, None, m, tensors, rng, r.mpath)
     return LoadedCheckpoint(
