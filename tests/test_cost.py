@@ -364,3 +364,40 @@ def test_a_tier_copy_refused_for_no_system_error_does_not_say_input_output_error
     assert "Input/output error" not in str(e)
     e = _as_write_error(OSError(28, "No space left on device", "/r/data/x"), tier, 4)
     assert str(e).startswith("checkpoint write failed: No space left on device (/r/data/x); free space")
+
+
+def test_a_remote_delta_is_never_taken_against_a_copy_its_retention_removed(tmp_path):
+    """Encoded remote copies are deltas against references the remote holds; where the remote's retention has
+    removed a reference (the composites that named it dropped while the remote was fast and got raw bytes), a later
+    encoded copy is written without it, not against it: every committed remote composite restores from the remote
+    alone, and names no file the remote lacks. (Before, the transcoder kept its reference past its removal and the
+    remote committed a composite naming files it no longer held: a restore after a node loss refused it as missing.)"""
+    url = "file://" + str(tmp_path / "remote")
+    cfg = layerckpt.Config(full=True, keep_last=2, remote=url)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    states = {}
+    with layerckpt.Checkpointer(tmp_path / "ck", model, config=cfg) as ck:
+        _fixed(ck, 20e9)
+        tc = ck._tiers.tiers[0].transcoder
+        for step in range(1, 9):
+            slow = step <= 3 or step >= 7  # encoded copies, then raw ones (the remote fast), then encoded again
+            tc.sink.cap, tc.sink._bytes, tc.sink._seconds = (1e3, 0, 0.0) if slow else (None, 20e9, 1.0)
+            tc.sink.observe = (lambda *a: None) if not slow else type(tc.sink).observe.__get__(tc.sink)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 1e-2)
+            ck.save(step).wait()
+            ck.wait()  # the remote copy too: raises where it failed
+            states[step] = copy.deepcopy(model.state_dict())
+            if step == 3:
+                assert tc.refs  # references for the deltas of the next encoded copies
+    remote = tmp_path / "remote"
+    held = set(os.listdir(remote / "data"))
+    for name in sorted(os.listdir(remote / "manifests")):
+        assert set(_manifest(remote, int(name[5:13]))["files"]) <= held, name
+    assert any(t["enc"] for t in _manifest(remote, 8)["tensors"].values())  # encoded again at the end
+    for step in (7, 8):  # from the remote alone, bit for bit
+        fresh = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+        layerckpt.restore(url, fresh, step=step)
+        assert_same_tensors(fresh.state_dict(), states[step])

@@ -238,6 +238,8 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
     files the tier already held, bytes uploaded)."""
     good, bad = read_all(store)
     listed = store.names(DATA)
+    if transcoder is not None:  # what the tier's retention removed is no reference, nor a copy to reuse, any more
+        transcoder.keep_only(set(listed))
     done = transcoder.done if transcoder is not None else {}
     where, todo = place(m, good, listed, done)
     sigs = _entries(m)  # what a copy in memory of a file must hold to stand for it
@@ -294,6 +296,12 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
             apply(d, copies, where, m)
         if transcoder is not None:  # what the tier decided for the files it copied now, and why
             d["coding"] = {where[f]: rec for f, rec in transcoder.coding.items() if f in where} or None
+        held = set(store.names(DATA))  # a manifest naming a file the tier lacks would be committed unrestorable
+        lacking = sorted(n for n in d["files"] if n not in held)
+        if lacking:
+            raise OSError(errno.ENOENT, f"the copy of step {m.step} names {len(lacking)} file(s) the tier does not "
+                                        f"hold ({', '.join(lacking[:3])}); nothing of it was committed there",
+                          store.where(DATA, lacking[0]))
         body = json.dumps(head_first(d), separators=(",", ":"), allow_nan=True).encode()
         # validated before it is committed: a manifest the tier would refuse is never written
         committed = Manifest.from_dict(d, store.where(MANIFESTS, name))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -219,6 +219,15 @@ class Transcoder:
             self.refs[key] = r
         self.done.update(self._new)
         self.failed()
+
+    def keep_only(self, held: AbstractSet[str]) -> None:
+        """Forget the references and copies whose files the tier no longer ``held`` (its retention removes a file
+        once no composite it keeps names it, as when the copies after it went raw): a delta is never taken against
+        a file that is gone, and a gone copy is never reused; a tensor without a reference is written self-contained
+        by the next encoded copy."""
+        with self._lock:
+            self.refs = {k: r for k, r in self.refs.items() if r.where is None or r.where["file"] in held}
+            self.done = {f: d for f, d in self.done.items() if all(n in held for n in d[0])}
 
     def names(self, f: str) -> List[str]:
         """The tier files of the committed copy of the local file ``f`` (none: not transcoded)."""
