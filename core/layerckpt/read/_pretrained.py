@@ -104,18 +104,24 @@ class PretrainedFiles:
         with _opened(self.paths[slot.file]) as fd:
             return fingerprint_parts(CODES[slot.dtype], slot.shape, _chunks(fd, slot, memoryview(buf), name))
 
-    def read(self, name: str, key: str, e: PretrainedEntry) -> torch.Tensor:
-        """The pretrained tensor ``name`` in fresh host memory, proven to be the bytes the entry ``e`` of ``key``
-        records; a CheckpointError naming both where it is not (another file than the training's)."""
-        with self._lock:
-            self._fresh()
-            slot = self.slots.get(name)
+    def slot(self, name: str, key: str, e: PretrainedEntry) -> _Slot:
+        """Where the pretrained tensor ``name`` lies, of the dtype and shape the entry ``e`` of ``key`` records; a
+        CheckpointError naming both where the files lack it or hold it otherwise."""
+        slot = self.slots.get(name)
         if slot is None or slot.dtype != e.dtype or list(slot.shape) != e.shape:
             found = "has no such tensor" if slot is None else f"holds it as {slot.dtype} {list(slot.shape)}"
             raise CheckpointError(
                 f"the checkpoint holds model tensor {key!r} by reference to pretrained tensor {name!r} "
                 f"({e.dtype} {e.shape}), but Config.pretrained={self.path!r} {found}: name the pretrained files the "
                 f"training started from")
+        return slot
+
+    def read(self, name: str, key: str, e: PretrainedEntry) -> torch.Tensor:
+        """The pretrained tensor ``name`` in fresh host memory, proven to be the bytes the entry ``e`` of ``key``
+        records; a CheckpointError naming both where it is not (another file than the training's)."""
+        with self._lock:
+            self._fresh()
+        slot = self.slot(name, key, e)
         out = torch.empty(slot.nbytes, dtype=torch.uint8)
         view = memoryview(out.numpy()) if slot.nbytes else memoryview(bytearray(0))
         with _opened(self.paths[slot.file]) as fd:
@@ -310,14 +316,8 @@ def resolve(m: Manifest, pairs: List[Tuple[str, str]], targets: Mapping[str, tor
                 f"{n!r}, {e.name!r} there): build the model from the same pretrained weights before restoring, or "
                 f"pass config=Config(pretrained=PATH) naming those files")
         files = PretrainedFiles(pretrained)
-        for n, k, e in todo:  # every one there, of its dtype and shape, before anything is read
-            slot = files.slots.get(e.name)
-            if slot is None or slot.dtype != e.dtype or list(slot.shape) != e.shape:
-                found = "has no such tensor" if slot is None else f"holds it as {slot.dtype} {list(slot.shape)}"
-                raise CheckpointError(
-                    f"checkpoint {where} holds model tensor {n!r} by reference to pretrained tensor {e.name!r} "
-                    f"({e.dtype} {e.shape}), but Config.pretrained={pretrained!r} {found}: name the pretrained files "
-                    f"the training started from")
+        for _, k, e in todo:  # every one there, of its dtype and shape, before anything is read
+            files.slot(e.name, k, e)
     return [(n, k) for n, k in pairs if k not in refs], HeldBack(files, todo, targets)
 
 
