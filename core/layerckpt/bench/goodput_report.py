@@ -163,3 +163,68 @@ def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any]) -> List
                    f"of {r['optimum'] * 100:.1f}% ({gap:+.1f} points; target within {OPTIMUM_POINTS:g}): "
                    f"{'met' if gap >= -OPTIMUM_POINTS else 'not met'}")
     return out
+
+
+def _start(b: Dict[str, Any]) -> float:
+    """A run's starts as the lost time counts them: setup, load and warm-up (imports and restarts left out)."""
+    return b["setup"] + b["load"] + b["warmup"]
+
+
+def _picks(rows: List[Dict[str, Any]], loop: str, mode: str) -> List[Dict[str, Any]]:
+    """One loop's rows for the summary: each contender at its best fixed cadence (least lost), then its
+    ``mtbf=`` row; a contender whose every run failed shows its first failure."""
+    mine = [r for r in rows if r["loop"] == loop and _mode(r) == mode]
+    out: List[Dict[str, Any]] = []
+    for name in dict.fromkeys(r["name"] for r in mine):
+        for mtbf in (False, True):
+            group = [r for r in mine if r["name"] == name and bool(r["mtbf"]) == mtbf]
+            ran = _ran(group)
+            if ran:
+                out.append(min(ran, key=lambda r: r["lost_s"]))
+            elif group:
+                out.append(group[0])
+    return out
+
+
+def format_summary(res: Dict[str, Any]) -> str:
+    """The README's table of a ``bench --goodput`` JSON: per failure kind and loop, each contender at its best
+    cadence and with its ``mtbf=`` interval, its goodput against the Young/Daly optimum of its own measured costs,
+    its lost time split into checkpoints, starts and redone work (the three sum to it), and the targets."""
+    m = res["machine"]
+    lines = [f"layerckpt bench --goodput: {res['size']} ({_state(res)}), {res['steps']} steps, a failure every "
+             f"{res['mtbf_s']:g} s on average (seed {res['seed']}: {len(res.get('failure_times_s', []))} failure "
+             f"times), cadences {', '.join(str(c) for c in res['cadences'])} steps, on {m['cpu']} ({m['cores']} cores)",
+             "failure-free without checkpoints: " + ", ".join(
+                 f"{LOOPS[loop]} {f['wall_s']:.1f} s ({f['base_step_s']:.3f} s a step)" for loop, f in res["free"].items()),
+             "each contender at its best cadence (least lost) and with its mtbf= interval; lost: the wall time beyond "
+             "the failure-free run's, less imports and restarts, = ckpt (steps slowed or blocked by saves) + start "
+             "(setups, loads, first steps) + redone (work done again); optimum: the goodput at the Young/Daly "
+             "interval sqrt(2 C MTBF) of the measured save cost C with the same kills; loss: mean of the last "
+             f"{TAIL} steps"]
+    cols = (f"    {'contender':<16}{'every':>6}{'goodput':>9}{'optimum':>9}{'lost s':>8}{'ckpt':>7}{'start':>7}"
+            f"{'redone':>7}{'kills':>6}{'C s':>7}{'Y/D n':>6}{'loss':>8}")
+    for kind, rows in res["runs"].items():
+        lines += ["", f"{kind}: {_kind(kind)}", cols]
+        modes = res.get("restarts", ["fresh"])
+        for loop in LOOPS:
+            free = res["free"][loop]
+            for mode in modes:
+                lines.append(f"  {LOOPS[loop]}" + ("" if modes == ["fresh"] else f", {RESTARTS[mode].split(' (')[0]}"))
+                for r in _picks(rows, loop, mode):
+                    every = "mtbf" if r["mtbf"] else str(r["every"])
+                    if r.get("failed"):
+                        lines.append(f"    {r['name']:<16}{every:>6}  FAILED: {_why(r)}")
+                        continue
+                    b, fb = r["buckets"], free["buckets"]
+                    name = r["name"] + ("^" if r.get("ran_under", kind) != kind else "")
+                    opt = r.get("optimum")
+                    lines.append(
+                        f"    {name:<16}{every:>6}{r['goodput'] * 100:>8.1f}%"
+                        + (f"{opt * 100:>8.1f}%" if opt is not None else f"{'-':>9}")
+                        + f"{r['lost_s']:>8.1f}{b['checkpoint'] - fb['checkpoint']:>7.1f}{_start(b) - _start(fb):>7.1f}"
+                        f"{b['redone']:>7.1f}{r['kills']:>6}{_num(r.get('save_cost_s'), '.2f', 7)}"
+                        f"{_num(r.get('young_daly_steps'), '.0f', 6)}{_num(r.get('tail_loss') or r['final_loss'], '.4f', 8)}")
+        if any(r.get("ran_under", kind) != kind for r in rows):
+            lines.append("    ^ ran once, in the crash kind: its files survive a node loss")
+        lines += ["  " + t for t in targets(kind, rows, res["free"])]
+    return "\n".join(lines)
