@@ -1,6 +1,7 @@
 """The table ``layerckpt bench --goodput`` prints, and its targets, from the bench's JSON (no measuring here)."""
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Dict, List, Optional
 
 from .goodput_account import PARTS, TAIL
@@ -192,15 +193,17 @@ def format_summary(res: Dict[str, Any]) -> str:
     its lost time split into checkpoints, starts and redone work (the three sum to it), and the targets."""
     m = res["machine"]
     lines = [f"layerckpt bench --goodput: {res['size']} ({_state(res)}), {res['steps']} steps, a failure every "
-             f"{res['mtbf_s']:g} s on average (seed {res['seed']}: {len(res.get('failure_times_s', []))} failure "
-             f"times), cadences {', '.join(str(c) for c in res['cadences'])} steps, on {m['cpu']} ({m['cores']} cores)",
+             f"{res['mtbf_s']:g} s on average",
+             f"seed {res['seed']}: {len(res.get('failure_times_s', []))} failure times; fixed cadences every "
+             f"{', '.join(str(c) for c in res['cadences'])} steps; {m['cpu']} ({m['cores']} cores), torch {m['torch']}",
              "failure-free without checkpoints: " + ", ".join(
                  f"{LOOPS[loop]} {f['wall_s']:.1f} s ({f['base_step_s']:.3f} s a step)" for loop, f in res["free"].items()),
-             "each contender at its best cadence (least lost) and with its mtbf= interval; lost: the wall time beyond "
-             "the failure-free run's, less imports and restarts, = ckpt (steps slowed or blocked by saves) + start "
-             "(setups, loads, first steps) + redone (work done again); optimum: the goodput at the Young/Daly "
-             "interval sqrt(2 C MTBF) of the measured save cost C with the same kills; loss: mean of the last "
-             f"{TAIL} steps"]
+             *textwrap.wrap(
+                 "each contender at its best cadence (least lost) and with its mtbf= interval; lost: the wall time "
+                 "beyond the failure-free run's, less imports and restarts, = ckpt (steps slowed or blocked by saves) "
+                 "+ start (setups, loads, first steps) + redone (work done again); optimum: the goodput at the "
+                 "Young/Daly interval sqrt(2 C MTBF) of the measured save cost C (s) with the same kills; Y/D n: that "
+                 f"interval in steps; loss: the mean of the last {TAIL} steps", 116, break_on_hyphens=False)]
     cols = (f"    {'contender':<16}{'every':>6}{'goodput':>9}{'optimum':>9}{'lost s':>8}{'ckpt':>7}{'start':>7}"
             f"{'redone':>7}{'kills':>6}{'C s':>7}{'Y/D n':>6}{'loss':>8}")
     for kind, rows in res["runs"].items():
