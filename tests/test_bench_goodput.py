@@ -229,3 +229,33 @@ def test_a_contender_that_cannot_finish_leaves_the_others_results(monkeypatch):
     assert "goodput, LayerCheckpoint mtbf=" in text  # the other rows' targets are still judged
     assert [line for line in said if "FAILED" in line] == [
         "goodput: crash: layerckpt mtbf=: FAILED: " + failed[0]["failed"]]
+
+
+def test_the_summary_shows_each_contender_at_its_best_cadence_with_its_lost_time_split():
+    """The README's table: per kind and loop, each contender's least-lost fixed cadence and its mtbf= row; the
+    three parts of the lost time sum to it; a failed contender says so instead of vanishing."""
+    from layerckpt.bench.goodput_report import format_summary
+
+    root = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
+    with open(os.path.join(root, "goodput-100steps-gpt2-mini-2core-epyc.json"), encoding="utf-8") as f:
+        res = json.load(f)
+    text = format_summary(res)
+    crash = text.split("\nnode: ")[0]
+    for loop in ("plain", "lightning"):
+        for name in {r["name"] for r in res["runs"]["crash"] if r["loop"] == loop}:
+            fixed = [r for r in res["runs"]["crash"] if r["loop"] == loop and r["name"] == name and not r["mtbf"]]
+            best = min(fixed, key=lambda r: r["lost_s"])
+            line = next(x for x in crash.splitlines() if x.split()[:2] == [name, str(best["every"])])
+            lost, ckpt, start, redone = (float(v) for v in line.split()[4:8])
+            assert lost == pytest.approx(best["lost_s"], abs=0.06)
+            assert ckpt + start + redone == pytest.approx(lost, abs=0.16)
+            assert not any(x.split()[:2] == [name, str(r["every"])] for x in crash.splitlines()
+                           for r in fixed if r is not best)
+    assert crash.count(" mtbf ") == 2
+    assert "failure-free without checkpoints: plain loop 96.0 s" in text
+    res["runs"]["crash"] = [{"name": r["name"], "label": r["label"], "loop": r["loop"], "every": r["every"],
+                             "mtbf": r["mtbf"], "failed": "Traceback ...\nMissingDataError: x is missing"}
+                            if r["name"] == "layerckpt" and r["mtbf"] else r for r in res["runs"]["crash"]]
+    text = format_summary(res)
+    assert "    layerckpt         mtbf  FAILED: MissingDataError: x is missing" in text
+    assert "layerckpt mtbf= (plain loop): its run FAILED, so no target holds for it" in text

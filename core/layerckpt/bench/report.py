@@ -15,20 +15,21 @@ test runs it).  A re-run of a bench replaces the JSON; ``--write`` then replaces
 
 Views (the marker's second word; without one, the view is told from the JSON's keys):
 
-=============  ==========================================================================================
-``run``        ``layerckpt bench`` (``run.format_table``)
-``selective``  its selective saves and fine-tuning overhead alone (``run.format_selective``)
-``tiers``      its tiers' lines alone (``tiers.format_tiers``)
-``restore``    ``layerckpt bench --restore``
-``steps``      ``layerckpt bench --steps``
-``sharded``    ``layerckpt bench --sharded``
-``lightning``  ``layerckpt bench --lightning``
-``cpu``        ``layerckpt bench --cpu``
-``policy``     ``layerckpt bench --policy`` (both tables, and the adapters' where ``--through`` named some)
-``through``    ``layerckpt bench --policy --through ...``: the adapters' table alone
-``lossy``      ``layerckpt bench --lossy``
-``goodput``    ``layerckpt bench --goodput`` (``goodput_report.format_table``)
-=============  ==========================================================================================
+===================  ==========================================================================================
+``run``              ``layerckpt bench`` (``run.format_table``)
+``selective``        its selective saves and fine-tuning overhead alone (``run.format_selective``)
+``tiers``            its tiers' lines alone (``tiers.format_tiers``)
+``restore``          ``layerckpt bench --restore``
+``steps``            ``layerckpt bench --steps``
+``sharded``          ``layerckpt bench --sharded``
+``lightning``        ``layerckpt bench --lightning``
+``cpu``              ``layerckpt bench --cpu``
+``policy``           ``layerckpt bench --policy`` (both tables, and the adapters' where ``--through`` named some)
+``through``          ``layerckpt bench --policy --through ...``: the adapters' table alone
+``lossy``            ``layerckpt bench --lossy``
+``goodput``          ``layerckpt bench --goodput`` (``goodput_report.format_table``)
+``goodput-summary``  its README summary: each contender at its best cadence, lost time split, targets
+===================  ==========================================================================================
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ VIEWS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "through": _call("policy", "format_through"),
     "lossy": _call("lossy", "format_table"),
     "goodput": _call("goodput_report", "format_table"),
+    "goodput-summary": _call("goodput_report", "format_summary"),
 }
 
 

@@ -54,11 +54,15 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
+def _crc_pair(view: memoryview) -> int:
+    """One chunk's part of a fingerprint: its CRC32C and its CRC-32 (zlib), two independent checks, in one int."""
+    return (_crc32c(view) << 32) | zlib.crc32(view)
+
+
 def _chunk_crc(part: torch.Tensor) -> int:
     if part.device.type != "cpu":
         part = part.cpu()
-    view = memoryview(part.numpy())
-    return (_crc32c(view) << 32) | zlib.crc32(view)
+    return _crc_pair(memoryview(part.numpy()))
 
 
 def _pieces(raw: torch.Tensor) -> List[torch.Tensor]:
@@ -74,7 +78,7 @@ def fingerprint_parts(dtype: torch.dtype, shape: Iterable[int], parts: Iterable[
     """The fingerprint :func:`fingerprint` gives a tensor of ``dtype`` and ``shape`` whose bytes are ``parts``, read
     in turn (each ``CHUNK`` bytes but the last; one empty part for a tensor of no bytes): of bytes not in memory
     as a tensor (a file read a chunk at a time, ``read/_pretrained``)."""
-    return str(dtype), tuple(shape), tuple((_crc32c(v) << 32) | zlib.crc32(v) for v in parts)
+    return str(dtype), tuple(shape), tuple(_crc_pair(v) for v in parts)
 
 
 def fingerprints(tensors: Mapping[str, torch.Tensor]) -> Dict[str, Fingerprint]:
