@@ -122,6 +122,25 @@ def _fixed(ck, bandwidth: float) -> None:
     ck._flusher.disk = sink
 
 
+def _two_layers() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+
+
+def _with_remote(tmp_path, model, **config):
+    """A Checkpointer of ``model`` with a ``file://`` remote tier at ``tmp_path/remote`` (and its URL); the local
+    disk fixed at 20 GB/s, so that only the remote's encoding is in question."""
+    url = "file://" + str(tmp_path / "remote")
+    ck = layerckpt.Checkpointer(tmp_path / "ck", model, config=layerckpt.Config(remote=url, **config))
+    _fixed(ck, 20e9)
+    return ck, url
+
+
+def _remote_fast(sink) -> None:
+    """The remote as the cost model sees it, from now on 20 GB/s: every copy goes raw."""
+    sink.cap, sink._bytes, sink._seconds = None, 20e9, 1.0
+    sink.observe = lambda *a: None
+
+
 def _train(model, opt) -> None:
     train_steps(model, opt, seed=1)
 
@@ -229,13 +248,11 @@ def test_a_remote_copy_carrying_an_encoded_file_keeps_the_newer_versions_of_its_
     file's. (Each remote copy below carries the third save's file, encoded, for the second layer, while the first layer is
     newer each time and goes raw; were every tensor of the old copy taken, the first layer would name the third
     save's bytes under a newer step, and the tier's manifest would be refused.)"""
-    url = "file://" + str(tmp_path / "remote")
-    cfg = layerckpt.Config(keep_last=0, remote=url)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    model = _two_layers()
     states = {}
-    with layerckpt.Checkpointer(tmp_path / "ck", model, config=cfg) as ck:
-        _fixed(ck, 20e9)
+    ck, url = _with_remote(tmp_path, model, keep_last=0)
+    with ck:
         tc = ck._tiers.tiers[0].transcoder
         tc.sink.cap = 1e3  # a remote taken for 1 kB/s: every copy once estimated is encoded
         for step in range(1, 8):
@@ -247,8 +264,7 @@ def test_a_remote_copy_carrying_an_encoded_file_keeps_the_newer_versions_of_its_
             ck.wait()  # the remote copy too: raises where it failed
             states[step] = copy.deepcopy(model.state_dict())
             if step == 3:  # from now on the remote is fast: the newer files go raw, the third stays encoded
-                tc.sink.cap, tc.sink._bytes, tc.sink._seconds = None, 20e9, 1.0
-                tc.sink.observe = lambda *a: None
+                _remote_fast(tc.sink)
         assert tc.encoded_bytes > 0
     assert all(t["enc"] for k, t in _manifest(tmp_path / "remote", 3)["tensors"].items() if k.startswith("model/"))
     for step in range(4, 8):
@@ -258,7 +274,7 @@ def test_a_remote_copy_carrying_an_encoded_file_keeps_the_newer_versions_of_its_
         assert all(rm["files"][t["file"]]["step"] == rm["layers"][k.split("/")[1].split(".")[0]]["step"]
                    for k, t in rm["tensors"].items() if k.startswith("model/")), step
     for step in (4, 7):  # restored from the remote alone, bit for bit
-        fresh = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+        fresh = _two_layers()
         layerckpt.restore(url, fresh, step=step)
         assert_same_tensors(fresh.state_dict(), states[step])
 
@@ -372,18 +388,19 @@ def test_a_remote_delta_is_never_taken_against_a_copy_its_retention_removed(tmp_
     encoded copy is written without it, not against it: every committed remote composite restores from the remote
     alone, and names no file the remote lacks. (Before, the transcoder kept its reference past its removal and the
     remote committed a composite naming files it no longer held: a restore after a node loss refused it as missing.)"""
-    url = "file://" + str(tmp_path / "remote")
-    cfg = layerckpt.Config(full=True, keep_last=2, remote=url)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    model = _two_layers()
     states = {}
-    with layerckpt.Checkpointer(tmp_path / "ck", model, config=cfg) as ck:
-        _fixed(ck, 20e9)
+    ck, url = _with_remote(tmp_path, model, full=True, keep_last=2)
+    with ck:
         tc = ck._tiers.tiers[0].transcoder
         for step in range(1, 9):
             slow = step <= 3 or step >= 7  # encoded copies, then raw ones (the remote fast), then encoded again
-            tc.sink.cap, tc.sink._bytes, tc.sink._seconds = (1e3, 0, 0.0) if slow else (None, 20e9, 1.0)
-            tc.sink.observe = (lambda *a: None) if not slow else type(tc.sink).observe.__get__(tc.sink)
+            if slow:
+                tc.sink.cap, tc.sink._bytes, tc.sink._seconds = 1e3, 0, 0.0
+                tc.sink.observe = type(tc.sink).observe.__get__(tc.sink)
+            else:
+                _remote_fast(tc.sink)
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 1e-2)
@@ -398,6 +415,6 @@ def test_a_remote_delta_is_never_taken_against_a_copy_its_retention_removed(tmp_
         assert set(_manifest(remote, int(name[5:13]))["files"]) <= held, name
     assert any(t["enc"] for t in _manifest(remote, 8)["tensors"].values())  # encoded again at the end
     for step in (7, 8):  # from the remote alone, bit for bit
-        fresh = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+        fresh = _two_layers()
         layerckpt.restore(url, fresh, step=step)
         assert_same_tensors(fresh.state_dict(), states[step])
