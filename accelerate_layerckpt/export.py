@@ -19,12 +19,16 @@ from accelerate.utils import MODEL_NAME, OPTIMIZER_NAME
 import layerckpt
 from layerckpt.adapters import export_done, export_paths, export_staging
 from layerckpt.errors import CheckpointError
+from layerckpt.interop import pretrained_config
 
 from . import folders
 
 
-def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLike]) -> str:
-    """Write ``output`` (a new directory) as plain accelerate would have written ``folder``."""
+def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLike],
+                  pretrained: Union[str, os.PathLike, None] = None) -> str:
+    """Write ``output`` (a new directory) as plain accelerate would have written ``folder``.  ``pretrained``: the
+    pretrained weights the training started from, for a checkpoint that holds tensors by reference to them
+    (``Config.pretrained``)."""
     folder, output = export_paths(folder, output)
     ptr = folders.read_pointer(folder)
     if ptr is None:
@@ -33,7 +37,7 @@ def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLik
     manifests = folders.check_committed(ptr)  # a clear error when the composite never committed
     tmp = export_staging(folder, output, folders.POINTER)
     for i, manifest in enumerate(manifests):
-        loaded = layerckpt.read_checkpoint(manifest)
+        loaded = layerckpt.read_checkpoint(manifest, config=pretrained_config(pretrained))
         ending = f"_{i}" if i > 0 else ""
         torch.save({**loaded.model_other, **loaded.model}, os.path.join(tmp, f"{MODEL_NAME}{ending}.bin"))
         if ptr.optimizers[i]:

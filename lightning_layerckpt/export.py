@@ -14,15 +14,19 @@ import torch
 import layerckpt
 from layerckpt import store
 from layerckpt.adapters import replace_durably
+from layerckpt.interop import pretrained_config
 
 from ._state import LOADED_KEY, to_lightning
 
 M = TypeVar("M")
 
 
-def lightning_dict(path: Union[str, os.PathLike], step: Optional[int] = None) -> dict:
-    """The Lightning checkpoint dict of a layerckpt checkpoint (a store or one of its manifests)."""
-    ckpt = to_lightning(layerckpt.read_checkpoint(path, step=step, strict=False))
+def lightning_dict(path: Union[str, os.PathLike], step: Optional[int] = None,
+                   pretrained: Union[str, os.PathLike, None] = None) -> dict:
+    """The Lightning checkpoint dict of a layerckpt checkpoint (a store or one of its manifests).  ``pretrained``:
+    the pretrained weights the training started from, for a checkpoint that holds tensors by reference to them
+    (``Config.pretrained``)."""
+    ckpt = to_lightning(layerckpt.read_checkpoint(path, step=step, strict=False, config=pretrained_config(pretrained)))
     ckpt.pop(LOADED_KEY)
     return ckpt
 
@@ -39,10 +43,12 @@ def load_from_checkpoint(cls: Type[M], path: Union[str, os.PathLike], **kwargs: 
     return cls.load_from_checkpoint(buf, **kwargs)  # type: ignore[attr-defined]
 
 
-def export_ckpt(path: Union[str, os.PathLike], output: Union[str, os.PathLike], step: Optional[int] = None) -> str:
+def export_ckpt(path: Union[str, os.PathLike], output: Union[str, os.PathLike], step: Optional[int] = None,
+                pretrained: Union[str, os.PathLike, None] = None) -> str:
     """Write the checkpoint at ``path`` (a layerckpt store of LayerCheckpoint, or one of its manifests)
-    as one ``torch.save`` file at ``output``, atomically and durably.  Returns ``output``."""
-    ckpt = lightning_dict(path, step)
+    as one ``torch.save`` file at ``output``, atomically and durably (``pretrained``: as for
+    :func:`lightning_dict`).  Returns ``output``."""
+    ckpt = lightning_dict(path, step, pretrained)
     output = os.path.abspath(os.fspath(output))
     if not os.path.isdir(os.path.dirname(output)):
         raise layerckpt.CheckpointError(

@@ -500,6 +500,40 @@ def test_triggers_are_modelcheckpoints(tmp_path, trigger, kw, steps):
     assert [s for s, _ in list_manifests(d)] == steps
 
 
+def test_export_of_a_checkpoint_holding_pretrained_references_takes_the_files(tmp_path, capsys):
+    """A LayerCheckpoint run with Config.pretrained holds its frozen embeddings by reference: export --lightning
+    is refused without --pretrained (naming it, writing nothing) and with it writes every tensor, bit for bit."""
+    from safetensors.torch import save_file
+
+    from layerckpt import cli
+
+    torch.manual_seed(7)
+    m = Tiny()
+    frozen = [n for n, p in m.named_parameters() if ".wte." in n or ".wpe." in n]
+    assert frozen
+    for n, p in m.named_parameters():
+        p.requires_grad_(n not in frozen)
+    pre = str(tmp_path / "pretrained.safetensors")
+    save_file({k: v.detach().clone() for k, v in m.state_dict().items()}, pre)
+    cb = LayerCheckpoint(dirpath=str(tmp_path / "run"), every_n_train_steps=4, pretrained=pre)
+    trainer(8, [cb], str(tmp_path)).fit(m)
+    held = json.load(open(cb.best_model_path))["pretrained"]
+    assert {k.split("/", 1)[1] for k in held} >= set(frozen)  # not written
+    # layers from the steps they were saved at
+    composite = layerckpt.read_checkpoint(cb.best_model_path, config=layerckpt.Config(pretrained=pre)).model
+    out = tmp_path / "model.ckpt"
+    assert cli.main(["export", cb.best_model_path, "--lightning", "-o", str(out)]) == 2
+    assert "--pretrained PATH" in capsys.readouterr().err
+    assert not out.exists()
+    assert cli.main(["export", cb.best_model_path, "--lightning", "-o", str(out), "--pretrained", pre]) == 0
+    raw = torch.load(out, weights_only=True)["state_dict"]
+    assert raw.keys() == m.state_dict().keys() == composite.keys()
+    for k, v in composite.items():
+        assert torch.equal(raw[k], v), k
+    for k in frozen:
+        assert torch.equal(raw[k], m.state_dict()[k]), k
+
+
 def test_export_writes_a_standard_ckpt_that_load_from_checkpoint_takes(tmp_path):
     torch.manual_seed(7)
     m = Tiny()

@@ -302,3 +302,25 @@ def test_the_family_frozen_backbone_writes_only_what_trains(tmp_path):
     assert r["saves"] == 8 and sum(on_disk.values()) == r["saves"] * (head + moments)
     assert r["full_bytes"] >= 15 * r["written_bytes"], r  # raw full checkpoints against the files written
     assert [c["deviation"] for c in r["crashes"]] == [0.0] * 3
+
+
+def test_every_export_takes_the_pretrained_files(tmp_path, capsys):
+    """--dcp (and --lightning, --accelerate, --transformers, which read the same way) take --pretrained: without
+    it the export is refused, naming the flag, and writes nothing; with it the DCP checkpoint loads back into a
+    fresh model and optimizer bit for bit."""
+    root, model, opt, pre = _saved(tmp_path)
+    out = tmp_path / "dcp"
+    assert cli.main(["export", str(root), "--dcp", str(out)]) == 2
+    assert "(the CLI: --pretrained PATH)" in capsys.readouterr().err
+    assert not out.exists()
+    assert cli.main(["export", str(root), "--dcp", str(out), "--pretrained", pre]) == 0
+    fresh = Net(5)
+    fresh_opt = _frozen(fresh)
+    layerckpt.interop.load_dcp(str(out), fresh, fresh_opt)
+    _same(_state(fresh), _state(model))
+    want, got = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert want.keys() == got.keys() and want
+    for i in want:
+        _same(got[i], want[i])
+    assert cli.main(["export", str(root), "--peft", str(tmp_path / "adapter"), "--pretrained", pre]) == 2
+    assert "--pretrained does not apply to --peft" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 import layerckpt
 from layerckpt.adapters import export_done, export_paths, export_staging
 from layerckpt.errors import CheckpointError
+from layerckpt.interop import pretrained_config
 
 from . import folders
 
@@ -25,14 +26,17 @@ WEIGHTS = "model.safetensors"  # transformers.utils.SAFE_WEIGHTS_NAME
 OPTIMIZER = "optimizer.pt"  # transformers.trainer.OPTIMIZER_NAME
 
 
-def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLike]) -> str:
-    """Write ``output`` (a new directory) as plain Trainer would have written the checkpoint folder ``folder``."""
+def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLike],
+                  pretrained: Union[str, os.PathLike, None] = None) -> str:
+    """Write ``output`` (a new directory) as plain Trainer would have written the checkpoint folder ``folder``.
+    ``pretrained``: the pretrained weights the training started from, for a checkpoint that holds tensors by
+    reference to them (``Config.pretrained``)."""
     folder, output = export_paths(folder, output)
     ptr = folders.read_pointer(folder)
     if ptr is None:
         raise CheckpointError(f"{folder} has no {folders.POINTER}: it was not written through "
                               f"transformers_layerckpt (plain Trainer resumes from it as it is)")
-    loaded = layerckpt.read_checkpoint(folders.check_committed(ptr))
+    loaded = layerckpt.read_checkpoint(folders.check_committed(ptr), config=pretrained_config(pretrained))
     tmp = export_staging(folder, output, folders.POINTER)
     save_file(untied(loaded.model), os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
     if ptr.optimizer:

@@ -268,6 +268,9 @@ def _check_export(args) -> None:
             raise CheckpointError(f"{flag} OUT_DIR is the output: drop -o")
     if args.peft_config is not None and args.peft is None:
         raise CheckpointError("--peft-config is the config of the adapter --peft OUT_DIR writes: add --peft OUT_DIR")
+    if args.pretrained is not None and args.peft is not None:
+        raise CheckpointError("--pretrained does not apply to --peft: an adapter trains, so no tensor of it is held "
+                              "by reference to the pretrained weights; drop --pretrained")
     folder = "--accelerate" if args.accelerate else "--transformers" if args.transformers else None
     if folder and args.step is not None:
         raise CheckpointError(f"--step does not apply to {folder}: DIR is the folder of one step already; drop "
@@ -289,7 +292,7 @@ def cmd_export(args) -> int:
 
         _, path = _locate(args)
         with _watch_output(args.dcp, path, "export --dcp", shown):
-            out = export_dcp(path, args.dcp)
+            out = export_dcp(path, args.dcp, pretrained=args.pretrained)
         print(f"wrote the DCP checkpoint of step {load_manifest(path).step} to {out}")
         return 0
     if args.peft is not None:
@@ -306,7 +309,7 @@ def cmd_export(args) -> int:
         except ImportError as e:
             raise CheckpointError(f"--transformers needs transformers installed (pip install 'layerckpt[transformers]'): {e}")
 
-        print(f"wrote {export_trainer(args.dir, args.output)}: a plain Trainer resumes from it")
+        print(f"wrote {export_trainer(args.dir, args.output, args.pretrained)}: a plain Trainer resumes from it")
         return 0
     if args.accelerate:
         return _export_accelerate(args, shown)
@@ -317,7 +320,7 @@ def cmd_export(args) -> int:
         except ImportError as e:
             raise CheckpointError(f"--lightning needs lightning installed (pip install 'layerckpt[lightning]'): {e}")
         with _watch_output(args.output, path, "export --lightning", shown):
-            export_ckpt(path, args.output)
+            export_ckpt(path, args.output, pretrained=args.pretrained)
         print(f"wrote the Lightning checkpoint of step {load_manifest(path).step} to {args.output}")
         return 0
     return _export_safetensors(args, root, path, shown)
@@ -340,7 +343,7 @@ def _export_accelerate(args, shown: bool) -> int:
     except ImportError as e:
         raise CheckpointError(f"--accelerate needs accelerate installed (pip install 'layerckpt[accelerate]'): {e}")
     with _progress.watching(lambda: _progress.size_of(args.output), None, "export --accelerate", shown):
-        out = export_folder(args.dir, args.output)
+        out = export_folder(args.dir, args.output, args.pretrained)
     print(f"wrote {out}: plain accelerate's load_state reads it")
     return 0
 
@@ -452,8 +455,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="instead: DIR is a checkpoint-<step> folder of an attached Trainer; -o a folder a plain "
                         "Trainer resumes from")
     a.add_argument("--pretrained", metavar="PATH",
-                   help="-o FILE of a checkpoint that holds tensors by reference to the pretrained weights the "
-                        "training started from (Config.pretrained): that safetensors file, or folder of them")
+                   help="for a checkpoint that holds tensors by reference to the pretrained weights the training "
+                        "started from (Config.pretrained): that safetensors file, or folder of them (every export "
+                        "but --peft, whose adapter holds none)")
     a.set_defaults(fn=cmd_export)
     a = sub.add_parser("plot", help="a figure of the store's history from its manifests: layers written, skipped "
                                     "or unchanged per checkpoint, bytes, estimated loss increase (needs the 'plot' "

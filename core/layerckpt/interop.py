@@ -39,11 +39,13 @@ OPTIM = "optim"
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def dcp_state(path: PathLike, step: Optional[int] = None) -> Dict[str, Any]:
+def dcp_state(path: PathLike, step: Optional[int] = None, pretrained: Optional[PathLike] = None) -> Dict[str, Any]:
     """The checkpoint at ``path`` (a store or one of its manifests; the newest, or that of ``step``) as
     the state dict ``dcp.save`` takes: ``{"model": ..., "optim": ...}`` (no ``"optim"`` without optimizer
-    state), in fresh memory, checksums verified."""
-    ck = read_checkpoint(path, step=step, strict=False)  # a stale composite is still what was saved
+    state), in fresh memory, checksums verified.  ``pretrained``: the pretrained weights the training started
+    from, for a checkpoint that holds tensors by reference to them (``Config.pretrained``)."""
+    # a stale composite is still what was saved
+    ck = read_checkpoint(path, step=step, strict=False, config=pretrained_config(pretrained))
     state: Dict[str, Any] = {MODEL: {**ck.model_other, **ck.model}}  # tied names share one tensor, as in a model
     if ck.optimizer is not None:
         state[OPTIM] = _by_name(ck.optimizer, load_manifest(ck.manifest).optimizer or {})
@@ -67,17 +69,18 @@ def _by_name(numbered: Dict[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]:
     return {"state": {names[i]: st for i, st in numbered["state"].items()}, "param_groups": groups}
 
 
-def export_dcp(path: PathLike, out_dir: PathLike, step: Optional[int] = None) -> str:
+def export_dcp(path: PathLike, out_dir: PathLike, step: Optional[int] = None,
+               pretrained: Optional[PathLike] = None) -> str:
     """Write the checkpoint at ``path`` (the newest composite, or that of ``step``) as a DCP checkpoint
     into ``out_dir``, a new or empty directory whose parent exists.  One process writes it, whole
     tensors even from a sharded store (in a torch.distributed job: call it on one rank); the directory
-    appears whole (written aside, then renamed).  Returns
+    appears whole (written aside, then renamed).  ``pretrained``: as for :func:`dcp_state`.  Returns
     ``out_dir``.  Load it with ``dcp.load({"model": get_model_state_dict(m), "optim":
     get_optimizer_state_dict(m, opt)}, checkpoint_id=out_dir)`` and the matching ``set_*_state_dict``."""
     import torch.distributed.checkpoint as dcp
 
     out = _fresh_dir(out_dir)
-    state = dcp_state(path, step)
+    state = dcp_state(path, step, pretrained)
     tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{os.getpid()}.tmp")
     try:
         with _single_process():
@@ -88,6 +91,12 @@ def export_dcp(path: PathLike, out_dir: PathLike, step: Optional[int] = None) ->
         raise
     fsync_dir(os.path.dirname(out))
     return out
+
+
+def pretrained_config(pretrained: Optional[PathLike]) -> Optional[Config]:
+    """The Config an export reads with: one naming the pretrained weights where given (a checkpoint that holds
+    tensors by reference to them needs them; one that does not ignores them), else the default."""
+    return Config(pretrained=os.fspath(pretrained)) if pretrained is not None else None
 
 
 def _fresh_dir(out_dir: PathLike) -> str:
