@@ -116,3 +116,42 @@ def test_sigterm_reaches_the_attempt_and_stops_the_restarts(tmp_path):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGTERM and time.monotonic() - t < 30
     assert "restart" not in err
+
+
+HARNESS = """
+import os, sys, time
+import layerckpt.launch as L
+
+real_fork, ready = os.fork, sys.argv[1]
+
+def fork():  # the attempt is held right after the fork until its launcher is gone, as a slow machine may hold it
+    pid = real_fork()
+    if pid == 0:
+        parent = os.getppid()
+        open(ready, "w").close()
+        while os.getppid() == parent:
+            time.sleep(0.005)
+    return pid
+
+os.fork = fork
+sys.exit(L.launch(sys.argv[2:], max_restarts=0))
+"""
+
+
+def test_an_attempt_forked_as_its_launcher_dies_is_told_the_launchers_pid(tmp_path):
+    """The attempt learns the launcher's pid from the launcher, not from ``os.getppid()`` after the fork: where the
+    launcher was killed first, that is already another process's pid, and an attempt checking whether it was
+    orphaned (the goodput bench's standby attempts waiting for their start) would wait forever."""
+    script, told, ready = tmp_path / "job.py", tmp_path / "told", tmp_path / "ready"
+    script.write_text("import os, sys\nopen(sys.argv[1] + '.tmp', 'w').write(os.environ['LAYERCKPT_LAUNCHER_PID'])\n"
+                      "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n")
+    p = subprocess.Popen([sys.executable, "-c", HARNESS, str(ready), str(script), str(told)])
+    deadline = time.time() + 120
+    while not ready.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.01)
+    assert ready.exists(), "the launcher never forked its attempt"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    while not told.exists() and time.time() < deadline:
+        time.sleep(0.01)
+    assert told.read_text() == str(p.pid)

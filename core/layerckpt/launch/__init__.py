@@ -93,14 +93,16 @@ def _reseed() -> None:
         sys.modules["torch"].seed()
 
 
-def _attempt_in_fork(target: List[str], restart: int) -> int:
+def _attempt_in_fork(target: List[str], restart: int, launcher: int) -> int:
     """In the forked child: run the script as ``python`` would and return its exit status (the caller exits
-    the interpreter with it, so its threads are joined and its exit handlers run as at any exit)."""
+    the interpreter with it, so its threads are joined and its exit handlers run as at any exit).  ``launcher`` is
+    the launcher's pid, taken before the fork: where the launcher died first, ``os.getppid()`` here is already
+    another process's, and an attempt that checks whether it was orphaned would never find out."""
     import runpy
     import traceback
 
     os.environ[RESTART_COUNT] = str(restart)
-    os.environ[LAUNCHER_PID] = str(os.getppid())
+    os.environ[LAUNCHER_PID] = str(launcher)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
     _reseed()
@@ -170,9 +172,10 @@ def launch(target: List[str], max_restarts: int = 3, preload: Optional[List[str]
             sys.stdout.flush()
             sys.stderr.flush()
             if not why:
+                launcher = os.getpid()
                 pid = os.fork()
                 if pid == 0:
-                    return _attempt_in_fork(target, restart)
+                    return _attempt_in_fork(target, restart, launcher)
                 code = _status(_wait(pid, stopping))
             else:
                 cmd = [sys.executable] + target
