@@ -41,8 +41,6 @@ from .goodput_account import account, figures, read_progress
 from .goodput_report import OURS, format_table
 from .machine import machine
 BATCH, LR = 2, 3e-4
-#: the nudge of the spread run (``spread``): relative, on every weight: about 8 times fp32's epsilon
-SPREAD_REL = 1e-6
 THREADS = 1  # torch's threads in the job: the rest of the cores are the savers' (and the machine's other users')
 MAX_ATTEMPTS = 200  # a job that cannot get through its start between failures would never end
 #: how each attempt after a kill starts: a new interpreter (as torchrun restarts), or a fork of a launcher that has
@@ -360,30 +358,9 @@ def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("c
                     f"{', standby restarts' if mode == 'standby' else ''}: {r['kills']} kill(s), "
                     f"{steps} steps in {r['wall_s']:.1f} s, goodput {r['goodput'] * 100:.1f}%")
         res["failure_times_s"] = failures.times
-        res["spread"] = spread(res, spec, root, steps, say)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return res
-
-
-def spread(res: Dict[str, Any], spec: Dict[str, Any], root: str, steps: int, say) -> Dict[str, Any]:
-    """How far the training's own trajectory moves the tail loss: the failure-free plain run again, its weights
-    nudged by ``SPREAD_REL`` (a few fp32 roundings) at the latest step one of layerckpt's rows first resumed at (a
-    resume's composite differs from the state it replaces by about as little; the latest such step is the
-    least amplified, so the spread is not overstated).  Early in a run the loss can move by tens of percent under
-    such a nudge: then no comparison of tail losses can tell what a resume gave up."""
-    firsts = [next((s for s in r["resumed_at"] if s), None) for rows in res["runs"].values() for r in rows
-              if r["name"] in OURS and not r.get("failed")]
-    at = max((s for s in firsts if s), default=steps * 3 // 4)
-    r = _one(Contender("none", "plain"), {**spec, "perturb": {"at": at, "rel": SPREAD_REL}}, root, steps, None,
-             None, False)
-    free = res["free"]["plain"]
-    out = {"at": at, "rel": SPREAD_REL, "tail_loss": r["tail_loss"], "final_loss": r["final_loss"]}
-    key = "tail_loss" if free.get("tail_loss") and r["tail_loss"] else "final_loss"
-    out["moved"] = abs(out[key] - free[key]) / free[key]
-    say(f"goodput: the failure-free run nudged by {SPREAD_REL:g} at step {at}: its {key.replace('_', ' ')} moved "
-        f"{out['moved'] * 100:.2f}%")
-    return out
 
 
 def failed_row(c: Contender, mode: str, kind: str, e: BaseException) -> Dict[str, Any]:

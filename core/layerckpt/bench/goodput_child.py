@@ -95,10 +95,7 @@ def _plain(spec: Dict[str, Any], progress: Progress) -> None:
     progress.event("setup")
     start = saver.restore()
     progress.event("restored", step=start)
-    nudge = spec.get("perturb")  # the trajectory's own spread: the failure-free run, nudged at one step
     for step in range(start, spec["steps"]):
-        if nudge and step == nudge["at"]:
-            perturb(model, nudge["rel"])
         loss = _loss(model, spec, step)
         loss.backward()
         opt.step()
@@ -108,17 +105,6 @@ def _plain(spec: Dict[str, Any], progress: Progress) -> None:
         if step + 1 < spec["steps"] and saver.after_step(step + 1, value):
             progress.event("save", s=step + 1)
     saver.close()
-
-
-def perturb(model, rel: float) -> None:
-    """Multiply every weight by ``1 + rel * N(0, 1)`` (a fixed generator): a nudge of the size of a few fp32
-    roundings, which a training run that is stable carries to its end as a nudge and a chaotic one amplifies."""
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1 + rel * torch.randn(p.shape, generator=g))
 
 
 class NoSaver:

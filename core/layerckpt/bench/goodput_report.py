@@ -113,7 +113,7 @@ def format_table(res: Dict[str, Any]) -> str:
         if shared:
             lines.append(f"  ^ the {' and '.join(shared)} run's row: its files survive a node loss, which is a crash "
                          f"to it, so it ran once")
-        lines += targets(kind, rows, res["free"], res.get("spread"))
+        lines += targets(kind, rows, res["free"])
     return "\n".join(lines)
 
 
@@ -121,11 +121,8 @@ def _kind(kind: str) -> str:
     return KINDS.get(kind, kind)
 
 
-def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any],
-            spread: Optional[Dict[str, Any]] = None) -> List[str]:
-    """The targets' lines for one failure kind: each layerckpt row against the contenders' best cadence.  The loss
-    target is judged only where ``spread`` (the failure-free run nudged, ``goodput.spread``) says the training's
-    own trajectory moves the loss less than the target allows; a JSON of before has none and is judged as then."""
+def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any]) -> List[str]:
+    """The targets' lines for one failure kind: each layerckpt row against the contenders' best cadence."""
     best = _best(rows)
     out = [f"targets ({kind}):"]
     out += [f"  {r['name']} {'mtbf=' if r['mtbf'] else 'every ' + str(r['every'])} ({LOOPS[r['loop']]}): its run "
@@ -158,16 +155,9 @@ def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any],
         if not ours or not all(r[key] for r in others):
             continue
         worst = max(abs(o[key] - t[key]) / t[key] for o in ours for t in others)
-        if spread is None:
-            verdict = "met" if worst <= LOSS_REL else "not met"
-        elif spread["moved"] > LOSS_REL:
-            verdict = (f"not judged: the failure-free run nudged by {spread['rel']:g} at step {spread['at']} moved "
-                       f"{spread['moved'] * 100:.2f}%, so at this length the trajectory, not the resume, sets it")
-        else:
-            verdict = (f"{'met' if worst <= LOSS_REL else 'not met'} (the failure-free run nudged by "
-                       f"{spread['rel']:g} at step {spread['at']} moved {spread['moved'] * 100:.3f}%)")
         out.append(f"  {what}, {LOOPS[loop]}: layerckpt's rows differ from every other row's and the failure-free "
-                   f"run's by at most {worst * 100:.3f}% (target {LOSS_REL * 100:g}%): {verdict}")
+                   f"run's by at most {worst * 100:.3f}% (target {LOSS_REL * 100:g}%): "
+                   f"{'met' if worst <= LOSS_REL else 'not met'}")
     for r in (x for x in rows if x["name"] in OURS and x["mtbf"] and x.get("optimum") is not None):
         gap = (r["goodput"] - r["optimum"]) * 100
         out.append(f"  goodput, {r['name']} mtbf= ({LOOPS[r['loop']]}"
@@ -240,5 +230,5 @@ def format_summary(res: Dict[str, Any]) -> str:
                         f"{_num(r.get('young_daly_steps'), '.0f', 6)}{_num(r.get('tail_loss') or r['final_loss'], '.4f', 8)}")
         if any(r.get("ran_under", kind) != kind for r in rows):
             lines.append("    ^ ran once, in the crash kind: its files survive a node loss")
-        lines += ["  " + t for t in targets(kind, rows, res["free"], res.get("spread"))]
+        lines += ["  " + t for t in targets(kind, rows, res["free"])]
     return "\n".join(lines)
