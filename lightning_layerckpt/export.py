@@ -14,6 +14,7 @@ import torch
 import layerckpt
 from layerckpt import store
 from layerckpt.adapters import replace_durably
+from layerckpt.errors import PretrainedNeededError
 from layerckpt.interop import pretrained_config
 
 from ._state import LOADED_KEY, to_lightning
@@ -31,14 +32,22 @@ def lightning_dict(path: Union[str, os.PathLike], step: Optional[int] = None,
     return ckpt
 
 
-def load_from_checkpoint(cls: Type[M], path: Union[str, os.PathLike], **kwargs: Any) -> M:
+def load_from_checkpoint(cls: Type[M], path: Union[str, os.PathLike], *,
+                         pretrained_files: Union[str, os.PathLike, None] = None, **kwargs: Any) -> M:
     """``cls.load_from_checkpoint`` for a layerckpt checkpoint: ``path`` is a store or a manifest such as
     ``LayerCheckpoint.best_model_path``; ``kwargs`` go to ``cls.load_from_checkpoint`` (``map_location``,
-    ``strict``, hyper-parameter overrides, ...).  An ordinary ``.ckpt`` file is passed through."""
+    ``strict``, hyper-parameter overrides, ...).  ``pretrained_files``: the pretrained weights the training started
+    from, for a checkpoint that holds tensors by reference to them (``LayerCheckpoint(pretrained=...)``; named so
+    that a model's own ``pretrained`` hyper-parameter still passes through).  An ordinary ``.ckpt`` file is passed
+    through."""
     if not store.is_checkpoint(path):
         return cls.load_from_checkpoint(path, **kwargs)  # type: ignore[attr-defined]
+    try:
+        ckpt = lightning_dict(path, pretrained=pretrained_files)
+    except PretrainedNeededError as e:
+        raise PretrainedNeededError(f"{e}; here: load_from_checkpoint(cls, path, pretrained_files=PATH)") from None
     buf = io.BytesIO()
-    torch.save(lightning_dict(path), buf)
+    torch.save(ckpt, buf)
     buf.seek(0)
     return cls.load_from_checkpoint(buf, **kwargs)  # type: ignore[attr-defined]
 

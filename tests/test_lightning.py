@@ -532,6 +532,15 @@ def test_export_of_a_checkpoint_holding_pretrained_references_takes_the_files(tm
         assert torch.equal(raw[k], v), k
     for k in frozen:
         assert torch.equal(raw[k], m.state_dict()[k]), k
+    # load_from_checkpoint: refused naming its own keyword, then the module whole (a model's hyper-parameters pass)
+    from layerckpt.errors import PretrainedNeededError
+    from lightning_layerckpt import load_from_checkpoint
+
+    with pytest.raises(PretrainedNeededError, match=r"load_from_checkpoint\(cls, path, pretrained_files=PATH\)"):
+        load_from_checkpoint(type(m), cb.best_model_path)
+    loaded = load_from_checkpoint(type(m), cb.best_model_path, pretrained_files=pre)
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, composite[k]), k
 
 
 def test_export_writes_a_standard_ckpt_that_load_from_checkpoint_takes(tmp_path):

@@ -324,3 +324,58 @@ def test_every_export_takes_the_pretrained_files(tmp_path, capsys):
         _same(got[i], want[i])
     assert cli.main(["export", str(root), "--peft", str(tmp_path / "adapter"), "--pretrained", pre]) == 2
     assert "--pretrained does not apply to --peft" in capsys.readouterr().err
+
+
+def test_the_pretrained_files_are_fingerprinted_in_the_background_not_in_the_first_save(tmp_path, monkeypatch):
+    """The Checkpointer starts fingerprinting the frozen parameters' pretrained twins as it opens; a first save after
+    that reads nothing of the files (a pretrained base of gigabytes would stall training there) and still holds them
+    by reference; close() ends the thread."""
+    from layerckpt.read._pretrained import PretrainedFiles
+
+    pre = _pretrained(tmp_path)
+    model = Net(0)
+    opt = _frozen(model)
+    ck = layerckpt.Checkpointer(tmp_path / "ck", model, opt, config=layerckpt.Config(pretrained=pre))
+    files = ck.selector.pretrained
+    files._warming.join(timeout=60)
+    assert files._warming.name == "layerckpt-pretrained" and not files._warming.is_alive()
+    # every frozen parameter's kind, and nothing of the trained head's (its 4 x 128 weight is no frozen kind)
+    assert set(files._fps) == {k[len("model/"):] for k in FROZEN}
+
+    def read(*a):
+        raise AssertionError("the save read the pretrained files")
+
+    monkeypatch.setattr(PretrainedFiles, "_fingerprint", read)
+    _train(model, opt, 1)
+    ck.save(1).wait()
+    assert set(_manifest(tmp_path / "ck", 1)["pretrained"]) == set(FROZEN)
+    ck.close()
+    monkeypatch.undo()
+    m = Net(1)  # the restore reads them from the files: what the references name is the training's weights
+    layerckpt.restore(tmp_path / "ck", m, config=layerckpt.Config(pretrained=pre))
+    _same(_state(m), _state(model))
+
+
+def test_close_ends_the_background_fingerprinting(tmp_path, monkeypatch):
+    """A close() while the thread is at work ends it after the tensor in hand; the rest are never read."""
+    import threading
+
+    from layerckpt.read._pretrained import PretrainedFiles
+
+    pre = _pretrained(tmp_path)
+    started, go, seen = threading.Event(), threading.Event(), []
+    real = PretrainedFiles._fingerprint
+
+    def slow(self, name, slot):
+        seen.append(name)
+        started.set()
+        go.wait(30)
+        return real(self, name, slot)
+
+    monkeypatch.setattr(PretrainedFiles, "_fingerprint", slow)
+    model = Net(0)
+    ck = layerckpt.Checkpointer(tmp_path / "ck", model, _frozen(model), config=layerckpt.Config(pretrained=pre))
+    assert started.wait(30)
+    threading.Timer(0.2, go.set).start()
+    ck.close()
+    assert not ck.selector.pretrained._warming.is_alive() and len(seen) == 1

@@ -120,6 +120,9 @@ class Checkpointer:
                         "written", self.group.world)
         elif pretrained is not None:
             self.selector.pretrained = pretrained
+            # the frozen parameters' pretrained twins fingerprinted in the background from now, not in the first save
+            pretrained.warm({(str(p.dtype), tuple(p.shape)) for p in model.parameters() if not p.requires_grad})
+            weakref.finalize(self, pretrained.stop, False)
 
     # ------------------------------------------------------------ opening (the store, the I/O: ``_session``)
 
@@ -227,6 +230,8 @@ class Checkpointer:
 
         ``wait=False`` returns at once: no more saves, and the flusher frees all that itself after its
         last one.  Errors stay with each :class:`PendingSave`; a later ``close()`` waits and raises them."""
+        if self.selector.pretrained is not None:
+            self.selector.pretrained.stop(wait)
         if wait:
             try:
                 self.wait()

@@ -62,6 +62,11 @@ class CheckpointGoneError(CheckpointCorruptError):
         super().__init__(f"{msg}: deleted by retention, restore the newest", path=path, tensor=tensor)
 
 
+class PretrainedNeededError(CheckpointError):
+    """The checkpoint holds model tensors by reference to the pretrained weights the training started from
+    (``Config.pretrained``), and nothing that reads it names those files (nor, for a restore, holds them)."""
+
+
 class CheckpointMismatchError(CheckpointError):
     """The model (or optimizer) does not match the checkpoint; lists every difference, sorted."""
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
+from ..errors import CheckpointCorruptError, CheckpointError, ConfigError, PretrainedNeededError
 from ..format._entries import FINGERPRINT_CHUNK, PretrainedEntry
 from ..format._json import loads_strict
 from ..format._layout import CODES, ITEMSIZE
@@ -58,6 +59,9 @@ class PretrainedFiles:
         self.path = os.fspath(path)
         self._lock = threading.Lock()
         self._load()
+
+        self._warming: Optional[threading.Thread] = None
+        self._stop = threading.Event()
 
     def _load(self) -> None:
         self.paths = _listed(self.path)
@@ -99,6 +103,23 @@ class PretrainedFiles:
                     self._by_fp.setdefault(fp, name)
             return {k: self._by_fp[fp] for k, fp in wanted.items() if fp in self._by_fp}
 
+    def warm(self, kinds: AbstractSet[Tuple[str, Tuple[int, ...]]]) -> None:
+        """Fingerprint the pretrained tensors of ``kinds`` (dtype and shape, as a fingerprint names them: those of
+        the model's frozen parameters) on a thread of their own, from now on: the first save that asks
+        :meth:`match` about them finds them done instead of reading the files while training waits (it takes
+        what is left itself; the two never read the same tensor)."""
+        wanted = [n for n, slot in self.slots.items() if (str(CODES[slot.dtype]), slot.shape) in kinds]
+        if wanted and self._warming is None:
+            self._warming = threading.Thread(target=_warm, args=(weakref.ref(self), wanted, self._stop),
+                                             name="layerckpt-pretrained", daemon=True)
+            self._warming.start()
+
+    def stop(self, wait: bool = True) -> None:
+        """End the warm-up once the tensor in hand is done (``wait``: and wait for that)."""
+        self._stop.set()
+        if wait and self._warming is not None and self._warming is not threading.current_thread():
+            self._warming.join()
+
     def _fingerprint(self, name: str, slot: _Slot) -> Fingerprint:
         buf = bytearray(min(FINGERPRINT_CHUNK, slot.nbytes))
         with _opened(self.paths[slot.file]) as fd:
@@ -132,6 +153,28 @@ class PretrainedFiles:
                 f"model tensor {key!r} (its bytes differ): Config.pretrained names other weights than the training "
                 f"started from")
         return out.view(CODES[slot.dtype]).reshape(slot.shape)
+
+
+def _warm(ref: "weakref.ref[PretrainedFiles]", names: List[str], stop: threading.Event) -> None:
+    """:meth:`PretrainedFiles.warm`'s thread: each tensor fingerprinted under the files' lock, as :meth:`match`
+    would (the files parsed again first where they changed).  It holds the files only while it works on one, and
+    ends at the first error: the save that asks about the tensor meets the same error and says so."""
+    for name in names:
+        files = ref()
+        if files is None or stop.is_set():
+            return
+        try:
+            with files._lock:
+                files._fresh()
+                slot = files.slots.get(name)
+                if slot is not None and name not in files._fps:
+                    fp = files._fingerprint(name, slot)
+                    files._fps[name] = fp
+                    files._by_fp.setdefault(fp, name)
+        except (CheckpointError, ConfigError, OSError):
+            return
+        finally:
+            del files
 
 
 def _identity(st: os.stat_result) -> Tuple[int, int, int, int]:
@@ -310,7 +353,7 @@ def resolve(m: Manifest, pairs: List[Tuple[str, str]], targets: Mapping[str, tor
     if todo:
         if pretrained is None:
             n, k, e = todo[0]
-            raise CheckpointError(
+            raise PretrainedNeededError(
                 f"checkpoint {where} holds {len(todo)} of the model's tensors by reference to the pretrained "
                 f"weights the training started from (Config.pretrained), and the model's own differ from them (e.g. "
                 f"{n!r}, {e.name!r} there): build the model from the same pretrained weights before restoring, or "
@@ -329,7 +372,7 @@ def read_all(m: Manifest, pretrained: Optional[str], check: Check, where: str) -
         return {}
     if pretrained is None:
         k = next(iter(refs))
-        raise CheckpointError(
+        raise PretrainedNeededError(
             f"checkpoint {where} holds {len(refs)} model tensors by reference to the pretrained weights the training "
             f"started from (e.g. {k!r}, {refs[k].name!r} there); pass config=Config(pretrained=PATH) naming those "
             f"files (the CLI: --pretrained PATH)")
