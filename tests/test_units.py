@@ -265,3 +265,22 @@ def test_manifest_validates_in_one_place_and_round_trips():
     bad["version"] = 99
     with pytest.raises(CheckpointCorruptError, match="newer than this layerckpt reads"):
         Manifest.from_dict(bad, "m.json")
+
+
+def test_policy_fidelity_writes_the_smallest_moved_layers_whatever_their_cost():
+    """The smallest layers whose bytes together stay within SMALL_SHARE (0.1%) of the state's are written when
+    they moved, though their cost fits the allowance (skipping a final LayerNorm saves nothing); the rest are
+    chosen as before, and neither the threshold rule nor an unchanged or frozen layer is touched."""
+    layers = {"body": _st(0.0, nbytes=99_000), "ln_f": _st(0.001, nbytes=60), "scalar": _st(0.0, nbytes=4),
+              "norm": _st(0.0, nbytes=40), "idle": _st(0.0, nbytes=900, drift=0.0, unchanged=True),
+              "head": _st(0.001, nbytes=120)}
+    # 0.1% of the 100,124 bytes is 100.1: scalar (4), norm (40) and ln_f (60) would be 104, so ln_f stays open
+    out = policy.decide(layers, first=False, base_due=False, max_staleness=8, fidelity=0.01, loss=1.0)
+    assert out == {"body": "within-budget", "ln_f": "within-budget", "scalar": "small", "norm": "small",
+                   "idle": "unchanged", "head": "within-budget"}
+    layers["body"] = _st(0.0, nbytes=300_000)  # now 301 bytes of room: the four small ones (224) go
+    out = policy.decide(layers, first=False, base_due=False, max_staleness=8, fidelity=0.01, loss=1.0)
+    assert {n for n, why in out.items() if why == "small"} == {"ln_f", "scalar", "norm", "head"}
+    assert "small" in policy.WRITE and out["body"] == "within-budget" and out["idle"] == "unchanged"
+    out = policy.decide(layers, first=False, base_due=False, max_staleness=8, threshold=0.5)
+    assert "small" not in out.values()

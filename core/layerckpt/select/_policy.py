@@ -8,6 +8,13 @@ would let it lag more than ``max_staleness`` checkpoints, unless it is proven
 bit-identical to its persisted version (``_exact``: every byte fingerprinted, not
 a sample), in which case its persisted version is current, however old.
 
+Under the fidelity rule (the default) a layer that moved is also written whenever it is among the smallest
+layers whose bytes together stay within ``SMALL_SHARE`` of the state's (a final LayerNorm, a scalar): skipping
+them would save next to nothing, and a first-order cost does not see all they risk.  Measured: GPT-2-mini at step
+75 of 100 (seed 0), the final LayerNorm (12 KiB of 542 MB) left one save stale, priced at 0.23% of the loss and
+0.24% at the next step, moved the mean loss of the last 10 steps by 11.8%; another block's LayerNorm as stale,
+0.03-0.14%.
+
 The rest is chosen by one of two rules:
 
 - **fidelity budget** (the default, ``threshold=None``): skip layers, the least
@@ -36,7 +43,9 @@ FIRST, BASE, COST, DRIFT, STALE, CHANGED = "first", "base", "cost", "drift", "st
 UNPRICED = "unpriced-changed"  # holds state the tracker cannot price (cost 0 would be a guess), and it changed
 SKIP_BUDGET, SKIP_DRIFT, SKIP_FROZEN, SKIP_BYTES = "within-budget", "below-threshold", "frozen", "over-budget"
 UNCHANGED = "unchanged"  # proven bit-identical to its persisted version: not stale, however old
-WRITE = frozenset({FIRST, BASE, COST, DRIFT, STALE, CHANGED, UNPRICED})
+SMALL = "small"  # among the smallest layers, within SMALL_SHARE of the state's bytes together: no skip pays
+WRITE = frozenset({FIRST, BASE, COST, DRIFT, STALE, CHANGED, UNPRICED, SMALL})
+SMALL_SHARE = 1e-3  # the fidelity rule writes the smallest moved layers whose bytes together stay within this
 NO_LOSS_INTERVALS = 0.25  # without a loss: the composite may give up this much of one interval's progress
 
 
@@ -80,6 +89,9 @@ def decide(layers: Dict[str, LayerState], *, first: bool, base_due: bool, max_st
         value = {n: layers[n].drift for n in wanted}
         why = DRIFT
     else:
+        small = _small(layers, open_)
+        out.update({n: SMALL for n in small})
+        open_ = [n for n in open_ if n not in small]
         wanted = _over_budget(layers, open_, allowance(layers, fidelity, loss) - reserved)
         out.update({n: SKIP_BUDGET for n in open_ if n not in wanted})
         value = {n: layers[n].cost / max(layers[n].nbytes, 1) for n in wanted}
@@ -102,6 +114,18 @@ def allowance(layers: Dict[str, LayerState], fidelity: float, loss: Optional[flo
     if loss is not None:
         return fidelity * abs(loss)
     return NO_LOSS_INTERVALS * sum(s.progress for s in layers.values() if not s.frozen)
+
+
+def _small(layers: Dict[str, LayerState], names: List[str]) -> set:
+    """Of ``names``, the smallest layers whose bytes together stay within ``SMALL_SHARE`` of every layer's."""
+    room = SMALL_SHARE * sum(s.nbytes for s in layers.values())
+    out = set()
+    for name in sorted(names, key=lambda n: (layers[n].nbytes, n)):
+        room -= layers[name].nbytes
+        if room < 0:
+            break
+        out.add(name)
+    return out
 
 
 def _over_budget(layers: Dict[str, LayerState], names: List[str], allowance: float) -> List[str]:
