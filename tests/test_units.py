@@ -284,3 +284,8 @@ def test_policy_fidelity_writes_the_smallest_moved_layers_whatever_their_cost():
     assert "small" in policy.WRITE and out["body"] == "within-budget" and out["idle"] == "unchanged"
     out = policy.decide(layers, first=False, base_due=False, max_staleness=8, threshold=0.5)
     assert "small" not in out.values()
+    # a frozen base does not widen the room: a LoRA's adapters are the trained bytes, not a share of the base
+    layers["body"] = _st(0.0, nbytes=99_000)
+    layers["base"] = _st(0.0, nbytes=10 ** 9, frozen=True, drift=0.0, unchanged=True)
+    out = policy.decide(layers, first=False, base_due=False, max_staleness=8, fidelity=0.01, loss=1.0)
+    assert {n for n, why in out.items() if why == "small"} == {"scalar", "norm"} and out["base"] == "frozen"

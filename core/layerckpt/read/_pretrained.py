@@ -58,10 +58,9 @@ class PretrainedFiles:
     def __init__(self, path: "os.PathLike[str] | str"):
         self.path = os.fspath(path)
         self._lock = threading.Lock()
-        self._load()
-
-        self._warming: Optional[threading.Thread] = None
+        self._warming: Optional[threading.Thread] = None  # the fingerprints taken ahead (``warm``)
         self._stop = threading.Event()
+        self._load()
 
     def _load(self) -> None:
         self.paths = _listed(self.path)
