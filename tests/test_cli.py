@@ -34,16 +34,20 @@ def test_inspect_verify_export(tmp_path):
     fresh.load_state_dict(load_file(str(out)))
     assert_same_state(model, fresh)
 
-    # damage step 10: verify names it and fails
+    # damage a tensor of step 10 that step 20, a composite, still takes from step 10's file (a layer it carried):
+    # verify names it and fails both
     m = json.loads((root / "manifests" / "step-00000010.json").read_text())
-    e = m["tensors"]["model/ln_f.weight"]
+    m20 = json.loads((root / "manifests" / "step-00000020.json").read_text())
+    carried = sorted(k for k, e in m20["tensors"].items() if k.startswith("model/") and k in m["tensors"]
+                     and e["file"] == m["tensors"][k]["file"])
+    assert carried, "step 20 carries no layer from step 10"
+    e = m["tensors"][carried[0]]
     with open(root / "data" / e["file"], "r+b") as f:
         f.seek(stored_byte(e))
         f.write(b"\x13\x37")
     r = cli("verify", root)
     assert r.returncode == 1
-    assert "FAIL step-00000010.json" in r.stdout and "'model/ln_f.weight'" in r.stdout
-    # step 20 is a composite that still takes ln_f (which barely moved) from step 10's file
+    assert "FAIL step-00000010.json" in r.stdout and repr(carried[0]) in r.stdout
     assert "FAIL step-00000020.json" in r.stdout and "0 of 2 checkpoint(s) verified, 2 failed" in r.stdout
 
 
