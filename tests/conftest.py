@@ -14,9 +14,39 @@ os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 os.environ.setdefault("OMP_DYNAMIC", "FALSE")
 import torch  # noqa: E402
 
-from layerckpt.io._backend import uring_available
+from layerckpt.io._backend import native_missing, uring_available
 
 BACKENDS = ["uring", "threads"]
+
+#: set to 1 to run the suite without the native module (a platform it does not build on); on Linux its absence
+#: otherwise fails every test that needs it, with the build's reason, rather than skipping them
+WITHOUT_NATIVE = "LAYERCKPT_TESTS_WITHOUT_NATIVE"
+#: set to 1 where io_uring is known to work (CI): a kernel that refuses it then fails the uring tests, not skips them
+REQUIRE_URING = "LAYERCKPT_TESTS_REQUIRE_URING"
+
+
+def require_native(what: str) -> None:
+    """Fails the calling test where the native module is missing on Linux (the build broke: say why), skips it
+    where that is expected (another platform, or ``LAYERCKPT_TESTS_WITHOUT_NATIVE=1``)."""
+    why = native_missing()
+    if why is None:
+        return
+    if sys.platform.startswith("linux") and os.environ.get(WITHOUT_NATIVE) != "1":
+        pytest.fail(f"{what} needs the native module: {why}. It builds on Linux; set {WITHOUT_NATIVE}=1 to run "
+                    "the suite without it", pytrace=False)
+    pytest.skip(f"{what}: {why}")
+
+
+def require_uring(what: str) -> None:
+    """``require_native``, then skips where this kernel refuses io_uring (or fails, with
+    ``LAYERCKPT_TESTS_REQUIRE_URING=1``)."""
+    require_native(what)
+    why = uring_available()
+    if why is None:
+        return
+    if os.environ.get(REQUIRE_URING) == "1":
+        pytest.fail(f"{what}: {why}, and {REQUIRE_URING}=1 says io_uring works on this machine", pytrace=False)
+    pytest.skip(f"io_uring unavailable here: {why}")
 
 
 
@@ -45,8 +75,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     """Runs a test once per I/O backend, forced the way users force it."""
-    if request.param == "uring" and uring_available() is not None:
-        pytest.skip(f"io_uring unavailable here: {uring_available()}")
+    if request.param == "uring":
+        require_uring("the uring backend")
     monkeypatch.setenv("LAYERCKPT_BACKEND", request.param)
     return request.param
 

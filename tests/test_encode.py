@@ -13,7 +13,7 @@ import layerckpt
 from layerckpt.format import _encode, _planes
 from layerckpt import _faults
 from layerckpt.errors import CheckpointCorruptError, CheckpointError
-from conftest import assert_same_optimizer_state, assert_same_state, train_steps, trained
+from conftest import require_native, assert_same_optimizer_state, assert_same_state, train_steps, trained
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -242,8 +242,7 @@ def test_an_edited_encoding_is_refused_by_name(tmp_path):
 
 
 def test_native_and_python_planes_agree(monkeypatch):
-    if _planes._NATIVE is None:  # both sides would be the Python planes: nothing to compare
-        pytest.skip("native module layerckpt.io._uring (with planes) not built")
+    require_native("the native byte planes")
     g = torch.Generator().manual_seed(3)
     # sizes off the native loops' 16 elements (their scalar tails), and a start off any vector alignment
     for dtype, n, skip in ((torch.float32, 4096, 0), (torch.bfloat16, 4096, 0), (torch.float64, 4096, 0),

@@ -13,6 +13,7 @@ import torch
 
 import layerckpt
 from layerckpt.format import _encode, _entries, _qblock
+from conftest import require_native
 
 QUANTUM = 2.0
 GROUP = 2048
@@ -318,8 +319,7 @@ def test_wide_delta_codes_go_split_or_as_byte_planes_and_decode_bit_for_bit(monk
 
 def _numpy_and_native(monkeypatch, fn):
 
-    if _qblock._NATIVE is None:
-        pytest.skip("native module layerckpt.io._uring (with the bounded-loss codes) not built")
+    require_native("the native bounded-loss codes")
     native = fn()
     monkeypatch.setattr(_qblock, "_NATIVE", None)
     python = fn()
@@ -397,8 +397,7 @@ def test_native_delta_codes_are_numpys_and_decode_to_what_they_checksum(monkeypa
     decoder does (a reference's -0.0 included); codes of 2^22 quanta and more take its exact path; 2^24 and
     more, or NaN, do not fit."""
 
-    if _qblock._NATIVE is None:
-        pytest.skip("native module layerckpt.io._uring (with the bounded-loss codes) not built")
+    require_native("the native bounded-loss codes")
     g = np.random.default_rng(12)
     n = 3 * GROUP + 7
     r = g.standard_normal(n).astype(np.float32)

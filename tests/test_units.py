@@ -12,6 +12,7 @@ from layerckpt.select._layers import group_layers
 from layerckpt.format._layout import plan_layout
 from layerckpt.format._manifest import Manifest, param_of
 from layerckpt.select._track import DriftTracker, sample_plan, sampled_positions
+from conftest import require_native
 
 
 # ------------------------------------------------------------------ policy
@@ -109,8 +110,7 @@ def test_the_native_gather_of_the_samples_is_the_views_bit_for_bit():
     no gradient average; and refused where the runs do not fill the buffer."""
     from layerckpt.select import _track
 
-    if _track._NATIVE is None:
-        pytest.skip("the native extension is not built")
+    require_native("the tracker's native kernels")
     torch.manual_seed(0)
     tr = DriftTracker(sample_per_layer=500)
     w = {"a": torch.randn(3000, 7), "b": torch.randn(8), "c": torch.randn(50, 90).t()}  # c: not contiguous
@@ -142,8 +142,7 @@ def test_the_native_sums_of_the_tracker_agree_with_torch_and_see_the_smallest_mo
     computes them, to float rounding; a tensor that moved by one subnormal step still counts as moved."""
     from layerckpt.select import _track
 
-    if _track._NATIVE is None:
-        pytest.skip("the native extension is not built")
+    require_native("the tracker's native kernels")
     torch.manual_seed(0)
     a = [torch.randn(n) for n in (1, 7, 4096, 10_001)]
     b = [x + torch.randn_like(x) * 1e-3 for x in a]

@@ -11,6 +11,7 @@ import torch
 
 import layerckpt
 from layerckpt.io import _backend as B
+from conftest import require_native, require_uring
 
 pytestmark = pytest.mark.usefixtures("backend")
 
@@ -89,8 +90,8 @@ def test_env_forces_backend(monkeypatch):
         B.make_backend()
 
 
-@pytest.mark.skipif(B._uring is None, reason="native module not built")
 def test_crc32c_known_vectors_and_continuation():
+    require_native("the native CRC32C")
     crc = B._uring.crc32c
     assert crc(b"123456789") == 0xE3069283  # the CRC-32C check value
     assert crc(b"") == 0
@@ -99,10 +100,8 @@ def test_crc32c_known_vectors_and_continuation():
     assert crc(memoryview(data)[3:]) == crc(data[3:])
 
 
-@pytest.mark.skipif(B._uring is None, reason="native module not built")
 def test_ring_fixed_buffers_registered(tmp_path):
-    if B.uring_available():
-        pytest.skip(B.uring_available())
+    require_uring("the ring's registered buffers")
     be = B.UringBackend(2)
     bufs = [memoryview(mmap.mmap(-1, 1 << 16)) for _ in range(3)]
     be.register_buffers(bufs)
@@ -135,10 +134,9 @@ print("REGISTERED", be.registered, "DONE", be.drain())
 """
 
 
-@pytest.mark.skipif(B._uring is None or os.geteuid() != 0, reason="needs the native module and root to drop to nobody")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to nobody")
 def test_registration_refused_under_memlock_is_logged_and_io_goes_on(tmp_path):
-    if B.uring_available():
-        pytest.skip(B.uring_available())
+    require_uring("buffer registration under RLIMIT_MEMLOCK")
     r = subprocess.run([sys.executable, "-c", UNPRIVILEGED, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "REGISTERED 0 DONE ['a']" in r.stdout

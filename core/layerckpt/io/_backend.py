@@ -22,8 +22,29 @@ log = logging.getLogger("layerckpt")
 
 try:  # the native module is optional: the build skips it where it cannot compile
     from . import _uring
-except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _IMPORT_ERROR: Optional[str] = None
+except ImportError as _e:  # pragma: no cover - exercised on machines without a compiler
     _uring = None
+    _IMPORT_ERROR = str(_e)
+
+#: where ``setup.py`` keeps the reason a build of the native module failed, beside where the module would be
+UNBUILT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_uring.unbuilt")
+
+
+def native_missing(record: str = UNBUILT) -> Optional[str]:
+    """None where the native module is built and imports; else why not, as precisely as is known: the build's own
+    failure (kept by ``setup.py``), else the import's error."""
+    if _uring is not None:
+        return None
+    try:
+        with open(record, encoding="utf-8") as f:
+            why = f.read().strip()
+    except OSError:
+        why = ""
+    if why:
+        return f"the native module layerckpt.io._uring failed to build ({why})"
+    return (f"the native module layerckpt.io._uring is not importable ({_IMPORT_ERROR}); it was not built: "
+            "reinstall with a C compiler and the Python headers (pip install -v shows the build)")
 
 
 def native_planes():
@@ -240,7 +261,7 @@ def uring_available() -> Optional[str]:
     5.1-5.5 accept io_uring_setup but refuse the read and write operations used): one small write and
     read go through a ring, once per process."""
     if _uring is None:
-        return "the native module layerckpt.io._uring is not built"
+        return native_missing()
     try:
         _uring.probe()
     except OSError as e:
