@@ -122,6 +122,44 @@ def test_local_dir_deleted_restores_from_remote(remote, tmp_path):
     assert not os.path.exists(root), "a reader never recreates the local directory"
 
 
+def test_a_pinned_composite_survives_the_remotes_retention_and_restores_from_it_alone(remote, tmp_path):
+    """Checkpointer.keep() pins a composite on the remote tier too (LayerCheckpoint's save_top_k relies on it): past
+    keep_last newer saves it stays there with every file it takes layers from, and restores bit for bit from the
+    remote alone once the local directory is gone; once unpinned, the remote's next retention removes it."""
+    url, options = remote
+    root = tmp_path / "ck"
+    model = stack()
+    cfg = SELECTIVE.replace(remote=url, remote_options=options)  # keep_last=2; step 2 carries layers of step 1
+    with layerckpt.Checkpointer(root, model, config=cfg) as ck:
+        for step in (1, 2):
+            move(model, step)
+            ck.save(step).wait()
+        ck.wait()  # step 2 is on the remote (uploads that fall behind skip to the newest)
+        ck.keep([root / "manifests" / "step-00000002.json"])
+        for step in range(3, 8):
+            move(model, step)
+            ck.save(step).wait()
+            ck.wait()
+        remote_manifests = _remote_names(url, options, "manifests")
+        assert remote_manifests == ["step-00000002.json", "step-00000006.json", "step-00000007.json"], remote_manifests
+        pinned_files = set(json.loads(_fs(url, options)[0].cat_file(
+            f"{_fs(url, options)[1]}/manifests/step-00000002.json"))["files"])
+        assert len(pinned_files) == 2 and pinned_files <= set(_remote_names(url, options, "data")), pinned_files
+    shutil.rmtree(root)
+    out = stack()
+    assert layerckpt.restore(url + "/manifests/step-00000002.json", out, config=cfg).step == 2
+    assert_same_state(out, at(2))
+    # unpinned: the remote's next retention lets it go, with the files only it referenced
+    root2 = tmp_path / "ck2"
+    with layerckpt.Checkpointer(root2, model, config=cfg) as ck:
+        ck.keep([])
+        move(model, 8)
+        ck.save(8).wait()
+        ck.wait()
+    assert "step-00000002.json" not in _remote_names(url, options, "manifests")
+    assert set(_remote_names(url, options, "data")) == _referenced(url, options)
+
+
 def test_remote_retention_follows_local_and_reuses_committed_files(s3, tmp_path):
     url, options = f"s3://{s3.bucket()}/run", s3.options
     root = tmp_path / "ck"
