@@ -16,7 +16,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, TypeVar, Union
 
 import torch
 
@@ -30,7 +30,8 @@ from .format._manifest import Manifest, is_rng, model_key, model_name, parse_onc
 from .read._reader import (Reader, Window, is_row_sharded, is_sharded, local_boxes, local_rows,  # noqa: F401
                            open_reader, read_tensors, retry_gone)
 from .config import Config
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, StalenessError
+from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
+                     StalenessError)
 
 log = logging.getLogger("layerckpt")
 
@@ -108,9 +109,8 @@ def restore(
     remote_options=...)`` for credentials); for a local directory whose memory or remote tier holds
     a fresher composite, that one is read (``_fetch.view``).
     """
-    with _fetch.view(dirpath, step, config) as v, open_reader(v, config, manifest_paths=False) as r:
-        report = _restore_from(r, model, optimizer, strict, _bound(config))
-    return _as_viewed(report, v)
+    return _read_viewed(dirpath, step, config, False,
+                        lambda r: _restore_from(r, model, optimizer, strict, _bound(config)))
 
 
 def _restore_from(r: Reader, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], strict: bool,
@@ -160,9 +160,7 @@ def read_checkpoint(path: Union[str, os.PathLike], step: Optional[int] = None, *
     as a state dict and the optimizer state in ``Optimizer.state_dict()`` form.
     Checksums are verified; nothing is unpickled.  ``path`` may also be a remote URL, as for :func:`restore`.
     """
-    with _fetch.view(path, step, config) as v, open_reader(v, config, manifest_paths=True) as r:
-        loaded = _load_from(r, strict, _bound(config))
-    return _as_viewed(loaded, v)
+    return _read_viewed(path, step, config, True, lambda r: _load_from(r, strict, _bound(config)))
 
 
 def _load_from(r: Reader, strict: bool, bound: int) -> LoadedCheckpoint:
@@ -182,6 +180,29 @@ def _load_from(r: Reader, strict: bool, bound: int) -> LoadedCheckpoint:
 
 
 _Out = TypeVar("_Out", RestoreReport, LoadedCheckpoint)
+
+
+def _read_viewed(path: Any, step: Optional[int], config: Optional[Config], manifest_paths: bool,
+                 read: Callable[[Reader], _Out]) -> _Out:
+    """``read`` of the composite :func:`_fetch.view` picks.  Where that is the memory tier's copy and its files
+    turn out damaged, the composite is read again from the next tier (the disk): the memory tier is a cache,
+    and damage to it never fails a read the disk can serve.  A model the first read partly filled is filled
+    again by the second (the optimizer and RNG are set only once every tensor was read and verified)."""
+    with _fetch.view(path, step, config) as v:
+        try:
+            with open_reader(v, config, manifest_paths=manifest_paths) as r:
+                return _as_viewed(read(r), v)
+        except CheckpointCorruptError as e:
+            if v.tier != "memory":
+                raise
+            damaged = e
+    log.warning("layerckpt: the memory tier's copy of step %s is damaged (%s); the disk is read", v.step, damaged)
+    try:
+        with _fetch.view(path, step, config, memory=False) as v, \
+                open_reader(v, config, manifest_paths=manifest_paths) as r:
+            return _as_viewed(read(r), v)
+    except CheckpointNotFoundError:  # nothing else holds a composite: the memory tier's damage is what to fix
+        raise damaged from None
 
 
 def _summary(r: Reader, tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:

@@ -154,6 +154,7 @@ class View:
     #: of the memory tier's composite, so that ``Checkpointer.adopt(report)`` continues it
     manifest: Optional[str] = None
     opened: float = field(default_factory=time.perf_counter)  # when the view was opened (a report's seconds)
+    tier: str = "local"  # whose copy it is: "local", "memory" or "remote"
 
 
 class Source:
@@ -170,15 +171,15 @@ class Source:
         remote composite is downloaded into (removed on exit)."""
         t0 = time.perf_counter()
         if self.kind == "memory":
-            yield View(self.store.root, self.m.step, self._local_copy(), t0)
+            yield View(self.store.root, self.m.step, self._local_copy(), t0, self.kind)
             return
         if getattr(self.store, "local", False):
             self._not_bigger()
-            yield View(self.store.root, self.m.step, self.store.where(MANIFESTS, self.name), t0)
+            yield View(self.store.root, self.m.step, self.store.where(MANIFESTS, self.name), t0, self.kind)
             return
         with tempfile.TemporaryDirectory(prefix="layerckpt-fetch-") as tmp:
             self._download(tmp)
-            yield View(tmp, self.m.step, self.store.where(MANIFESTS, self.name), t0)
+            yield View(tmp, self.m.step, self.store.where(MANIFESTS, self.name), t0, self.kind)
 
     def _not_bigger(self) -> None:
         """A tier's data file larger than its manifest records is not the one recorded: refused, as a download
@@ -209,10 +210,11 @@ class Source:
 
 
 @contextlib.contextmanager
-def view(path: Any, step: Optional[int], config: Optional[Config]) -> Iterator[View]:
+def view(path: Any, step: Optional[int], config: Optional[Config], memory: bool = True) -> Iterator[View]:
     """Where one read of ``path`` takes its composite from (see the module's docstring): the local
-    directory as given, or a local view of the fresher tier's composite."""
-    src = source(path, step, config)
+    directory as given, or a local view of the fresher tier's composite.  ``memory=False``: never the memory
+    tier's (its copy was found damaged)."""
+    src = source(path, step, config, memory)
     if src is None:
         yield View(path, step)
         return
@@ -225,7 +227,7 @@ def remote_store(url: str, config: Optional[Config]) -> FsspecStore:
     return FsspecStore(url, config.remote_options if config is not None else None)
 
 
-def source(path: Any, step: Optional[int], config: Optional[Config]) -> Optional[Source]:
+def source(path: Any, step: Optional[int], config: Optional[Config], memory: bool = True) -> Optional[Source]:
     """Where to read from when it is not simply the local directory ``path``; None to read that."""
     if is_url(path):
         return _url_source(path, step, config)
@@ -238,7 +240,7 @@ def source(path: Any, step: Optional[int], config: Optional[Config]) -> Optional
     found: List[_Found] = []
     _local_candidate(root, step, found)
     # only the tiers the caller's Config names: a manifest is data, and its recorded Config never redirects
-    if config is not None and config.memory_tier:
+    if config is not None and config.memory_tier and memory:
         _memory_candidate(root, step, found)
     if config is not None:
         _remote_candidate(config.remote, root, step, config, found)
