@@ -189,7 +189,7 @@ def test_objects_it_cannot_lay_out_are_written_by_torch_save(tmp_path):
 # ------------------------------------------------------------------ a real Lightning Trainer
 
 def test_trainer_save_checkpoint_then_load_anywhere(tmp_path):
-    pytest.importorskip("lightning")
+    import lightning  # noqa: F401
     from lit_helpers import Tiny, trainer
     from lightning_layerckpt import LayerCheckpointIO
 
@@ -214,7 +214,7 @@ def test_trainer_save_checkpoint_then_load_anywhere(tmp_path):
 
 
 def test_model_checkpoint_top_k_keeps_the_right_files(tmp_path):
-    pytest.importorskip("lightning")
+    import lightning  # noqa: F401
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lit_helpers import Tiny, trainer
     from lightning_layerckpt import LayerCheckpointIO
@@ -233,7 +233,7 @@ def test_model_checkpoint_top_k_keeps_the_right_files(tmp_path):
 
 def test_bench_lightning_tiny(tmp_path, capsys):
     """`layerckpt bench --lightning` end to end (tiny size, one repeat: a smoke test, not a measurement)."""
-    pytest.importorskip("lightning")
+    import lightning  # noqa: F401
     import json
 
     from layerckpt.cli import main

@@ -75,7 +75,7 @@ def test_selection_loss_is_the_intervals_mean_in_the_clipped_unit():
 
 # ------------------------------------------------------------------ Lightning
 
-L = pytest.importorskip("lightning.pytorch")
+import lightning.pytorch as L
 
 from layerckpt.bench.lightning_workload import FineTuneModule  # noqa: E402
 from lightning_layerckpt import LayerCheckpoint  # noqa: E402
@@ -161,7 +161,7 @@ def test_lightning_loss_without_clipping_is_the_intervals_mean_of_whole_steps(tm
 
 # ------------------------------------------------------------------ accelerate
 
-accelerate = pytest.importorskip("accelerate")
+import accelerate
 
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402

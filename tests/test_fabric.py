@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-pytest.importorskip("lightning")
+import lightning  # noqa: F401
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.strategies import FSDPStrategy  # noqa: E402
 

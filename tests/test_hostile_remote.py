@@ -19,7 +19,7 @@ import layerckpt
 from layerckpt.tiers._remote import FsspecStore
 from layerckpt.errors import CheckpointCorruptError, CheckpointError
 
-pytest.importorskip("fsspec")
+import fsspec  # noqa: F401
 sys.path.insert(0, os.path.dirname(__file__))
 import test_hostile as hostile  # noqa: E402
 from test_hostile import expected, fill, tiny  # noqa: E402

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("lightning")
+import lightning  # noqa: F401
 import lightning.pytorch as L  # noqa: E402
 from lightning.fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("lightning")
+import lightning  # noqa: F401
 import layerckpt  # noqa: E402
 from conftest import assert_same_tensors  # noqa: E402
 from layerckpt.errors import CheckpointError  # noqa: E402

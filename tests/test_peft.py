@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-peft = pytest.importorskip("peft")
-pytest.importorskip("transformers")
+import peft
+import transformers  # noqa: F401
 
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -252,7 +252,7 @@ def test_peft_extra_records_what_save_pretrained_writes(tmp_path):
 @pytest.fixture(scope="module")
 def lightning_runs(tmp_path_factory):
     """An uninterrupted Lightning run (full mode) and one crashed at step 10 and resumed from "last"."""
-    pytest.importorskip("lightning")
+    import lightning  # noqa: F401
     from lightning_layerckpt import LayerCheckpoint
     from lit_helpers import Crash, CrashAt, trainer
 

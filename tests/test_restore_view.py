@@ -90,7 +90,7 @@ def test_memory_tier_is_read_once_in_place(tmp_path, calls):
 def test_remote_composite_is_read_once_downloaded_or_in_place(tmp_path, calls, kind):
     """A remote on another file system is downloaded into a temporary folder, read, and the copy removed; a
     ``file://`` remote is read in place, as the memory tier is (a copy first would read every byte twice)."""
-    pytest.importorskip("fsspec")
+    import fsspec  # noqa: F401
     url = f"memory://view-{tmp_path.name}/run" if kind == "memory://" else "file://" + str(tmp_path / "remote" / "run")
     root = tmp_path / "ck"
     cfg = FULL.replace(remote=url)

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-pytest.importorskip("lightning")
+import lightning  # noqa: F401
 import lightning.pytorch as L  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -164,7 +164,7 @@ def test_fabric_takeover_while_the_older_handle_has_a_save_in_flight(tmp_path):
 
 @KEEP
 def test_accelerate_plugin_resumes_with_a_new_accelerator_in_this_process(tmp_path, drop):
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401
     from accelerate_helpers import Run
 
     first = Run(tmp_path, config=layerckpt.Config(threshold=0.0))

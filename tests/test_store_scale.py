@@ -163,7 +163,7 @@ def test_a_torn_saves_files_are_still_removed_on_open(tmp_path):
 
 @pytest.mark.parametrize("kind", ["memory", "file"])
 def test_a_restore_from_the_remote_tier_reads_one_manifest_whole(tmp_path, manifest_parses, kind):
-    pytest.importorskip("fsspec")
+    import fsspec  # noqa: F401
     import uuid
 
     url = (f"memory://ckpt-{uuid.uuid4().hex[:12]}/run" if kind == "memory"

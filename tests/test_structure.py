@@ -239,3 +239,29 @@ def test_at_most_twenty_modules_stand_at_the_top():
 def test_one_module_imports_the_native_extension():
     importers = sorted(m for m, deps in _graph().items() if "layerckpt.io._uring" in deps)
     assert importers == ["layerckpt.io._backend"]
+
+
+def _test_extra() -> Set[str]:
+    """The import names of what pyproject.toml's [test] extra installs."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["test"]
+    return {re.split(r"[\[<>=!~ ]", req, maxsplit=1)[0].strip().lower().replace("-", "_") for req in extra}
+
+
+def test_what_the_test_extra_installs_is_imported_never_skipped():
+    """A dependency the [test] extra installs is imported plainly by the tests: its absence is a broken install,
+    and importorskip would turn it into skipped files and a green run."""
+    extra = _test_extra()
+    assert {"moto", "s3fs", "lightning", "transformers"} <= extra, extra
+    skips = []
+    for name in sorted(os.listdir(os.path.join(ROOT, "tests"))):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(ROOT, "tests", name), encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                for mod in re.findall(r"importorskip\(\s*['\"]([\w.]+)['\"]", line):
+                    if mod.split(".")[0].lower() in extra:
+                        skips.append(f"tests/{name}:{n}: importorskip({mod!r})")
+    assert not skips, "import these plainly (the [test] extra installs them):\n" + "\n".join(skips)

@@ -15,7 +15,7 @@ from conftest import assert_same_state
 from layerckpt.tiers._memtier import memory_path
 from layerckpt.format._store import STORE_ID
 
-pytest.importorskip("fsspec")
+import fsspec  # noqa: F401
 
 FULL = layerckpt.Config(threshold=0.0, keep_last=2)
 MEM = FULL.replace(memory_tier=True)

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("lightning")
+import lightning  # noqa: F401
 from lightning.fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 import layerckpt  # noqa: E402

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("accelerate")
-pytest.importorskip("lightning")
+import accelerate  # noqa: F401
+import lightning  # noqa: F401
 from accelerate import Accelerator  # noqa: E402
 from accelerate.tracking import GeneralTracker  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
@@ -213,7 +213,7 @@ def test_fabric_log_stats_off(tmp_path):
 
 
 def test_accelerate_metrics_reach_a_tensorboard_event_file(tmp_path):
-    pytest.importorskip("tensorboard")
+    import tensorboard  # noqa: F401
     from accelerate.utils import LoggerType
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
