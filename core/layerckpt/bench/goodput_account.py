@@ -98,6 +98,16 @@ def account(attempts: List[Dict[str, Any]], steps: int, base_s: float) -> Dict[s
             "resumed_at": [next((e["step"] for e in a["events"] if e["e"] == "restored"), None) for a in attempts]}
 
 
+def _noise(free: Dict[str, Any]) -> float:
+    """The failure-free run's excess per step over its own median (its steps' skew, no save in it)."""
+    return free["buckets"]["checkpoint"] / max(1, free["executed"] - 1)
+
+
+def _steady(run: Dict[str, Any]) -> int:
+    """A run's steps other than each process's first (those are its warm-up)."""
+    return run["executed"] - len([s for s in run["resumed_at"] if s is not None])
+
+
 def figures(run: Dict[str, Any], free: Dict[str, Any], mtbf: float) -> None:
     """Add to ``run`` (an :func:`account` result) what it lost and the optimum its own costs allow, against
     ``free``, the failure-free run without checkpoints of the same loop:
@@ -111,20 +121,22 @@ def figures(run: Dict[str, Any], free: Dict[str, Any], mtbf: float) -> None:
     * ``young_daly_s``: sqrt(2 x C x MTBF), the interval that loses least, and in steps;
     * ``optimum``: the goodput at that interval with the same kills: compute / (first start + compute + noise +
       saves at every interval x C + kills x (R + half an interval)).
+
+    A C below zero is the run's steps having gone faster than the failure-free run's by chance (a save cannot
+    speed training up): it is noise, and no Young/Daly interval or optimum is computed from it (None).
     """
     b, fb = run["buckets"], free["buckets"]
     base = fb["compute"] / free["steps_done"]
     run["goodput"] = b["compute"] / run["wall_s"]
     kept = lambda r: r["wall_s"] - r["buckets"]["imports"] - r["buckets"]["restart"]  # noqa: E731
     run["lost_s"] = kept(run) - kept(free)
-    noise = fb["checkpoint"] / max(1, free["executed"] - 1)  # the failure-free run's excess per step
-    steady = run["executed"] - len([s for s in run["resumed_at"] if s is not None])
-    cost = (b["checkpoint"] - noise * steady) / run["saves"] if run["saves"] else None
+    noise = _noise(free)
+    cost = (b["checkpoint"] - noise * _steady(run)) / run["saves"] if run["saves"] else None
     run["save_cost_s"] = cost
     first = run["first_start_s"] if run["first_start_s"] is not None else sum(fb[p] for p in RESTORE)
     again = b["restart"] + sum(b[p] for p in RESTORE) - first
     run["restart_cost_s"] = again / run["kills"] if run["kills"] else None
-    if cost is None:
+    if cost is None or cost < 0:
         run["young_daly_s"] = run["young_daly_steps"] = run["optimum"] = None
         return
     c = max(cost, 1e-4)
@@ -133,3 +145,31 @@ def figures(run: Dict[str, Any], free: Dict[str, Any], mtbf: float) -> None:
     wall = first + b["compute"] + noise * run["steps_done"] + saves * c + again + run["kills"] * t / 2
     run["young_daly_s"], run["young_daly_steps"] = t, t / base
     run["optimum"] = b["compute"] / wall
+
+
+def step_spread(rows: List[Dict[str, Any]], free: Dict[str, Any]) -> float:
+    """The steps' spread between runs of one loop, s a step: the most that one of ``rows`` (runs of that loop,
+    each a repeat of the same steps) stepped faster on average than ``free``, the failure-free run, once its
+    saves' cost is taken out: ``-C x saves / steady steps`` where C is below zero.  A save cannot make a step
+    faster, so that much of a run's speed is chance, and the same chance moves every row's C and lost time.
+    A lower bound of the spread (what the repeats showed); 0.0 where no run stepped faster."""
+    noise = _noise(free)
+    fast = [-(r["buckets"]["checkpoint"] - noise * _steady(r)) / _steady(r)
+            for r in rows if not r.get("failed") and _steady(r) > 0]
+    return max([0.0] + fast)
+
+
+def save_noise_s(run: Dict[str, Any], spread: float) -> Optional[float]:
+    """How far :func:`step_spread` moves one run's C: the spread over its steady steps, per save."""
+    return spread * _steady(run) / run["saves"] if run.get("saves") else None
+
+
+def within_noise(run: Dict[str, Any]) -> bool:
+    """A run whose measured save cost C is below zero: noise, with no optimum (a JSON of before this rule
+    still holds one computed from C clamped to zero; it is not shown)."""
+    return run.get("save_cost_s") is not None and run["save_cost_s"] < 0
+
+
+def optimum(run: Dict[str, Any]) -> Optional[float]:
+    """The run's optimum goodput, None where C was not measured or is within noise."""
+    return None if within_noise(run) else run.get("optimum")

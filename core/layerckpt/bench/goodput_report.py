@@ -4,7 +4,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Optional
 
-from .goodput_account import PARTS, TAIL
+from .goodput_account import PARTS, TAIL, optimum, save_noise_s, step_spread, within_noise
 
 # the issue's targets: layerckpt's lost time against the contenders' at their best cadence, its final loss
 # against theirs, its goodput against the optimum its own measured costs allow
@@ -50,8 +50,10 @@ def _head(res: Dict[str, Any]) -> List[str]:
                      f"goodput {f['goodput'] * 100:.1f}%")
     lines += ["goodput: compute / wall; lost: wall beyond the failure-free run's, less imports and restarts "
               "(checkpoints, setups and loads, warm-ups, redone work); C: a save's cost to training (blocking and "
-              "slower steps); Y/D: the Young/Daly interval sqrt(2 x C x MTBF), s and steps; optimum: the goodput at "
-              "that interval with the same kills and restarts; * the contender's best cadence (least lost)"]
+              "slower steps); ~0+-x: a C measured below zero, within the noise (x: the steps' spread between runs, "
+              "per save at its cadence), no optimum computed from it; Y/D: the Young/Daly interval "
+              "sqrt(2 x C x MTBF), s and steps; optimum: the goodput at that interval with the same kills and "
+              "restarts; * the contender's best cadence (least lost)"]
     return lines
 
 
@@ -80,7 +82,27 @@ def _num(x: Optional[float], fmt: str, width: int) -> str:
     return (format(x, fmt) if x is not None else "-").rjust(width)
 
 
-def _row(r: Dict[str, Any], best: bool, kind: str) -> str:
+def _cost(r: Dict[str, Any], spread: float, fmt: str, width: int) -> str:
+    """A row's C: as measured, or ``~0+-x`` where it is below zero (noise; x: the steps' spread per save)."""
+    if within_noise(r):
+        return f"~0+-{save_noise_s(r, spread):.1f}".rjust(width)
+    return _num(r.get("save_cost_s"), fmt, width)
+
+
+def _yd(r: Dict[str, Any], key: str) -> Optional[float]:
+    return None if within_noise(r) else r.get(key)
+
+
+def spreads(res: Dict[str, Any]) -> Dict[str, float]:
+    """loop -> the steps' spread between its runs (every kind's; :func:`goodput_account.step_spread`)."""
+    out = {}
+    for loop, free in res["free"].items():
+        rows = {id(r): r for rs in res["runs"].values() for r in rs if r["loop"] == loop}
+        out[loop] = step_spread(list(rows.values()), free)
+    return out
+
+
+def _row(r: Dict[str, Any], best: bool, kind: str, spread: float) -> str:
     every = "mtbf" if r["mtbf"] else str(r["every"])
     if r.get("failed"):
         return f"  {r['name']:<16}{every:>6}  FAILED: {_why(r)}"
@@ -88,10 +110,10 @@ def _row(r: Dict[str, Any], best: bool, kind: str) -> str:
     pct = lambda x: None if x is None else x * 100  # noqa: E731
     name = r["name"] + ("^" if r.get("ran_under", kind) != kind else "")
     return (f"{'*' if best else ' '} {name:<16}{every:>6}{_num(pct(r['goodput']), '.1f', 8)}"
-            f"{_num(pct(r.get('optimum')), '.1f', 8)}{r['wall_s']:>8.1f}"
+            f"{_num(pct(optimum(r)), '.1f', 8)}{r['wall_s']:>8.1f}"
             + "".join(f"{b[p]:>8.1f}" for p in PARTS)
-            + f"{r['lost_s']:>8.1f}{r['kills']:>6}{r['saves']:>6}{_num(r.get('save_cost_s'), '.3f', 8)}"
-            f"{_num(r.get('young_daly_s'), '.1f', 7)}{_num(r.get('young_daly_steps'), '.0f', 6)}"
+            + f"{r['lost_s']:>8.1f}{r['kills']:>6}{r['saves']:>6}{_cost(r, spread, '.3f', 9)}"
+            f"{_num(_yd(r, 'young_daly_s'), '.1f', 7)}{_num(_yd(r, 'young_daly_steps'), '.0f', 6)}"
             f"{_num(r['final_loss'], '.4f', 9)}")
 
 
@@ -99,7 +121,8 @@ def format_table(res: Dict[str, Any]) -> str:
     lines = _head(res)
     cols = (f"  {'contender':<16}{'every':>6}{'goodput':>8}{'optimum':>8}{'wall s':>8}"
             + "".join(f"{HEADS.get(p, p):>8}" for p in PARTS)
-            + f"{'lost s':>8}{'kills':>6}{'saves':>6}{'C s':>8}{'Y/D s':>7}{'Y/D n':>6}{'loss':>9}")
+            + f"{'lost s':>8}{'kills':>6}{'saves':>6}{'C s':>9}{'Y/D s':>7}{'Y/D n':>6}{'loss':>9}")
+    spread = spreads(res)
     for kind, rows in res["runs"].items():
         best = {id(r) for r in _best(rows).values()}
         lines += ["", f"{kind}: {_kind(kind)}; goodput and optimum in %, the buckets in s (they sum to the wall time)",
@@ -108,12 +131,13 @@ def format_table(res: Dict[str, Any]) -> str:
         for loop in LOOPS:
             for mode in modes:
                 lines.append(f"  {LOOPS[loop]}" + ("" if modes == ["fresh"] else f", {RESTARTS[mode].split(' (')[0]}"))
-                lines += [_row(r, id(r) in best, kind) for r in rows if r["loop"] == loop and _mode(r) == mode]
+                lines += [_row(r, id(r) in best, kind, spread[loop]) for r in rows
+                          if r["loop"] == loop and _mode(r) == mode]
         shared = sorted({r["ran_under"] for r in rows if r.get("ran_under", kind) != kind})
         if shared:
             lines.append(f"  ^ the {' and '.join(shared)} run's row: its files survive a node loss, which is a crash "
                          f"to it, so it ran once")
-        lines += targets(kind, rows, res["free"])
+        lines += targets(kind, rows, res["free"], spread)
     return "\n".join(lines)
 
 
@@ -121,9 +145,22 @@ def _kind(kind: str) -> str:
     return KINDS.get(kind, kind)
 
 
-def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any]) -> List[str]:
-    """The targets' lines for one failure kind: each layerckpt row against the contenders' best cadence."""
+def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any],
+            spread: Optional[Dict[str, float]] = None) -> List[str]:
+    """The targets' lines for one failure kind: each layerckpt row against the contenders' best cadence.
+
+    ``spread``: loop -> the steps' spread between runs, s a step (:func:`spreads`; by default from ``rows``).  Each
+    verdict can fail either way, and one that the noise decides is not judged:
+
+    * lost time: ours over theirs within the target ratio; where theirs is not above the spread over the job's
+      steps, not met if ours is above it, else not judged (noise); ours at or below zero is met only where theirs
+      is above that spread;
+    * the loss: layerckpt's rows within the target of every other row's and the failure-free run's, above or below;
+    * goodput: within the target of the optimum, below or above it (above: the optimum's model of the costs is
+      off); not judged where C is within noise (no optimum)."""
     best = _best(rows)
+    if spread is None:
+        spread = {loop: step_spread([r for r in _ran(rows) if r["loop"] == loop], f) for loop, f in free.items()}
     out = [f"targets ({kind}):"]
     out += [f"  {r['name']} {'mtbf=' if r['mtbf'] else 'every ' + str(r['every'])} ({LOOPS[r['loop']]}): its run "
             f"FAILED, so no target holds for it: {_why(r)}" for r in rows if r.get("failed") and r["name"] in OURS]
@@ -137,13 +174,18 @@ def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any]) -> List
                 continue
             what = f"{r['name']} {'mtbf=' if r['mtbf'] else 'every ' + str(r['every'])}" + (
                 "" if mode == "fresh" else f", {mode} restarts")
-            if theirs["lost_s"] > 0 and r["lost_s"] > 0:
+            # every step of a run is as much faster or slower by chance as the spread: the lost time's noise
+            band = spread.get(loop, 0.0) * free[loop]["steps_done"]
+            if theirs["lost_s"] <= band < r["lost_s"]:  # a ratio to noise says nothing, but ours is above it
+                verdict = f"not met: ours is above the steps' spread between runs (+-{band:.1f} s), theirs within it"
+            elif theirs["lost_s"] <= band:
+                verdict = f"not judged (noise): theirs is within the steps' spread between runs (+-{band:.1f} s)"
+            elif r["lost_s"] <= 0:
+                verdict = (f"met: ours is at or below the failure-free run's (noise), theirs above the steps' "
+                           f"spread (+-{band:.1f} s)")
+            else:
                 q = r["lost_s"] / theirs["lost_s"]
                 verdict = f"{q:.2f}x (target <= {most:.2f}x): {'met' if q <= most else 'not met'}"
-            elif theirs["lost_s"] > 0:  # ours at or below zero: within the steps' run-to-run noise, and under theirs
-                verdict = "met: ours is not above the failure-free run's (within the steps' noise; no ratio)"
-            else:  # theirs at or below zero is the run-to-run noise of the steps: a ratio would say nothing
-                verdict = "no ratio: theirs is not above the failure-free run's (noise)"
             out.append(f"  lost: {what} {r['lost_s']:.1f} s vs {them} every {theirs['every']} (its best) "
                        f"{theirs['lost_s']:.1f} s: {verdict}")
     for loop in LOOPS:
@@ -158,12 +200,20 @@ def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any]) -> List
         out.append(f"  {what}, {LOOPS[loop]}: layerckpt's rows differ from every other row's and the failure-free "
                    f"run's by at most {worst * 100:.3f}% (target {LOSS_REL * 100:g}%): "
                    f"{'met' if worst <= LOSS_REL else 'not met'}")
-    for r in (x for x in rows if x["name"] in OURS and x["mtbf"] and x.get("optimum") is not None):
-        gap = (r["goodput"] - r["optimum"]) * 100
-        out.append(f"  goodput, {r['name']} mtbf= ({LOOPS[r['loop']]}"
-                   f"{'' if _mode(r) == 'fresh' else ', ' + _mode(r) + ' restarts'}): {r['goodput'] * 100:.1f}% against an optimum "
-                   f"of {r['optimum'] * 100:.1f}% ({gap:+.1f} points; target within {OPTIMUM_POINTS:g}): "
-                   f"{'met' if gap >= -OPTIMUM_POINTS else 'not met'}")
+    for r in (x for x in rows if x["name"] in OURS and x["mtbf"]):
+        head = (f"  goodput, {r['name']} mtbf= ({LOOPS[r['loop']]}"
+                f"{'' if _mode(r) == 'fresh' else ', ' + _mode(r) + ' restarts'}): {r['goodput'] * 100:.1f}%")
+        opt = optimum(r)
+        if within_noise(r):
+            out.append(f"{head}: not judged: no optimum, C within noise (measured {r['save_cost_s']:+.2f} s)")
+            continue
+        if opt is None:
+            continue  # no save measured (a JSON of before: no optimum either)
+        gap = round((r["goodput"] - opt) * 100, 1)  # judged as printed: +2.0 is within 2, +2.1 is not
+        verdict = "met" if abs(gap) <= OPTIMUM_POINTS else (
+            "not met" if gap < 0 else "not met: above it, so the optimum's model of the costs is off")
+        out.append(f"{head} against an optimum of {opt * 100:.1f}% ({gap:+.1f} points; target within "
+                   f"{OPTIMUM_POINTS:g} either way): {verdict}")
     return out
 
 
@@ -188,6 +238,13 @@ def _picks(rows: List[Dict[str, Any]], loop: str, mode: str) -> List[Dict[str, A
     return out
 
 
+def _commit(m: Dict[str, Any]) -> str:
+    """The code a run measured, where its JSON recorded it."""
+    if not m.get("commit"):
+        return ""
+    return f", at {m['commit'][:7]}" + (" with uncommitted changes" if m.get("commit_dirty") else "")
+
+
 def format_summary(res: Dict[str, Any]) -> str:
     """The README's table of a ``bench --goodput`` JSON: per failure kind and loop, each contender at its best
     cadence and with its ``mtbf=`` interval, its goodput against the Young/Daly optimum of its own measured costs,
@@ -196,17 +253,20 @@ def format_summary(res: Dict[str, Any]) -> str:
     lines = [f"layerckpt bench --goodput: {res['size']} ({_state(res)}), {res['steps']} steps, a failure every "
              f"{res['mtbf_s']:g} s on average",
              f"seed {res['seed']}: {len(res.get('failure_times_s', []))} failure times; fixed cadences every "
-             f"{', '.join(str(c) for c in res['cadences'])} steps; {m['cpu']} ({m['cores']} cores), torch {m['torch']}",
+             f"{', '.join(str(c) for c in res['cadences'])} steps; {m['cpu']} ({m['cores']} cores), torch {m['torch']}"
+             + _commit(m),
              "failure-free without checkpoints: " + ", ".join(
                  f"{LOOPS[loop]} {f['wall_s']:.1f} s ({f['base_step_s']:.3f} s a step)" for loop, f in res["free"].items()),
              *textwrap.wrap(
-                 "each contender at its best cadence (least lost) and with its mtbf= interval; lost: the wall time "
-                 "beyond the failure-free run's, less imports and restarts, = ckpt (steps slowed or blocked by saves) "
-                 "+ start (setups, loads, first steps) + redone (work done again); optimum: the goodput at the "
-                 "Young/Daly interval sqrt(2 C MTBF) of the measured save cost C (s) with the same kills; Y/D n: that "
-                 f"interval in steps; loss: the mean of the last {TAIL} steps", 116, break_on_hyphens=False)]
+                 "each contender at its best cadence (least lost) and its mtbf= row; lost: wall time beyond the "
+                 "failure-free run's, less imports and restarts, = ckpt (steps slowed or blocked by saves) + start "
+                 "(setups, loads, first steps) + redone (work done again); optimum: goodput at the Young/Daly "
+                 "interval sqrt(2 C MTBF) of the save cost C (s); ~0+-x: C below zero, noise (x: the steps' spread "
+                 f"a save), no optimum; Y/D n: it in steps; loss: mean of the last {TAIL} steps",
+                 116, break_on_hyphens=False)]
+    spread = spreads(res)
     cols = (f"    {'contender':<16}{'every':>6}{'goodput':>9}{'optimum':>9}{'lost s':>8}{'ckpt':>7}{'start':>7}"
-            f"{'redone':>7}{'kills':>6}{'C s':>7}{'Y/D n':>6}{'loss':>8}")
+            f"{'redone':>7}{'kills':>6}{'C s':>9}{'Y/D n':>6}{'loss':>8}")
     for kind, rows in res["runs"].items():
         lines += ["", f"{kind}: {_kind(kind)}", cols]
         modes = res.get("restarts", ["fresh"])
@@ -221,14 +281,15 @@ def format_summary(res: Dict[str, Any]) -> str:
                         continue
                     b, fb = r["buckets"], free["buckets"]
                     name = r["name"] + ("^" if r.get("ran_under", kind) != kind else "")
-                    opt = r.get("optimum")
+                    opt = optimum(r)
                     lines.append(
                         f"    {name:<16}{every:>6}{r['goodput'] * 100:>8.1f}%"
                         + (f"{opt * 100:>8.1f}%" if opt is not None else f"{'-':>9}")
                         + f"{r['lost_s']:>8.1f}{b['checkpoint'] - fb['checkpoint']:>7.1f}{_start(b) - _start(fb):>7.1f}"
-                        f"{b['redone']:>7.1f}{r['kills']:>6}{_num(r.get('save_cost_s'), '.2f', 7)}"
-                        f"{_num(r.get('young_daly_steps'), '.0f', 6)}{_num(r.get('tail_loss') or r['final_loss'], '.4f', 8)}")
+                        f"{b['redone']:>7.1f}{r['kills']:>6}{_cost(r, spread[loop], '.2f', 9)}"
+                        f"{_num(_yd(r, 'young_daly_steps'), '.0f', 6)}"
+                        f"{_num(r.get('tail_loss') or r['final_loss'], '.4f', 8)}")
         if any(r.get("ran_under", kind) != kind for r in rows):
             lines.append("    ^ ran once, in the crash kind: its files survive a node loss")
-        lines += ["  " + t for t in targets(kind, rows, res["free"])]
+        lines += ["  " + t for t in targets(kind, rows, res["free"], spread)]
     return "\n".join(lines)
