@@ -3,6 +3,7 @@ stay while a remote folder's pointer names them), folder copies under remote_ban
 preferring a newer remote folder over an older local one."""
 import json
 import os
+import threading
 import time
 import uuid
 
@@ -87,9 +88,12 @@ def test_two_machines_share_one_remote_and_its_retention(tmp_path, runs, s3):
     assert checked == 6
 
 
-def test_folder_copies_honour_remote_bandwidth(tmp_path):
-    """A folder's copy of N bytes under remote_bandwidth=cap takes at least N / cap seconds; uncapped it
-    takes far less."""
+def test_folder_copies_honour_remote_bandwidth(tmp_path, monkeypatch):
+    """A folder's copy of N bytes under remote_bandwidth=cap takes at least N / cap seconds, every byte of it
+    taken from the cap's bucket; uncapped, nothing of it waits: no byte taken from a bucket, no sleep.  Counted,
+    not timed: how long an uncapped copy takes says more about the machine's load than about the cap."""
+    from layerckpt.tiers import _bandwidth
+
     folder = tmp_path / "checkpoint_0"
     folder.mkdir()
     payload = os.urandom(384 << 10)
@@ -97,17 +101,35 @@ def test_folder_copies_honour_remote_bandwidth(tmp_path):
     (folder / "random_states_0.pkl").write_bytes(payload[:1000])
     n = len(payload) + 1000
     cap = 1 << 20
-    took = {}
+    taken, slept = [], []
+    others = set(threading.enumerate()) - {threading.main_thread()}  # an earlier test's threads, not counted
+
+    def take(bucket, nbytes):
+        taken.append(nbytes)
+        return real_take(bucket, nbytes)
+
+    def sleep(seconds):
+        if threading.current_thread() not in others:
+            slept.append(seconds)
+        real_sleep(seconds)
+
+    real_take, real_sleep = _bandwidth.TokenBucket.take, time.sleep
+    monkeypatch.setattr(_bandwidth.TokenBucket, "take", take)
+    monkeypatch.setattr(time, "sleep", sleep)
+    took, bytes_taken, sleeps = {}, {}, {}
     for label, bandwidth in (("capped", cap), ("free", None)):
         url = f"memory://bw-{uuid.uuid4().hex[:12]}/run"
         uploads = remote.FolderUploads(layerckpt.Config(remote=url, remote_bandwidth=bandwidth))
+        del taken[:], slept[:]
         t = time.perf_counter()
         uploads.submit(str(folder))
         uploads.close()
         took[label] = time.perf_counter() - t
+        bytes_taken[label], sleeps[label] = sum(taken), list(slept)
         assert Bucket(url, {}).fs.cat_file(f"{Bucket(url, {}).path}/folders/checkpoint_0/scheduler.bin") == payload
     assert took["capped"] >= n / cap, took
-    assert took["free"] < n / cap, took
+    assert bytes_taken["capped"] >= n and sum(sleeps["capped"]) > 0, (bytes_taken, sleeps)
+    assert bytes_taken["free"] == 0 and sleeps["free"] == [], (bytes_taken, sleeps)
 
 
 def test_a_newer_remote_folder_wins_over_an_older_local_one(tmp_path, runs, s3):

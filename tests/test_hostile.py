@@ -310,22 +310,35 @@ def test_restore_without_a_step_retries_once_on_the_newest(store, monkeypatch):
 
 
 WRITER = """
-import os, sys, time, torch, layerckpt
+import os, select, sys, time, torch, layerckpt
 sys.path.insert(0, {tests!r})
 from test_hostile import fill, tiny
-root, stop = {root!r}, {stop!r}
 model = tiny()
-with layerckpt.Checkpointer(root, model, config=layerckpt.Config(full=True, keep_last=1)) as ck, \\
+with layerckpt.Checkpointer({root!r}, model, config=layerckpt.Config(full=True, keep_last=1)) as ck, \\
         open({log!r}, "a") as log:
-    step = 2
-    while not os.path.exists(stop) and step < 100000:
+    step, pausing = 2, False
+    while step < 100000:
+        if not pausing and select.select([0], [], [], 0)[0]:  # the reader asks for a pause ("p"), or is done
+            if os.read(0, 1) != b"p":  # (the end of its input)
+                break
+            pausing = True
         fill(model, step)
         t0 = time.monotonic()
         ck.save(step).wait()  # committed, and the previous composite pruned
         log.write(f"{{step}} {{t0!r}} {{time.monotonic()!r}}\\n")
         log.flush()
+        if step == 2:
+            print("saving", flush=True)
+        if pausing:  # nothing changes in the store until the reader says: one more save ("o"), or save on ("g")
+            print("paused", step, flush=True)
+            cmd = os.read(0, 1)
+            if cmd not in (b"o", b"g"):
+                break
+            pausing = cmd == b"o"
         step += 1
 """
+READS = 40
+HOLD_EVERY = 4  # every 4th read holds the composite it picked until the writer has replaced it
 
 
 def _save_intervals(log) -> list:
@@ -337,49 +350,88 @@ def _save_intervals(log) -> list:
 def test_a_reader_racing_keep_last_1_never_sees_corruption(tmp_path):
     """A writer process saving with keep_last=1 (deleting each composite as the next commits) while this one
     restores in a loop: every restore succeeds bit for bit, or at worst (the retry lost again) says the
-    checkpoint went to retention; never that the store is damaged.  Reads start once the writer has committed,
-    and some of them must have overlapped a save in progress (the writer logs each save's start and end)."""
+    checkpoint went to retention; never that the store is damaged.  Reads start once the writer has committed.
+    Every 4th read loses the race for sure: with the writer paused it picks the newest composite, and holds it
+    (``read.manifest-loaded``) while the writer commits one more save and pauses again, so it must retry once
+    and restore that save.  The others race the writer freely."""
+    import queue
     import subprocess
     import sys
 
-    root, stop = tmp_path / "race", tmp_path / "stop"
+    from layerckpt import _faults
+
+    root = tmp_path / "race"
     model = tiny()
     with layerckpt.Checkpointer(root, model, config=layerckpt.Config(full=True, keep_last=1)) as ck:
         fill(model, 1)
         ck.save(1).wait()
     log = tmp_path / "saves.log"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    code = WRITER.format(tests=os.path.dirname(__file__), root=str(root), stop=str(stop), log=str(log))
-    writer = subprocess.Popen([sys.executable, "-c", code], env=env)
+    code = WRITER.format(tests=os.path.dirname(__file__), root=str(root), log=str(log))
+    writer = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    said: queue.Queue = queue.Queue()  # the writer's lines, None at its end: each wait for one has a bound
+
+    def pump():
+        for line in writer.stdout:
+            said.put(line.decode())
+        said.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    picks, held = [], {}  # held: "read" where this read holds its first pick, "step" the save made meanwhile
+
+    def tell(cmd: bytes) -> int:
+        """Send the writer ``cmd``; for a pause, the step of the save it committed before pausing."""
+        writer.stdin.write(cmd)
+        writer.stdin.flush()
+        if cmd == b"g":
+            return 0
+        line = said.get(timeout=120)
+        assert line is not None and line.startswith("paused"), line
+        return int(line.split()[1])
+
+    def picked():  # a read holds a composite's manifest, nothing of it read yet
+        picks.append(1)
+        if held["read"] and len(picks) == 1:
+            held["step"] = tell(b"o")
+
     reader, spans, steps, gone, errors = tiny(1), [], set(), 0, []
+    _faults.install("read.manifest-loaded", picked)
     try:
-        ready = time.monotonic() + 60.0  # reads start once the writer has committed its first save
-        while not _save_intervals(log) and writer.poll() is None and time.monotonic() < ready:
-            time.sleep(0.01)
-        assert _save_intervals(log), "the writer committed nothing within 60 s"
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline and writer.poll() is None:
+        assert said.get(timeout=120) == "saving\n", "the writer stopped before its first commit"
+        for i in range(READS):
+            picks.clear()
+            held.clear()
+            held["read"] = i % HOLD_EVERY == 0
+            if held["read"]:
+                tell(b"p")  # the newest composite stays the newest until this read has picked it
             t0 = time.monotonic()
             try:
                 rep = layerckpt.restore(root, reader)
             except CheckpointGoneError:
+                assert not held["read"], "a read that lost the race once, the writer then waiting, was not retried"
                 gone += 1
                 continue
             except CheckpointError as e:
                 errors.append(e)
                 break
+            finally:
+                if held["read"]:
+                    tell(b"g")  # the writer saves on
             spans.append((t0, time.monotonic()))
             steps.add(rep.step)
+            if held["read"]:  # lost once, then restored what the writer committed while the read held on
+                assert len(picks) == 2 and rep.step == held["step"], (picks, rep.step, held)
             want = expected(rep.step)
             for k, v in reader.state_dict().items():
                 assert torch.equal(v, want[k]), (rep.step, k)
     finally:
-        stop.touch()
+        _faults.remove("read.manifest-loaded")
+        writer.stdin.close()  # the writer ends at its next look at its input
         writer.wait(60)
     assert writer.returncode == 0
     assert not errors, errors
     reads, saves = len(spans), _save_intervals(log)
-    # a read that overlapped a save in progress: the race this test is about did happen
+    # a read that overlapped a save in progress: the race this test is about did happen (the held ones did)
     overlapped = sum(any(s0 < r1 and r0 < s1 for s0, s1 in saves) for r0, r1 in spans)
     print(f"{reads} reads ({overlapped} overlapped a save), {gone} gone, {len(saves)} saves")
     assert reads > 10 and gone <= reads // 10, (reads, gone)

@@ -2,13 +2,16 @@
 what the killed save left behind.
 
 Each test checks that the kills really left torn state (a data file no manifest references) for the next open to
-clean up, so a run whose kills all land between saves cannot pass."""
+clean up.  The kills at random moments are matched by kills inside a flush that the child holds open for them
+(at a random chunk of its saves), so torn state is there to clean up however fast or loaded the machine is."""
 import json
 import os
+import queue
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -17,20 +20,26 @@ import torch
 import layerckpt
 
 CHILD = r"""
-import os, signal, sys, time, torch, layerckpt
+import itertools, os, signal, sys, threading, torch, layerckpt
 from layerckpt import _faults
 root, step = sys.argv[1], int(sys.argv[2])
 kill_point, kill_step = (sys.argv[3], int(sys.argv[4])) if len(sys.argv) > 3 else (None, None)
-if kill_point is None:  # killed from outside at a random time: hold each flush open a little longer, so that
-    for point in ("flush.checksum", "flush.written"):  # most kills land in one however loaded the machine is
-        _faults.install(point, lambda: time.sleep(0.03))
+if kill_point == "hold":  # the kill_step-th chunk this process flushes waits there, and says so, for a kill
+    chunks = itertools.count(1)  # from outside
+
+    def hold():
+        if next(chunks) == kill_step:
+            print("HELD", step, flush=True)
+            threading.Event().wait()
+
+    _faults.install("flush.checksum", hold)
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(12)])  # ~12.6 MB a checkpoint
 ck = layerckpt.Checkpointer(root, model, config=layerckpt.Config(threshold=0.0, keep_last=2, chunk_bytes="1MiB", queue_depth=4))
 print("READY", flush=True)
 while True:
-    if step == kill_step:  # the first time the save of kill_step reaches the point, the process dies there
-        _faults.install(kill_point, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    if step == kill_step and kill_point != "hold":  # the first time the save of kill_step reaches the point,
+        _faults.install(kill_point, lambda: os.kill(os.getpid(), signal.SIGKILL))  # the process dies there
     with torch.no_grad():
         for i, m in enumerate(model):
             m.weight.fill_(step * 100 + i)
@@ -47,7 +56,8 @@ POINTS = {
     "commit.before": "its data file whole, its manifest not yet written",
 }
 KILL_STEP = 3
-KILLS = 6  # random-time kills per backend in the default run (up to 30 while none has left a torn file)
+KILLS = 6  # kills per backend in the default run: half at random moments, half held inside a flush
+HELD_CHUNK = 20  # a held kill waits at one of the first this many chunks its child flushes (2-14 a save)
 
 
 def expected(step: int) -> torch.nn.Module:
@@ -111,34 +121,63 @@ def test_sigkill_at_each_flush_stage_leaves_a_torn_save_that_the_next_open_remov
     assert removed == {torn_file}, (point, POINTS[point])
 
 
-def _random_kills(root: str, seed: int, kills: int, max_kills: int, want_torn: int) -> tuple:
-    """Kill a saving child at random times until ``kills`` kills are done and ``want_torn`` torn files were
-    removed, or ``max_kills`` kills.  Returns (kills, torn files removed, last restored step)."""
+def _lines(p: subprocess.Popen) -> queue.Queue:
+    """The child's lines as they come, None at its end: a wait for one has a bound, so a child that stops
+    talking fails the test instead of hanging it."""
+    q: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in p.stdout:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def _random_kills(root: str, seed: int, kills: int) -> tuple:
+    """Kill a saving child ``kills`` times: every other kill at a random moment from its first commit on, the
+    others inside a flush (at a random chunk of its saves, where the child waits for the kill), each of which
+    must leave its save's data file torn for the next open to remove.  Returns (torn files removed, last
+    restored step)."""
     rng = random.Random(seed)
-    start, torn, n = 1, 0, 0
-    while n < kills or (torn < want_torn and n < max_kills):
-        n += 1
-        p = subprocess.Popen([sys.executable, "-c", CHILD, root, str(start)], stdout=subprocess.PIPE, text=True)
-        assert p.stdout.readline().strip() == "READY"
-        # from its first commit on the child saves back to back, so a kill lands inside a save (and most often
-        # inside a flush) however loaded the machine is
-        first = p.stdout.readline()
-        assert first.startswith("COMMITTED"), first
-        time.sleep(rng.uniform(0.0, 0.3))
-        p.send_signal(signal.SIGKILL)
-        out, _ = p.communicate()
-        step, removed = _check_and_clean(root, _committed(first + out))
+    start, torn = 1, 0
+    for n in range(kills):
+        held = n % 2 == 0
+        args = ["hold", str(rng.randint(1, HELD_CHUNK))] if held else []
+        p = subprocess.Popen([sys.executable, "-c", CHILD, root, str(start), *args], stdout=subprocess.PIPE,
+                             text=True)
+        lines, said, at = _lines(p), [], None
+        try:
+            assert lines.get(timeout=120) == "READY\n"
+            if held:  # the child saves on until the chosen chunk, and waits there
+                while at is None:
+                    said.append(lines.get(timeout=120))
+                    assert said[-1] is not None, said
+                    if said[-1].startswith("HELD"):
+                        at = int(said[-1].split()[1])
+            else:  # from its first commit on the child saves back to back: the kill lands in a save or between two
+                said.append(lines.get(timeout=120))
+                assert said[0].startswith("COMMITTED"), said
+                time.sleep(rng.uniform(0.0, 0.3))  # the kill's random moment
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        said.extend(iter(lines.get, None))
+        step, removed = _check_and_clean(root, _committed("".join(said)))
+        if held:  # the held save was torn, and only it: every save before it committed
+            assert step == at - 1 and removed == {f"step-{at:08d}.rank0.safetensors"}, (at, step, removed)
         torn += len(removed)
         start = step + 1
-    return n, torn, start - 1
+    return torn, start - 1
 
 
 def _sigkill_at_random_times(tmp_path, backend, kills, want_torn):
     seed = {"uring": 1234, "threads": 4321}[backend]
-    n, torn, last = _random_kills(str(tmp_path / "ck"), seed, kills, max(30, 3 * kills), want_torn)
-    print(f"{backend}: {torn} torn file(s) removed over {n} kills")
+    torn, last = _random_kills(str(tmp_path / "ck"), seed, kills)
+    print(f"{backend}: {torn} torn file(s) removed over {kills} kills")
     assert last >= 1, "no checkpoint ever committed"
-    assert torn >= want_torn, f"only {torn} of {n} kills landed inside a flush: the test did not test recovery"
+    assert torn >= want_torn, f"only {torn} of {kills} kills landed inside a flush: the test did not test recovery"
 
 
 def test_sigkill_at_random_times(tmp_path, backend):

@@ -6,7 +6,6 @@ import re
 import os
 import shutil
 import threading
-import time
 
 import pytest
 import torch
@@ -140,39 +139,38 @@ def test_the_ring_is_made_only_for_a_read_that_uses_it(tmp_path, monkeypatch):
     assert_same_optimizer_state(opt3.state_dict(), opt.state_dict())
 
 
-def _resident(path):
-    """The fraction of a file's pages the page cache holds, read in, by ``mincore`` on a mapping of it: a probe
-    that, unlike a read (even one with RWF_NOWAIT), starts no readahead of its own."""
+def _in_page_cache(path):
+    """The share of a file's pages the page cache holds, read in or with their read under way, by ``cachestat``
+    (Linux 6.5+), which starts no readahead of its own.  A read-ahead hint puts its pages there before it
+    returns and then leaves the reads to the disk, so once the last hint is given this count is settled,
+    however slow the disk (``mincore`` would count only the pages already read in)."""
     import ctypes
     import mmap
 
-    size = os.path.getsize(path)
+    class Range(ctypes.Structure):
+        _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]  # len 0: to the end of the file
+
+    class Stat(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_uint64) for f in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted",
+                                                    "nr_recently_evicted")]
+
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.syscall.restype = ctypes.c_long
     fd = os.open(path, os.O_RDONLY)
     try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            pytest.skip(f"mmap: {os.strerror(ctypes.get_errno())}")
-        try:
-            pages = -(-size // mmap.PAGESIZE)
-            vec = ctypes.create_string_buffer(pages)
-            if libc.mincore(addr, size, vec) != 0:
-                pytest.skip(f"mincore: {os.strerror(ctypes.get_errno())}")
-            return sum(b & 1 for b in vec.raw[:pages]) / pages
-        finally:
-            libc.munmap(addr, size)
+        st = Stat()
+        if libc.syscall(451, fd, ctypes.byref(Range(0, 0)), ctypes.byref(st), 0) != 0:  # cachestat's number
+            pytest.skip(f"cachestat: {os.strerror(ctypes.get_errno())}")
+        return st.nr_cache / -(-os.fstat(fd).st_size // mmap.PAGESIZE)
     finally:
         os.close(fd)
 
 
 def test_a_restore_asks_the_disk_for_every_range_at_once(tmp_path, monkeypatch):
-    """Before its reads start, a restore asks the disk for every range it will read buffered: all of a 25 MB
-    file comes into the page cache with nothing read yet (one hint would bring one readahead window: 8 MB
-    here), and the reads do not ask again; the prefetch opens nothing a read refuses."""
+    """Before its reads start, a restore asks the disk for every range it will read buffered: once the prefetch
+    has given its hints, all of a 25 MB file is in the page cache or on its way there with nothing read yet
+    (one hint would bring one readahead window: 8 MB here), and the reads do not ask again; the prefetch
+    opens nothing a read refuses."""
     from layerckpt.read import _read, _reader
 
     big = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])  # 25 MB of weights
@@ -187,17 +185,16 @@ def test_a_restore_asks_the_disk_for_every_range_at_once(tmp_path, monkeypatch):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    if _resident(path) > 0.01:
+    if _in_page_cache(path) > 0.01:
         pytest.skip("this file system keeps the file cached (tmpfs?)")
 
     asked = []
 
     class Probe(_reader.Reader):
-        def into(self, pairs):  # every page asked for: the page cache holds them all once the reads are in
-            end = time.monotonic() + 5
-            while _resident(path) < 0.99 and time.monotonic() < end:
-                time.sleep(0.02)
-            asked.append(_resident(path))
+        def into(self, pairs):  # every page asked for, before the first read: the hints have put them all in
+            assert self._prefetch is not None, "the reads started with nothing asked of the disk"
+            self._prefetch.join()  # the page cache, whether or not the disk has read them in yet
+            asked.append(_in_page_cache(path))
             return super().into(pairs)
 
     monkeypatch.setattr(_reader, "Reader", Probe)
