@@ -6,13 +6,7 @@ import threading
 import uuid
 
 import pytest
-
-# MKL and OpenMP may otherwise pick fewer threads for a matrix product when another thread of the process runs
-# one too (a checkpointer's background work beside the training), and a product summed by fewer threads differs
-# in its last bits: tests that compare two runs of the same training bit for bit need the same arithmetic in both
-os.environ.setdefault("MKL_DYNAMIC", "FALSE")
-os.environ.setdefault("OMP_DYNAMIC", "FALSE")
-import torch  # noqa: E402
+import torch
 
 from layerckpt.io._backend import native_missing, uring_available
 

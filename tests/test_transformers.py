@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -79,6 +80,31 @@ def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def in_a_fresh_process(code: str, out, *, timeout: float = 300) -> dict:
+    """The state dict of ``model`` after ``code`` ran in a new Python process (``tt`` is this module there), with
+    this process's torch thread count: a product summed by another number of threads differs in its last bits."""
+    weights = os.path.join(str(out), "fresh-process-weights.pt")
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path[:0] = [{os.path.join(ROOT, 'core')!r}, {ROOT!r}, {os.path.dirname(__file__)!r}]
+        import torch; torch.set_num_threads({torch.get_num_threads()})
+    """) + textwrap.dedent(code) + f"\ntorch.save(model.state_dict(), {weights!r})\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(weights, weights_only=True)
+
+
+def assert_ends_as_uninterrupted(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """``model`` holds the weights of the uninterrupted run of plain Trainer, bit for bit."""
+    sa, sb = model.state_dict(), reference.state_dict()
+    assert sa.keys() == sb.keys()
+    off = {k: (sa[k] - sb[k]).abs().max().item() for k in sa if not torch.equal(sa[k], sb[k])}
+    assert not off, (
+        f"{len(off)} of {len(sa)} tensors differ from the uninterrupted run's (largest differences: "
+        f"{dict(sorted(off.items(), key=lambda kv: -kv[1])[:4])}); that run was computed in a fresh process with "
+        f"{torch.get_num_threads()} torch threads, this one in the test process")
+
+
 def stopped_and_resumed(out, *, attach, cls=Trainer, **args):
     first = make(out, attach=attach, callbacks=[Stop()], cls=cls, **args)
     with pytest.raises(KeyboardInterrupt):
@@ -90,15 +116,26 @@ def stopped_and_resumed(out, *, attach, cls=Trainer, **args):
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    """The uninterrupted run of plain Trainer."""
-    t = make(tmp_path_factory.mktemp("plain"))
-    t.train()
-    return t
+    """The uninterrupted run of plain Trainer, computed in a fresh process.
+
+    Computed in this process as the module's first training run, it differed on transformers 4.57 from every other
+    run in its last bits from its second step on in 2 of about 10 runs of this module (cause not found: the same
+    run repeated in fresh processes and in this one, with its thread count, alone or beside other work, did not
+    differ again); the resumed runs it is compared with are computed here, after it."""
+    out = tmp_path_factory.mktemp("plain")
+    model = tiny_gpt2()
+    model.load_state_dict(in_a_fresh_process(f"""
+        import test_transformers as tt
+        trainer = tt.make({str(out)!r})
+        trainer.train()
+        model = trainer.model
+    """, out))
+    return types.SimpleNamespace(model=model)
 
 
 def test_resume_ends_where_the_uninterrupted_run_ends_bit_for_bit(tmp_path, plain):
     t = stopped_and_resumed(tmp_path, attach={"full": True})
-    assert same(t.model, plain.model)
+    assert_ends_as_uninterrupted(t.model, plain.model)
     assert t.state.global_step == STEPS
     assert t.layerckpt.last_restore.step == EVERY  # resumed from checkpoint-4's composite
     assert t.layerckpt.last_restore.manifest.startswith(str(tmp_path / "layerckpt"))
@@ -238,7 +275,7 @@ def test_a_folder_whose_composite_never_committed(tmp_path, plain):
     t = make(tmp_path, attach={"full": True})
     t.train(resume_from_checkpoint=True)  # skips checkpoint-8 for checkpoint-4
     assert t.layerckpt.last_restore.step == 4
-    assert same(t.model, plain.model)
+    assert_ends_as_uninterrupted(t.model, plain.model)
 
 
 def test_killed_process_resumes_to_the_same_weights(tmp_path, plain):
@@ -261,7 +298,7 @@ def test_killed_process_resumes_to_the_same_weights(tmp_path, plain):
     t = make(tmp_path, attach={"full": True})
     t.train(resume_from_checkpoint=True)
     assert t.layerckpt.last_restore.step in (4, 8)
-    assert same(t.model, plain.model)
+    assert_ends_as_uninterrupted(t.model, plain.model)
     layerckpt.store.steps(str(tmp_path / "layerckpt"))  # readable after the kill
 
 
@@ -277,7 +314,7 @@ def test_the_exported_folder_resumes_in_a_plain_trainer(tmp_path, plain, capsys)
             "config.json"} <= set(os.listdir(out)) and "layerckpt.json" not in os.listdir(out)
     t = make(tmp_path / "plain")  # no layerckpt
     t.train(resume_from_checkpoint=str(out))
-    assert same(t.model, plain.model)
+    assert_ends_as_uninterrupted(t.model, plain.model)
     again = GPT2LMHeadModel.from_pretrained(str(out))  # save_pretrained-style weights
     loaded = layerckpt.read_checkpoint(str(tmp_path / "lc" / "layerckpt"), step=4)
     assert all(torch.equal(v, loaded.model[k]) for k, v in again.state_dict().items())
@@ -302,10 +339,12 @@ def test_resuming_from_an_older_folder_saves_its_steps_again(tmp_path, plain):
     make(tmp_path, attach={"full": True}).train()
     t = make(tmp_path, attach={"full": True})
     t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))  # as plain Trainer: steps 8, 12 are redone
-    assert t.layerckpt.last_restore.step == 4 and same(t.model, plain.model)
+    assert t.layerckpt.last_restore.step == 4
+    assert_ends_as_uninterrupted(t.model, plain.model)
     again = make(tmp_path, attach={"full": True})
     again.train(resume_from_checkpoint=True)
-    assert again.layerckpt.last_restore.step == STEPS and same(again.model, plain.model)
+    assert again.layerckpt.last_restore.step == STEPS
+    assert_ends_as_uninterrupted(again.model, plain.model)
 
 
 def test_pruned_store_keeps_what_the_kept_folders_need(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import types
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from transformers import GPT2Config, GPT2ForSequenceClassification, Trainer, Tra
 
 import transformers_layerckpt  # noqa: E402
 from layerckpt import store  # noqa: E402
+from test_transformers import assert_ends_as_uninterrupted, in_a_fresh_process  # noqa: E402
 
 STEPS, EVERY, STOP = 40, 5, 33  # the resume starts from checkpoint-30
 
@@ -103,9 +105,18 @@ def stopped_and_resumed(out, pretrained, attach, ga=1, callbacks=()):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, pretrained):
-    t = fine_tune(tmp_path_factory.mktemp("plain"), pretrained)
-    t.train()
-    return t
+    """The uninterrupted run of plain Trainer, computed in a fresh process (as test_transformers.py's ``plain``,
+    whose docstring says why)."""
+    out = tmp_path_factory.mktemp("plain")
+    torch.save(pretrained, out / "pretrained.pt")
+    model = fresh()
+    model.load_state_dict(in_a_fresh_process(f"""
+        import test_transformers_defaults as td
+        trainer = td.fine_tune({str(out)!r}, torch.load({str(out / "pretrained.pt")!r}, weights_only=True))
+        trainer.train()
+        model = trainer.model
+    """, out))
+    return types.SimpleNamespace(model=model)
 
 
 def test_defaults_resume_within_half_a_percent_of_the_uninterrupted_run(tmp_path, pretrained, uninterrupted):
@@ -127,8 +138,7 @@ def test_defaults_resume_within_half_a_percent_of_the_uninterrupted_run(tmp_path
 
 def test_full_resumes_bit_for_bit(tmp_path, pretrained, uninterrupted):
     _, second = stopped_and_resumed(tmp_path, pretrained, {"full": True})
-    sa, sb = second.model.state_dict(), uninterrupted.model.state_dict()
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert_ends_as_uninterrupted(second.model, uninterrupted.model)
 
 
 def test_without_clipping_the_loss_is_the_intervals_mean(tmp_path, pretrained):
