@@ -1,6 +1,6 @@
 """Fine-tune a small transformer with Lightning + layerckpt on CPU, kill it, resume it, print what it cost.
 
-    python examples/lightning_finetune.py [--dir DIR] [--every 4] [--crash-at 170]
+    python examples/lightning_finetune.py [--dir DIR] [--every 4] [--crash-at 170] [--json PATH]
         [--finetune 240] [--pretrain 60] [--n-layer 6] [--n-embd 128]   (smaller: a quick check, not the figures)
 
 1. reference: pre-train on one synthetic task, then fine-tune on another with a Lightning Trainer
@@ -15,7 +15,8 @@ It prints bytes written, what training paid for checkpointing (the save itself, 
 next optimizer step for copies still running, the training time against no checkpointing over
 the same steps, and per checkpoint against each run's own steps away from its saves, which the step time
 of a whole process, 10-20% apart from one run to the next, does not move), resume time, and the loss after
-the resume against the run that never stopped.
+the resume against the run that never stopped; with --json PATH, also what it measured, with the machine and the
+commit that ran (the README's table is rendered from such a file).
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ import logging
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +37,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_layerckpt import LayerCheckpoint
+from layerckpt.bench import main_job
 from layerckpt.bench.lightning_workload import FineTuneModule
+from layerckpt.bench.machine import machine
 from layerckpt.bench.workload import check_crash_resume, crash_resume_parser
 
 FINETUNE = 240
@@ -128,6 +130,9 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> int:
     ap = crash_resume_parser(__doc__)
+    ap.add_argument("--json", metavar="PATH", help="also write what the run measured, with the machine and the "
+                    "commit that ran, as JSON to PATH (python -m layerckpt.bench.report renders the README's table "
+                    "from it)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-resume", choices=("layerckpt", "lightning"), help=argparse.SUPPRESS)
     ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
@@ -156,8 +161,13 @@ def main() -> int:
         plain = resume_plain(args, resumed["step"])
         bare = no_checkpoints(args)
         start = resumed["step"]
-        report(args.crash_at, args.every, ref_ck, ref_steps.seconds, stats, bare.seconds,
-               (plain["seconds"], resumed["seconds"]), resumed["losses"], ref.losses[start:])
+        res = report(args, ref_ck, ref_steps.seconds, stats, bare.seconds, (plain["seconds"], resumed["seconds"]),
+                     start, resumed["losses"], ref.losses[start:])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f)
+                f.write("\n")
+            print(f"wrote {args.json}")
         return 0
     finally:
         if not keep:
@@ -244,66 +254,18 @@ def no_checkpoints(args: argparse.Namespace) -> StepTimer:
     return timer
 
 
-def per_checkpoint(seconds, every: int, span: slice):
-    """What each checkpoint cost a run's steps, against that run's own steps away from its checkpoints: the
-    steps' total over ``span`` beyond the median of the steps that neither hold a save (batch ``i`` with
-    ``i % every == every - 1``: its batch end saves) nor follow one; per save.  Runs of the same steps in other
-    processes differ by 10-20% in their step time alone, which decides a difference of their totals; a run's
-    steps among themselves do not.  Returns (ms per checkpoint, the baseline step in ms), or None where every
-    step is next to a save (``every`` < 3)."""
-    idx = range(span.start, span.stop)
-    saves = sum(1 for i in idx if i % every == every - 1)
-    if every < 3 or not saves:
-        return None
-    base = quiet_median(seconds, every, span)
-    return sum(seconds[i] * 1e3 - base for i in idx) / saves, base
-
-
-def quiet_median(seconds, every: int, span: slice) -> float:
-    """The median step, in ms, over ``span`` of the steps :func:`per_checkpoint` takes as a run's baseline."""
-    return statistics.median(seconds[i] for i in range(span.start, span.stop) if i % every not in (every - 1, 0)) * 1e3
-
-
-def report(crash_at: int, every: int, ref_ck: TimedModelCheckpoint, ref_step_s, stats, bare_step_s, resumes, after,
-           want) -> None:
-    n = stats["saves"]  # ModelCheckpoint's saves over the same steps
-    ref_bytes = ref_ck.bytes / ref_ck.saves * n
-    ref_blocked = ref_ck.blocked_s / ref_ck.saves * n
-    ours_blocked = stats["save_return_s"] + stats["step_wait_s"]
-    # the same steps in every run: batch 1's start to batch crash_at's (batch 0 warms up)
-    span = slice(1, crash_at)
-    base, theirs, ours = (sum(x[span]) for x in (bare_step_s, ref_step_s, stats["step_s"]))
-    med = [statistics.median(x[span]) * 1e3 for x in (bare_step_s, ref_step_s, stats["step_s"])]
-    plain_s, ours_s = resumes
-    mean_rel = abs(sum(after) - sum(want)) / sum(want)
+def report(args: argparse.Namespace, ref_ck: TimedModelCheckpoint, ref_step_s, stats, bare_step_s, resumes,
+           start: int, after, want) -> dict:
+    """What the run measured (:func:`layerckpt.bench.main_job.result`), printed as its table."""
+    res = main_job.result(
+        {k: getattr(args, k) for k in ("every", "crash_at", "finetune", "pretrain", "n_layer", "n_embd")}, machine(),
+        {"bytes": ref_ck.bytes, "blocked_s": ref_ck.blocked_s, "saves": ref_ck.saves},
+        {k: stats[k] for k in ("bytes", "save_return_s", "step_wait_s", "saves")},
+        {"none": bare_step_s, "ModelCheckpoint": ref_step_s, "LayerCheckpoint": stats["step_s"]},
+        {"ModelCheckpoint": resumes[0], "LayerCheckpoint": resumes[1]}, start, after, want)
     print()
-    print(f"over the {n} checkpoints before the kill     {'ModelCheckpoint':>16} {'LayerCheckpoint':>16} {'ratio':>8}")
-    print(f"  bytes written                         {ref_bytes / 1e6:>14.1f}MB {stats['bytes'] / 1e6:>14.1f}MB "
-          f"{ref_bytes / max(stats['bytes'], 1):>7.1f}x")
-    print(f"  save() returned after                 {ref_blocked * 1e3:>14.0f}ms "
-          f"{stats['save_return_s'] * 1e3:>14.0f}ms {ref_blocked / max(stats['save_return_s'], 1e-9):>7.1f}x")
-    print(f"  + the next step's wait for the copies {0:>14.0f}ms {stats['step_wait_s'] * 1e3:>14.0f}ms")
-    print(f"  = training blocked by the saves       {ref_blocked * 1e3:>14.0f}ms {ours_blocked * 1e3:>14.0f}ms "
-          f"{ref_blocked / max(ours_blocked, 1e-9):>7.1f}x")
-    print(f"  step-time overhead vs no checkpoints  {(theirs - base) * 1e3:>14.0f}ms {(ours - base) * 1e3:>14.0f}ms "
-          + (f"{(theirs - base) / (ours - base):>7.1f}x" if ours > base else f"{'-':>8}"))
-    if ours <= base:  # the steps' own spread covers what the saves cost: no ratio to print
-        print("    (LayerCheckpoint's steps took no longer than the run without checkpoints: within the steps' noise)")
-    print(f"    (training time of steps 1-{crash_at - 1}: {base:.2f}s without checkpoints, {theirs:.2f}s and "
-          f"{ours:.2f}s with; median step {med[0]:.1f}, {med[1]:.1f} and {med[2]:.1f} ms)")
-    own = [per_checkpoint(x, every, span) for x in (ref_step_s, stats["step_s"])]
-    if None not in own:
-        (t_ms, t_base), (o_ms, o_base) = own
-        print(f"  per checkpoint, against the run's own {t_ms:>12.1f}ms {o_ms:>14.1f}ms "
-              + (f"{t_ms / o_ms:>7.1f}x" if o_ms > 0 else f"{'-':>8}"))
-        print(f"    (each run's steps beyond its median step away from the saves and the steps after them: "
-              f"{t_base:.1f} and {o_base:.1f} ms; {quiet_median(bare_step_s, every, span):.1f} ms without checkpoints)")
-    print(f"  resume in a new process               {plain_s * 1e3:>14.0f}ms {ours_s * 1e3:>14.0f}ms "
-          f"{plain_s / ours_s:>7.1f}x")
-    print("    (Trainer setup to the first step: reading the checkpoint and putting the state back)")
-    print(f"  loss after resume vs uninterrupted    mean over the {len(after)} steps after the resume within "
-          f"{mean_rel * 100:.3f}%{' (bit-identical)' if after == want else ''}; final loss {after[-1]:.4f} vs "
-          f"{want[-1]:.4f}")
+    print(main_job.format_table(res))
+    return res
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 `layerckpt bench --steps` (docs/performance.md) and `layerckpt bench --policy --plot` (docs/selection.md).  Each
 in a new process, as a user runs it: exit 0 and the lines that carry its figures (a smoke test, not a
 measurement)."""
-import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -32,7 +32,7 @@ def test_main_job_runs_small(tmp_path):
     """Pre-train, fine-tune with ModelCheckpoint, the same with LayerCheckpoint killed by SIGKILL, resume, report:
     a 2-block model, 5 pre-training and 12 fine-tuning steps, a checkpoint every 3, the kill at step 7."""
     out = _run([sys.executable, MAIN_JOB, "--dir", str(tmp_path), "--finetune", "12", "--crash-at", "7", "--every",
-                "3", "--pretrain", "5", "--n-layer", "2", "--n-embd", "32"])
+                "3", "--pretrain", "5", "--n-layer", "2", "--n-embd", "32", "--json", str(tmp_path / "job.json")])
     _lines(out, "reference: 12 fine-tuning steps after pre-training, Lightning's ModelCheckpoint every 3 steps",
            "LayerCheckpoint run, killed with SIGKILL at step 7 ...",
            "the same 7 steps without checkpointing, for the step-time overhead ...",
@@ -46,14 +46,21 @@ def test_main_job_runs_small(tmp_path):
     assert f"mean over the {12 - start} steps after the resume within " in out
     # the resumed run went on to the end, saving as it went (the default keep_last=2)
     assert sorted(os.listdir(tmp_path / "layerckpt" / "manifests")) == ["step-00000009.json", "step-00000012.json"]
+    # --json: what it measured, with the machine; the README's table is this object rendered, the text it printed
+    from layerckpt.bench import main_job, report
+
+    with open(tmp_path / "job.json") as f:
+        res = json.load(f)
+    assert res["main_job"]["crash_at"] == 7 and res["resumed_step"] == start and "commit" in res["machine"]
+    assert main_job.format_table(res) in out
+    assert report.view_of(res) == "main-job"
 
 
 def test_main_job_prices_a_checkpoint_against_its_own_quiet_steps():
     """The per-checkpoint row: each run's steps beyond the median of its steps that neither save nor follow a
     save, per save; a run whose every step was slower by the same amount (another process) costs the same."""
-    spec = importlib.util.spec_from_file_location("main_job", MAIN_JOB)
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
+    from layerckpt.bench import main_job as job
+
     every, span = 4, slice(1, 41)  # batches 1-40: saves at the ends of batches 3, 7, ..., 39 (10 saves)
     for base in (0.040, 0.050):
         steps = [base] * 41
@@ -98,7 +105,7 @@ sys.exit(cli.main(["bench", "--policy", "--workloads", "cnn", "--plot", sys.argv
 
 
 def test_bench_policy_plot_runs_small(tmp_path):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401
     plot, work = tmp_path / "frontier.png", tmp_path / "work"
     work.mkdir()
     out = _run([sys.executable, "-c", POLICY, str(plot), str(work)])

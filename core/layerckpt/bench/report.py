@@ -29,6 +29,7 @@ Views (the marker's second word; without one, the view is told from the JSON's k
 ``lossy``            ``layerckpt bench --lossy``
 ``goodput``          ``layerckpt bench --goodput`` (``goodput_report.format_table``)
 ``goodput-summary``  its README summary: each contender at its best cadence, lost time split, targets
+``main-job``         ``examples/lightning_finetune.py --json`` (``main_job.format_table``)
 ===================  ==========================================================================================
 """
 from __future__ import annotations
@@ -74,11 +75,14 @@ VIEWS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "lossy": _call("lossy", "format_table"),
     "goodput": _call("goodput_report", "format_table"),
     "goodput-summary": _call("goodput_report", "format_summary"),
+    "main-job": _call("main_job", "format_table"),
 }
 
 
 def view_of(res: Dict[str, Any]) -> str:
     """The view a marker without one gets, told from the JSON's keys (the bench that wrote it)."""
+    if "main_job" in res:
+        return "main-job"
     if "rows" in res and res.get("lossy"):
         return "lossy"
     if "rows" in res:
