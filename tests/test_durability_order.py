@@ -83,8 +83,8 @@ def check_order(root: str, lines) -> int:
             files[ident[path]] = {"write": -1, "sync": -1, "named": -1}
         return ident[path]
 
-    bad, checked = [], 0
-    for i, (call, path, names) in enumerate(_events(lines)):
+    bad, checked, events = [], 0, _events(lines)
+    for i, (call, path, names) in enumerate(events):
         if call in ("write", "pwrite64", "pwritev", "pwritev2", "ftruncate") and path and path.startswith(root):
             files[fid(path)]["write"] = i
         elif call in ("fsync", "fdatasync") and path and path.startswith(root):
@@ -118,21 +118,12 @@ def check_order(root: str, lines) -> int:
                 if not max(d["named"], 0) < folder < i:
                     bad.append(f"{os.path.basename(dst)} was renamed into place (call {i}) before the folder of "
                                f"{name} was synced after the file got its name (folder synced at {folder})")
-            pending_dir = (os.path.dirname(dst), i)
-            bad.extend(_dir_after(lines, pending_dir, root))
+            folder = os.path.dirname(dst)
+            if not any(c in ("fsync", "fdatasync") and p == folder for c, p, _ in events[i + 1:]):
+                bad.append(f"{folder} was never synced after the rename of call {i}")
     assert checked, "no manifest rename was seen: the trace did not record the commit"
     assert not bad, "\n".join(bad)
     return checked
-
-
-def _dir_after(lines, pending, root):
-    """The ``manifests/`` folder is synced after a manifest's rename (its name durable before the save is said
-    to be committed)."""
-    folder, at = pending
-    for j, (call, path, _) in enumerate(_events(lines)):
-        if j > at and call in ("fsync", "fdatasync") and path == folder:
-            return []
-    return [f"{folder} was never synced after the rename of call {at}"]
 
 
 @pytest.mark.parametrize("backend", ["threads", "uring"])
@@ -173,6 +164,8 @@ def test_the_check_fails_on_a_data_sync_after_the_publication(tmp_path):
     no_dir = [x for x in good if f"{r}/data>" not in x]
     with pytest.raises(AssertionError, match="before the folder of"):
         check_order(r, no_dir)
+    with pytest.raises(AssertionError, match="manifests was never synced after the rename"):
+        check_order(r, good[:-1])
     unsynced = [x for x in good if ".json.tmp>) = 0" not in x or "write" in x]
     with pytest.raises(AssertionError, match="before its own bytes were synced"):
         check_order(r, unsynced)
