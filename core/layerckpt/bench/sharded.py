@@ -445,8 +445,9 @@ def format_table(res: Dict[str, Any]) -> str:
         f"layerckpt bench --sharded: {res['size']} ({res['parameters'] / 1e6:.1f}M parameters), {gb:.2f} GB of "
         f"state (model + AdamW), {_layout_name(res)} (gloo, CPU); {res['reps']} timed repeats each after one "
         f"warm-up: median [min-max]"
-        + (f"; layerckpt's Config.encoding {res['encoding']!r} (full saves repeat an unchanged state: encoded, "
-           f"they write little)" if res.get("encoding") else ""),
+        + (f"; layerckpt's Config.encoding {res['encoding']!r}" + (
+            " (raw bytes)" if res["encoding"] == "off" else
+            " (full saves repeat an unchanged state: encoded, they write little)") if res.get("encoding") else ""),
         f"machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.1f} GiB RAM, kernel {m['kernel']}, "
         f"torch {m['torch']}",
         f"reference (one process, the whole state's bytes): O_DIRECT write {ref['write_s']:.3f}s "
@@ -468,7 +469,8 @@ def format_table(res: Dict[str, Any]) -> str:
     lines += ["", f"layerckpt first save (allocates the staging pool, the untimed warm-up): "
               f"{full['first_durable_s']:.3f}s; selective saves train 2 steps before each save"]
     q = res["ratios"]
-    lines.append("ratios (medians, same run): " + ", ".join(f"{k} = {v:.2f}x" for k, v in q.items()))
+    lines.append("ratios (medians, same run): " + ", ".join(f"{k.replace('2->1', f'{w}->1')} = {v:.2f}x"
+                                                          for k, v in q.items()))
     target = q["dcp.save durable / full durable"]
     lines.append(f"target: full sharded save at least 2x faster to durable than dcp.save: {target:.2f}x, "
                  f"{'met' if target >= 2 else 'NOT met'}")
