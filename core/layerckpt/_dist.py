@@ -58,17 +58,36 @@ class Group:
     collectives of this group it has begun (gloo's own error names a socket, and often a live peer that
     merely gave up first)."""
 
-    def __init__(self, timeout_s: Optional[float] = None, enabled: bool = True):
+    def __init__(self, timeout_s: Optional[float] = None, enabled: bool = True, ranks: Optional[List[int]] = None):
         self.rank = rank() if enabled else 0
         self.world = world_size() if enabled else 1
+        #: the global ranks of its members (``ranks``: a group of some ranks only; every rank forms it all the
+        #: same, and ``rank`` is then this process's place among them, -1 outside it)
+        self.members = list(range(self.world)) if ranks is None else list(ranks)
         self._pg = None
         self._begun = 0  # collectives begun on this group (its forming included): the same count on every rank
         self._roll = None  # where each rank records how many it has begun
         if self.world > 1:
             timeout_s = training_timeout_s() if timeout_s is None else timeout_s
-            self._roll = _roll(next(_formed))
-            self._pg = self._collective("forming the checkpoint's process group", lambda: _dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+            n = next(_formed)
+            me = self.rank
+            if ranks is not None:
+                self.rank = self.members.index(me) if me in self.members else -1
+                self.world = len(self.members)
+            pg = _dist.new_group(ranks=None if ranks is None else self.members, backend="gloo",
+                                 timeout=datetime.timedelta(seconds=timeout_s)) if ranks is not None else None
+            if ranks is None:
+                self._roll = _roll(n)
+                self._pg = self._collective("forming the checkpoint's process group", lambda: _dist.new_group(
+                    backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+            elif self.rank >= 0 and self.world > 1:
+                self._roll = _roll(n)
+                self._pg = pg
+
+    @property
+    def pg(self) -> Any:
+        """The gloo process group (None alone, or outside a group of some ranks)."""
+        return self._pg
 
     def close(self) -> None:
         """Destroy the group, once its Checkpointer's collectives are over (they all complete before its
@@ -104,7 +123,7 @@ class Group:
         self._begun += 1
         try:
             if self._roll is not None:
-                self._roll.set(str(self.rank), str(self._begun))
+                self._roll.set(str(self.members[self.rank]), str(self._begun))
             return run()
         except Exception as e:  # noqa: BLE001 - gloo's errors (RuntimeError, DistError) name no rank
             raise self._failed(what, e) from e
@@ -114,23 +133,23 @@ class Group:
         cause = str(e).split("\n", 1)[0]
         fix = "restart the job; restore() picks the newest committed checkpoint"
         if self._roll is None:
-            return CheckpointError(f"layerckpt: rank {self.rank}: {what} failed (a peer rank is gone or stuck); "
+            return CheckpointError(f"layerckpt: rank {rank()}: {what} failed (a peer rank is gone or stuck); "
                                    f"{fix} [{type(e).__name__}: {cause}]")
         try:
-            absent = [r for r in range(self.world) if r != self.rank and self._reached(r) < self._begun]
+            absent = [r for r in self.members if r != self.members[self.rank] and self._reached(r) < self._begun]
         except Exception as store_error:  # noqa: BLE001 - its host (often rank 0's process) is gone too
             return CheckpointError(
-                f"layerckpt: rank {self.rank}: {what} failed, and the rendezvous store does not answer either "
+                f"layerckpt: rank {rank()}: {what} failed, and the rendezvous store does not answer either "
                 f"({str(store_error).splitlines()[0] if str(store_error) else type(store_error).__name__}): the "
                 f"process hosting it (rank 0's, unless a launcher hosts it) is likely the one gone; {fix} "
                 f"[{type(e).__name__}: {cause}]")
         if absent:
             who = f"rank {absent[0]}" if len(absent) == 1 else "ranks " + ", ".join(map(str, absent))
             return CheckpointError(
-                f"layerckpt: rank {self.rank}: {what} failed: {who} had not reached it (dead, or not there yet); "
+                f"layerckpt: rank {rank()}: {what} failed: {who} had not reached it (dead, or not there yet); "
                 f"{fix} [{type(e).__name__}: {cause}]")
         return CheckpointError(
-            f"layerckpt: rank {self.rank}: {what} failed: every rank had reached it, so a rank died inside it; "
+            f"layerckpt: rank {rank()}: {what} failed: every rank had reached it, so a rank died inside it; "
             f"{fix} [{type(e).__name__}: {cause}]")
 
     def _reached(self, r: int) -> int:

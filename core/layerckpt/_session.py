@@ -8,9 +8,10 @@ Checkpointer of this process taking the store over; the flusher finishes what it
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional, Tuple
 
-from . import _dist
+from . import _dist, _nodes
 from ._registry import Owner
 from .config import Config
 from .errors import CheckpointError
@@ -24,39 +25,79 @@ from .write._stage import BufferPool, LazyStager
 log = logging.getLogger("layerckpt")
 
 
-def open_store(dirpath: str, config: Config, group: _dist.Group,
-               retention: _retain.Retention) -> Tuple[Optional[_store.WriterLock], Optional[_tiers.Tiers]]:
-    """Rank 0 locks the store, removes torn leftovers and opens the tiers; every rank learns whether it
-    did, so all of them go on or all refuse together."""
+def open_store(dirpath: str, config: Config, group: _dist.Group, retention: _retain.Retention
+               ) -> Tuple[Optional[_store.WriterLock], Optional[_tiers.Tiers], _nodes.Placement]:
+    """Each store's owner (rank 0 for a directory every rank shares; on node-local directories, each node's
+    lowest rank: ``_nodes.place``) locks its store, removes torn leftovers and opens the tiers; every rank
+    learns whether each did, so all of them go on or all refuse together."""
+    try:
+        os.makedirs(dirpath, exist_ok=True)
+    except OSError:
+        pass  # _nodes.place says which rank could not write it, on every rank
+    placement = _nodes.place(group, dirpath)
+    identity = _agree_identity(dirpath, group, placement) if placement.split else None
     writer: Optional[_store.WriterLock] = None
     tiers: Optional[_tiers.Tiers] = None
     refused: Optional[str] = None
-    if group.rank == 0:
+    if placement.is_owner:
         try:
-            writer, tiers = _lock_and_clean(dirpath, config, retention)
+            writer, tiers = _lock_and_clean(dirpath, config, retention, placement, identity)
         except (CheckpointError, OSError) as e:
-            refused = str(e)
+            refused = str(e) if not placement.split else f"node {placement.nodes[group.rank]}: {e}"
     if group.world > 1:  # no rank writes before the leftovers are gone, or all refuse together
-        refused = group.exchange(refused)[0]
+        refused = next((r for r in group.exchange(refused, what="opening the checkpoint directory")
+                        if r is not None), None)
     if refused is not None:
         if tiers is not None:
             tiers.close()
         if writer is not None:
             writer.release()
         raise CheckpointError(refused)
-    return writer, tiers
+    return writer, tiers, placement
 
 
-def _lock_and_clean(dirpath: str, config: Config,
-                    retention: _retain.Retention) -> Tuple[_store.WriterLock, Optional[_tiers.Tiers]]:
-    """One writer per store: rank 0 holds the lock for the Checkpointer's life, and only the holder
-    cleans up, so no opener ever deletes what another one is still writing."""
+def _agree_identity(dirpath: str, group: _dist.Group, placement: _nodes.Placement) -> str:
+    """The one store identity of every node's part: the first node's that has one, else a new one.  Parts
+    that carry different identities hold different stores' composites: refused, naming them."""
+    import uuid
+
+    mine: Optional[str] = None
+    error: Optional[str] = None
+    if placement.is_owner:
+        try:
+            mine = _store.store_id(dirpath)
+        except CheckpointError as e:
+            error = str(e)
+    answers = group.exchange({"id": mine, "error": error, "new": uuid.uuid4().hex},
+                             what="agreeing on the store identity of the nodes' parts")
+    errors = [f"node {placement.nodes[r]}: {a['error']}" for r, a in enumerate(answers) if a["error"]]
+    if errors:
+        raise CheckpointError("layerckpt: " + "; ".join(errors))
+    found = {r: a["id"] for r, a in enumerate(answers) if a["id"] is not None}
+    ids = sorted(set(found.values()))
+    if len(ids) > 1:
+        by = "; ".join(f"node {placement.nodes[r]} ({dirpath}) holds store {i}" for r, i in sorted(found.items()))
+        raise CheckpointError(f"layerckpt: the nodes' checkpoint directories hold different stores' checkpoints: "
+                              f"{by}; give every node the directory of one run (or empty ones)")
+    return ids[0] if ids else answers[0]["new"]
+
+
+def _lock_and_clean(dirpath: str, config: Config, retention: _retain.Retention, placement: _nodes.Placement,
+                    identity: Optional[str]) -> Tuple[_store.WriterLock, Optional[_tiers.Tiers]]:
+    """One writer per store: its owner holds the lock for the Checkpointer's life, and only the holder
+    cleans up, so no opener ever deletes what another one is still writing.  A node's part records the
+    agreed store identity and whose part it is (``_nodes.PART``)."""
     _store.ensure_layout(dirpath)
     writer = _store.WriterLock(dirpath)
     try:
         removed = _retain.cleanup(dirpath)
         if removed:
             log.info("layerckpt: removed %d leftover file(s) of interrupted saves", len(removed))
+        if identity is not None:
+            _store.ensure_store_id(dirpath, identity)
+            _nodes.write_part(dirpath, placement)
+        else:
+            _nodes.clear_part(dirpath)
         # memory/remote: a bad URL fails here
         return writer, _tiers.open_tiers(dirpath, config, retention)
     except BaseException:
@@ -65,12 +106,16 @@ def _lock_and_clean(dirpath: str, config: Config,
 
 
 def start_io(dirpath: str, config: Config, writer: Optional[_store.WriterLock],
-             tiers: Optional[_tiers.Tiers]) -> Tuple[int, Any, BufferPool]:
-    """The commit number to continue from, the writer backend and the staging buffers."""
+             tiers: Optional[_tiers.Tiers], group: Optional[_dist.Group] = None,
+             split: bool = False) -> Tuple[int, Any, BufferPool]:
+    """The commit number to continue from (on node-local parts, the highest of any node's: every node
+    commits the same manifests), the writer backend and the staging buffers."""
     try:
         seq = _store.max_seq(dirpath, mark=writer is not None)
         if tiers is not None:  # commit order continues past what the tiers hold
             seq = max(seq, tiers.seq)
+        if split and group is not None:
+            seq = max(group.exchange(seq, what="agreeing on the commit number to continue from"))
         return seq, make_backend(config.backend, config.queue_depth), \
             BufferPool(config.chunk_bytes, config.staging_bytes)
     except BaseException:
@@ -79,9 +124,31 @@ def start_io(dirpath: str, config: Config, writer: Optional[_store.WriterLock],
         raise
 
 
+def open_replicas(dirpath: str, config: Config, placement: _nodes.Placement, retention: _retain.Retention
+                  ) -> Tuple[Optional[Any], Optional[_dist.Group]]:
+    """``Config.replicas`` on node-local directories: the owners' process group (formed by every rank) and,
+    on each owner, its store's replication (``tiers/_replica``)."""
+    if config.replicas <= 0:
+        return None, None
+    if not placement.split:
+        if placement.rank == 0:
+            log.info("layerckpt: Config.replicas=%d is not used: every rank shares %s", config.replicas, dirpath)
+        return None, None
+    from .tiers._replica import Replicas
+
+    owners = placement.owners
+    group = _dist.Group(ranks=owners)
+    if not placement.is_owner:
+        return None, group
+    me = placement.owner[placement.rank]
+    return Replicas(dirpath, placement.node_of(me), placement.ranks_of(me), [placement.node_of(o) for o in owners],
+                    group, config.replicas, _store.store_id(dirpath), retention), group
+
+
 def shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_store.WriterLock],
              tiers: Optional[_tiers.Tiers] = None, hook=None, owner: Optional[Owner] = None,
-             group: Optional[_dist.Group] = None, stager: Optional[LazyStager] = None) -> None:
+             group: Optional[_dist.Group] = None, stager: Optional[LazyStager] = None, replicas: Any = None,
+             replica_group: Optional[_dist.Group] = None) -> None:
     """Free everything a Checkpointer held, in the order that lets each part finish what the one before hands
     it; a newer Checkpointer waiting to take the store over may lock it once this returns."""
     try:
@@ -92,6 +159,10 @@ def shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_stor
         flusher.stop()
         if tiers is not None:  # after the flusher: no more copies are queued
             tiers.close()
+        if replicas is not None:  # after the flusher: no more rounds are queued
+            replicas.close()
+        if replica_group is not None:
+            replica_group.close()
         backend.close()
         pool.close()
         if writer is not None:

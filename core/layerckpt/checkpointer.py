@@ -95,10 +95,16 @@ class Checkpointer:
         self.rank = self.group.rank
         thread = FlushThread()
         self._retention = _retain.Retention(self.dirpath, self.config.keep_last, later=thread.then)
-        self._writer, self._tiers = _session.open_store(self.dirpath, self.config, self.group, self._retention)
-        self._seq, self.backend, self.pool = _session.start_io(self.dirpath, self.config, self._writer, self._tiers)
+        self._writer, self._tiers, self.placement = _session.open_store(self.dirpath, self.config, self.group,
+                                                                        self._retention)
+        self._seq, self.backend, self.pool = _session.start_io(self.dirpath, self.config, self._writer, self._tiers,
+                                                               self.group, self.placement.split)
         self._flusher = Flusher(self.backend, self.pool, self.config, self.dirpath, self.group,
                                 listeners=self._listeners(), thread=thread)
+        self._flusher.committers = frozenset(self.placement.owners)
+        self._replicas, self._replica_group = _session.open_replicas(self.dirpath, self.config, self.placement,
+                                                                     self._retention)
+        self._flusher.listeners = tuple(self._listeners())
         if self._tiers is not None:
             if self._flusher.cost is not None:  # encoding='auto': a remote gets encoded what pays there
                 box = self._charge_now  # not self: the tier must not keep the Checkpointer alive
@@ -127,11 +133,14 @@ class Checkpointer:
     # ------------------------------------------------------------ opening (the store, the I/O: ``_session``)
 
     def _listeners(self) -> list:
-        """What runs after each commit, in order (rank 0): the tiers queue their copies, then the local
-        retention keeps what they copy from, the pinned composites and the ``keep_last`` newest."""
-        if self.rank != 0:
+        """What runs after each commit, in order (each store's owner: rank 0, or on node-local directories each
+        node's lowest rank): the tiers queue their copies, then the local retention keeps what they copy from,
+        the pinned composites and the ``keep_last`` newest."""
+        if not self.placement.is_owner:
             return []
-        return ([self._tiers] if self._tiers is not None else []) + [self._retention]
+        replicas = getattr(self, "_replicas", None)
+        return ([self._tiers] if self._tiers is not None else []) + ([replicas] if replicas is not None else []) + [
+            self._retention]
 
     def _guard_optimizer(self) -> Tuple[bool, Any]:
         """Lazy staging: the optimizer's step waits for the copies of a save still being staged."""
@@ -146,7 +155,8 @@ class Checkpointer:
         ref = weakref.ref(self)
         owner = _registry.Owner(self.dirpath, functools.partial(_retire, ref))
         release = weakref.finalize(self, _session.shutdown, self._flusher, self.backend, self.pool, self._writer,
-                                   self._tiers, hook, owner, self.group, self._stager)
+                                   self._tiers, hook, owner, self.group, self._stager, self._replicas,
+                                   self._replica_group)
         owner.claim()
         # It must run before thread pools refuse new work at shutdown, hence threading's exit hooks (run
         # newest first, before concurrent.futures' own) where this Python has them.
@@ -224,6 +234,17 @@ class Checkpointer:
         self._raise_unreported()
         if self._tiers is not None:  # and every copy to the memory and remote tiers
             self._tiers.wait()
+        if self._replicas is not None:  # and the partners' copies of this node's part
+            self._replicas.wait()
+
+    @property
+    def replicas(self) -> Dict[str, Any]:
+        """What the peer replication of this node's part did (``Config.replicas``, node-local directories, the
+        node's lowest rank): rounds, bytes sent, bytes held of other nodes' parts, seconds from each commit to
+        its replicas; {} elsewhere."""
+        from .tiers._replica import stats
+
+        return stats(self._replicas)
 
     def close(self, wait: bool = True) -> None:
         """Wait for in-flight work, then free the thread, the buffers, the ring and the store's lock.

@@ -205,6 +205,14 @@ class Config:
     every tensor is written).  A restore takes such a tensor from the model where the model holds it already
     (built from the same weights, proven by its fingerprint), else from the files its own Config names here.
     The files are only read; a manifest names no path (docs/selection.md, "Pretrained weights by reference")."""
+    replicas: int = 0
+    """Under torch.distributed with node-local directories (each node its own ``dirpath``; see docs/nodes.md):
+    how many partner nodes also hold each node's newest committed part in their memory (a ring: node i's part
+    goes to nodes i+1, ..., i+replicas), sent over torch.distributed in the background after each commit.  A
+    node lost with its disk and memory then restores its ranks' part from a partner instead of the remote.  Each
+    partner holds the newest complete copy and the one arriving (at most twice a node's part in its memory
+    tier's base folder, ``LAYERCKPT_SHM`` or /dev/shm).  0: none.  Ignored (logged) on one node or a shared
+    directory, where every node reads the same disk."""
 
     def __post_init__(self) -> None:
         self._check_selection()
@@ -286,6 +294,7 @@ class Config:
     def _check_tiers(self) -> None:
         """Where copies go and how many stay; the remote_* fields only with a remote."""
         _number(self, "keep_last", int, lo=0)
+        _number(self, "replicas", int, lo=0, hi=64)
         _flags(self, "memory_tier")
         self._check_remote_every()
         if self.remote_bandwidth is not None:
@@ -381,7 +390,7 @@ GROUPS: Dict[str, Tuple[str, ...]] = {
                   "row_block_bytes", "layers", "pretrained"),
     "io": ("staging_bytes", "chunk_bytes", "queue_depth", "max_inflight", "lazy_staging", "backend", "direct_io",
            "encoding", "delta_chain", "encode_threads", "lossy_quantum", "lossy_bits"),
-    "tiers": ("keep_last", "memory_tier", "remote", "remote_options", "remote_every", "remote_bandwidth"),
+    "tiers": ("keep_last", "memory_tier", "remote", "remote_options", "remote_every", "remote_bandwidth", "replicas"),
     "restore": ("verify_checksums", "restore_rng"),
 }
 """Every Config field, once, by what it governs (docs/configuration.md's Config table follows it)."""

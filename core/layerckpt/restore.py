@@ -22,7 +22,7 @@ import torch
 
 from . import _dist
 from .io._backend import checksum_function
-from .read import _fetch, _pretrained
+from .read import _fetch, _parts, _pretrained
 from .format._codec import decode, tensor_refs
 from .write._gather import model_state, optimizer_params, param_names, rng_values, set_rng_state
 from .format._layout import CODES, DTYPES
@@ -69,6 +69,9 @@ class RestoreReport(_Summary):
     cost: Optional[float] = None  # estimated fidelity cost: first-order loss the stale layers give up
     lag: Optional[float] = None  # the same in checkpoint intervals of training progress
     loss_increase: Optional[float] = None  # the same as a fraction of the training loss at the save
+    #: node-local directories (docs/nodes.md): rank -> where that rank's part of the composite came from on its
+    #: node ("disk", "memory", "replica": a partner node's memory, "remote"); {} for one directory
+    sources: Dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,6 +83,7 @@ class LoadedCheckpoint(_Summary):
     rng: Optional[Dict[str, Any]]  # this rank's RNG states; apply with restore_rng()
     seconds: float = 0.0
     _rng_values: Dict[str, Any] = field(default_factory=dict, repr=False)  # decoded and checked at the read
+    sources: Dict[int, str] = field(default_factory=dict)  # as :attr:`RestoreReport.sources`
 
     def restore_rng(self) -> None:
         """Set python/numpy/torch (and CUDA) RNG to their state at the save."""
@@ -188,6 +192,13 @@ def _read_viewed(path: Any, step: Optional[int], config: Optional[Config], manif
     turn out damaged, the composite is read again from the next tier (the disk): the memory tier is a cache,
     and damage to it never fails a read the disk can serve.  A model the first read partly filled is filled
     again by the second (the optimizer and RNG are set only once every tensor was read and verified)."""
+    if _parts.collective(path):  # node-local directories: the ranks gather the composite together
+        with _parts.gather(path, step, config) as got:
+            if got.view is not None:
+                with open_reader(got.view, config, manifest_paths=manifest_paths) as r:
+                    out = _as_viewed(read(r), got.view)
+                out.sources = got.sources
+                return out
     with _fetch.view(path, step, config) as v:
         try:
             with open_reader(v, config, manifest_paths=manifest_paths) as r:

@@ -10,7 +10,7 @@ import errno
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import AbstractSet, Any, Dict, List, NamedTuple, Optional, Sequence
 
 from .. import _faults
 from .._dist import Group
@@ -95,17 +95,25 @@ def agree(group: Group, mine: RankResult, failed: Optional[BaseException], path:
     raise CheckpointWriteError(bad[0].error.errno, bad[0].error.path, detail=f"{detail}; nothing was committed")
 
 
-def publish(group: Group, root: str, m: Manifest) -> str:
-    """Rank 0 commits; every rank learns whether it did.  Returns the manifest path."""
+def publish(group: Group, root: str, m: Manifest, committers: AbstractSet[int] = frozenset({0})) -> str:
+    """Each store's owner (``committers``: rank 0, or each node's owner on node-local directories) commits
+    ``m`` into its store; every rank learns whether each did.  Returns the manifest path."""
     status = None
     path = os.path.join(root, MANIFEST_DIR, manifest_name(m.step))
-    if group.rank == 0:
+    if group.rank in committers:
         try:
             commit(root, m)
         except OSError as e:
             status = [e.errno or errno.EIO, getattr(e, "filename", None) or root]
     if group.world > 1:
-        status = group.exchange(status, what=f"learning from rank 0 whether step {m.step} is committed (it may be)")[0]
+        answers = group.exchange(status, what=f"learning from the committing ranks whether step {m.step} is "
+                                              f"committed (it may be)")
+        failed = [(r, a) for r, a in enumerate(answers) if a is not None]
+        status = failed[0][1] if failed else None
+        if failed and len(committers) > 1:
+            nodes = ", ".join(f"rank {r}'s ({a[1]})" for r, a in failed)
+            raise CheckpointWriteError(status[0], status[1], detail=f"the manifest could not be committed into "
+                                       f"{nodes}; the nodes that hold it restore it, the others fetch it from them")
     if status is not None:
         raise CheckpointWriteError(status[0], status[1], detail="the manifest could not be committed")
     return path

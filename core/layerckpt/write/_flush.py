@@ -222,6 +222,8 @@ class Flusher:
         self._hurry = threading.Event()  # a save() waits for the save flushing now: stop encoding it
         #: where to put a copy in memory of a data file written raw (the memory tier's, ``Tiers.staged_copy``)
         self.staged_copy: Optional[Callable[[str], Optional[str]]] = None
+        #: the ranks that commit each manifest into their store: rank 0, or each node's store owner
+        self.committers: AbstractSet[int] = frozenset({0})
 
     def hurry(self) -> None:
         """A ``save()`` waits for the save flushing now: the rest of it is written without encoding, so that
@@ -295,7 +297,7 @@ class Flusher:
         _commit.merge(m, ranks, CHECKSUM)
         _encwrite.merge_refs(m.tensors, m.files)
         t = time.perf_counter()
-        job.pending.manifest_path = _commit.publish(self.group, self.root, m)
+        job.pending.manifest_path = _commit.publish(self.group, self.root, m, self.committers)
         self.refs.committed(m.tensors, m.files)
         job.pending.durable_s = time.perf_counter() - job.t0  # committed: what follows is housekeeping
         job.pending.phases["commit"] = time.perf_counter() - t

@@ -85,6 +85,7 @@ class Retention:
         self._lock = threading.Lock()
         self._pinned: AbstractSet[str] = frozenset()
         self._held: AbstractSet[str] = frozenset()
+        self._holders: Dict[str, AbstractSet[str]] = {}
         self._parsed: dict = {}  # the manifests parsed so far (see _manifest.parse_once), on the flusher thread
 
     def pin(self, names: Iterable[str]) -> None:
@@ -96,10 +97,12 @@ class Retention:
         with self._lock:
             return self._pinned
 
-    def hold(self, names: Iterable[str]) -> None:
-        """The manifest names the tiers still copy from or have queued; replaces the previous set."""
+    def hold(self, names: Iterable[str], who: str = "tiers") -> None:
+        """The manifest names ``who`` (the tiers, the peer replicas) still copies from or has queued; replaces
+        the previous set of that holder."""
         with self._lock:
-            self._held = frozenset(names)
+            self._holders[who] = frozenset(names)
+            self._held = frozenset().union(*self._holders.values())
 
     def keep(self) -> AbstractSet[str]:
         """What stays besides the ``keep_last`` newest."""

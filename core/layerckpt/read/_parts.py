@@ -1,0 +1,362 @@
+"""Reading a composite whose files are spread over the nodes' own directories (``_nodes``): collective.
+
+Every rank calls ``restore(dirpath, ...)`` with its node's directory.  The owner of each node's store lists
+what it can serve: the composites and data files of its disk, of its memory tier, and of the replicas of
+other nodes' parts it holds (``tiers/_replica``); rank 0 adds the remote tier's newest composite.  From
+those lists every rank works out the same answer: the newest composite every rank can reach (all its
+files held somewhere among the nodes), else the remote's, else a clear error naming what is missing.
+Each owner then gathers a local view of it, a folder beside its store: the files its node holds are
+linked in, the others arrive from the nodes that hold them over torch.distributed.  Files of its own
+ranks' part that it had lost (a node replaced with an empty disk) are written back into its store first,
+and the manifest where it lacked it, so that its store is whole again.  The ranks of each node then read
+that view as they read any directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from .. import _dist, _nodes
+from ..config import Config
+from ..errors import CheckpointError, CheckpointNotFoundError
+from ..format import _store
+from ..format._manifest import Manifest
+from ..tiers._memtier import memory_path, refusal
+from ..tiers._remote import is_url
+from ..tiers import _replica
+from ._fetch import View
+
+log = logging.getLogger("layerckpt")
+
+VIEW = ".restore-"  # a view's folder in the store: .restore-<token>
+_RANK = {"disk": 0, "memory": 1, "replica": 2}  # which holder of a file is read first
+
+
+def collective(path: Any) -> bool:
+    """Whether a read of ``path`` gathers the composite over the ranks: under torch.distributed with several
+    ranks, of a directory that is one node's part (``part.json``) or holds no composite at all (a node that
+    came back empty; the others then say whether theirs are parts)."""
+    if not _dist.initialized() or _dist.world_size() == 1 or not isinstance(path, (str, os.PathLike)):
+        return False
+    p = os.fspath(path)
+    if is_url(p):
+        return False
+    root = os.path.abspath(p)
+    if os.path.exists(root) and not os.path.isdir(root):
+        return False  # a manifest named: that file is read
+    try:
+        if _nodes.read_part(root) is not None:
+            return True
+    except CheckpointError:
+        return True  # the collective read reports it
+    return not _store.list_manifests(root) if os.path.isdir(os.path.join(root, _store.MANIFEST_DIR)) else True
+
+
+@dataclass
+class Gathered:
+    view: Optional[View]  # None: the ranks share one directory, read as ever
+    sources: Dict[int, str] = field(default_factory=dict)  # rank -> where its part came from
+
+
+@contextlib.contextmanager
+def gather(path: Any, step: Optional[int], config: Optional[Config]) -> Iterator[Gathered]:
+    """The local view of the composite every rank agrees on (see the module's docstring); collective."""
+    root = os.path.abspath(os.fspath(path))
+    group = _dist.Group()
+    folder: Optional[str] = None
+    placement: Optional[_nodes.Placement] = None
+    try:
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError:
+            pass
+        placement = _nodes.place(group, root)
+        if not placement.split:
+            yield Gathered(None)
+            return
+        token = group.exchange(uuid.uuid4().hex, what="opening a read of the nodes' parts")[0]
+        folder = os.path.join(root, VIEW + token)
+        mine = _inventory(root, config, placement, group.rank == 0) if placement.is_owner else None
+        lists = group.exchange(mine, what="listing what every node holds of the composites")
+        plan = _decide(placement, lists, step)
+        plan["ids"] = [lists[o]["id"] for o in placement.owners]
+        if plan["error"] is not None:
+            raise CheckpointNotFoundError(plan["error"])
+        error = None
+        if placement.is_owner:
+            try:
+                _assemble(root, folder, placement, plan, mine, group, config)
+            except Exception as e:  # noqa: BLE001 - every rank learns it below
+                error = f"node {placement.nodes[group.rank]}: {type(e).__name__}: {e}"
+        else:
+            _exchange_files(placement, plan, group, mine=None, root=root, folder=None)
+        errors = [e for e in group.exchange(error, what="gathering the composite on every node") if e]
+        if errors:
+            raise CheckpointError("layerckpt: the composite could not be gathered: " + "; ".join(errors))
+        local = os.path.join(root, _store.MANIFEST_DIR, plan["name"])
+        try:
+            yield Gathered(View(folder, plan["step"], local if os.path.exists(local) else None, tier="nodes"),
+                           {int(r): s for r, s in plan["sources"].items()})
+        finally:  # a rank whose read failed comes here too: no rank waits for it past its error
+            group.barrier("every rank's read of the gathered composite")
+    finally:
+        if folder is not None and placement is not None and placement.is_owner:
+            shutil.rmtree(folder, ignore_errors=True)
+        group.close()
+
+
+# ------------------------------------------------------------------ what each node holds
+
+
+def _inventory(root: str, config: Optional[Config], placement: _nodes.Placement, first: bool) -> Dict[str, Any]:
+    """What this node's store owner can serve: {"manifests": {name: {seq, created, step, files, where}},
+    "files": {fname: [[size, where]]}, "remote": {name, seq, step, created} or None}; ``where``: disk,
+    memory, or replica:<node>."""
+    out: Dict[str, Any] = {"manifests": {}, "files": {}, "remote": None, "places": {}}
+
+    def add_store(folder: str, where: str) -> None:
+        good, _ = _store.read_all(folder) if os.path.isdir(os.path.join(folder, _store.MANIFEST_DIR)) else ({}, [])
+        for n, m in good.items():
+            have = out["manifests"].get(n)
+            if have is None or _RANK[where.split(":")[0]] < _RANK[have["where"].split(":")[0]]:
+                mp = os.path.join(folder, _store.MANIFEST_DIR, n)
+                out["manifests"][n] = {"seq": m.seq, "created": m.created, "step": m.step, "where": where,
+                                       "bytes": os.path.getsize(mp),
+                                       "files": {f: fe.size for f, fe in m.files.items()},
+                                       "ranks": {f: fe.rank for f, fe in m.files.items()}}
+                out["places"][n] = os.path.join(folder, _store.MANIFEST_DIR, n)
+        d = os.path.join(folder, _store.DATA_DIR)
+        for f in os.listdir(d) if os.path.isdir(d) else ():
+            try:
+                size = os.lstat(os.path.join(d, f)).st_size
+            except OSError:
+                continue
+            out["files"].setdefault(f, []).append([size, where])
+            out["places"].setdefault("data/" + f, {})[where] = os.path.join(d, f)
+
+    add_store(root, "disk")
+    if config is not None and config.memory_tier:
+        mem = memory_path(root)
+        try:
+            ok = refusal(mem) is None
+        except FileNotFoundError:
+            ok = False
+        if ok:
+            add_store(mem, "memory")
+    try:
+        identity = _store.store_id(root)
+    except CheckpointError:
+        identity = None
+    out["id"] = identity
+    for ident in _replica_ids():
+        for node, folder in _replica.held(ident).items():
+            if ident == identity or identity is None:
+                add_store(folder, f"replica:{node}")
+    if first and config is not None and config.remote:
+        out["remote"] = _remote_newest(config)
+    return out
+
+
+def _replica_ids() -> List[str]:
+    base = os.path.dirname(_replica.replica_root("x"))
+    try:
+        return [n[len("layerckpt-replicas-"):] for n in os.listdir(base) if n.startswith("layerckpt-replicas-")]
+    except OSError:
+        return []
+
+
+def _remote_newest(config: Config) -> Optional[Dict[str, Any]]:
+    from ._fetch import pick, remote_store
+
+    try:
+        name, m = pick(remote_store(config.remote, config), None)
+    except CheckpointError:
+        return None
+    except Exception as e:  # noqa: BLE001 - an unreachable remote must not hide the nodes' composites
+        log.warning("layerckpt: the remote tier %s could not be read (%s: %s)", config.remote, type(e).__name__, e)
+        return None
+    return {"name": name, "seq": m.seq, "step": m.step, "created": m.created}
+
+
+# ------------------------------------------------------------------ the one answer every rank works out
+
+
+def _decide(placement: _nodes.Placement, lists: List[Optional[Dict[str, Any]]], step: Optional[int]
+            ) -> Dict[str, Any]:
+    """The composite to read and how each node gets each of its files: the same on every rank."""
+    owners = placement.owners
+    found: Dict[Tuple[str, int], Dict[str, Any]] = {}
+    for o in owners:
+        for n, d in lists[o]["manifests"].items():
+            if step is not None and d["step"] != step:
+                continue
+            found.setdefault((n, d["seq"]), {**d, "holders": []})["holders"].append(o)
+    remote = lists[0].get("remote") if lists[0] else None
+    if remote is not None and step is not None and remote["step"] != step:
+        remote = None
+    order = sorted(found, key=lambda k: (found[k]["seq"], found[k]["created"]), reverse=True)
+    lacking: Dict[str, List[str]] = {}
+    for key in order:
+        d = found[key]
+        if remote is not None and (remote["seq"], remote["created"]) > (d["seq"], d["created"]):
+            break  # the remote holds a newer one
+        where = {f: _holders(lists, owners, f, size) for f, size in d["files"].items()}
+        missing = sorted(f for f, h in where.items() if not h)
+        if missing:
+            lacking[key[0]] = missing
+            continue
+        return _plan(placement, key[0], d, where, lists)
+    if remote is not None:
+        return {"error": None, "name": remote["name"], "step": remote["step"], "remote": True,
+                "moves": [], "sources": {str(r): "remote" for r in range(placement.world)}}
+    what = f"step {step}" if step is not None else "a composite"
+    if not found:
+        nodes = ", ".join(placement.nodes[o] for o in owners)
+        return {"error": f"no committed checkpoint of {what} on any node ({nodes}), in their memory tiers or "
+                         f"replicas" + ("" if remote is not None else ", and no remote tier holds one (Config.remote)")}
+    lines = []
+    for name, files in list(lacking.items())[:3]:
+        d = next(found[k] for k in found if k[0] == name)
+        by = sorted({f"rank {d['ranks'][f]}" for f in files})
+        lines.append(f"{name} lacks {len(files)} file(s) ({', '.join(files[:3])}) of {', '.join(by)}")
+    return {"error": f"no composite every rank can reach: {'; '.join(lines)}: no node holds them on its disk, in "
+                     f"its memory tier or as a peer replica, and no remote tier holds the composite; set "
+                     f"Config(replicas=1) and Config(remote=...) so that a lost node's part survives it"}
+
+
+def _holders(lists, owners: List[int], f: str, size: int) -> List[Tuple[int, int, str]]:
+    """(preference, owner, where) of the nodes holding the data file ``f`` whole, best first."""
+    out = []
+    for o in owners:
+        for have, where in lists[o]["files"].get(f, []):
+            if have == size:
+                out.append((_RANK[where.split(":")[0]], o, where))
+    return sorted(out)
+
+
+def _plan(placement: _nodes.Placement, name: str, d: Dict[str, Any], where, lists) -> Dict[str, Any]:
+    moves = []  # [what, from owner, from where, to owner]
+    for o in placement.owners:
+        if name not in lists[o]["manifests"] or lists[o]["manifests"][name]["seq"] != d["seq"]:
+            src = d["holders"][0]
+            held = lists[src]["manifests"][name]
+            moves.append(["manifest:" + name, src, held["where"], o, held["bytes"]])
+        for f in sorted(d["files"]):
+            if any(ow == o for _, ow, _ in where[f]):
+                continue
+            _, src, kind = where[f][0]
+            moves.append(["data:" + f, src, kind, o, d["files"][f]])
+    sources = {}
+    for r in range(placement.world):
+        o = placement.owner[r]
+        got = set()
+        for f, fr in d["ranks"].items():
+            if fr != r:
+                continue
+            local = [w for _, ow, w in where[f] if ow == o]
+            got.add(local[0].split(":")[0] if local else where[f][0][2].split(":")[0])
+        sources[str(r)] = ", ".join(sorted(got)) if got else "disk"
+    return {"error": None, "name": name, "step": d["step"], "seq": d["seq"], "remote": False, "moves": moves,
+            "files": d["files"], "ranks": d["ranks"], "sources": sources}
+
+
+# ------------------------------------------------------------------ the view, gathered
+
+
+def _assemble(root: str, folder: str, placement: _nodes.Placement, plan: Dict[str, Any], mine: Dict[str, Any],
+              group: _dist.Group, config: Optional[Config]) -> None:
+    _store.ensure_layout(root)  # a node that came back empty: its store is made whole again below
+    ids = [lists_id for lists_id in plan.get("ids", []) if lists_id]
+    if ids:
+        _store.ensure_store_id(root, ids[0])
+    _nodes.write_part(root, placement)
+    os.makedirs(os.path.join(folder, _store.DATA_DIR))
+    os.makedirs(os.path.join(folder, _store.MANIFEST_DIR))
+    name = plan["name"]
+    if plan["remote"]:
+        from ._fetch import download, remote_store, pick
+
+        store = remote_store(config.remote, config)
+        n, m = pick(store, plan["step"])
+        shutil.rmtree(folder)
+        download(store, {n: m}, folder)
+        _exchange_files(placement, plan, group, mine=mine, root=root, folder=folder)
+        return
+    _exchange_files(placement, plan, group, mine=mine, root=root, folder=folder)
+    me = group.rank
+    incoming = {mv[0] for mv in plan["moves"] if mv[3] == me}
+    for f in plan["files"]:
+        dst = os.path.join(folder, _store.DATA_DIR, f)
+        if "data:" + f in incoming:
+            continue  # received into place
+        places = mine["places"]["data/" + f]
+        src = sorted(places.items(), key=lambda kv: _RANK[kv[0].split(":")[0]])[0][1]
+        _link_or_copy(src, dst)
+        if placement.owner[plan["ranks"][f]] == me and not os.path.exists(os.path.join(root, _store.DATA_DIR, f)):
+            _heal(src, root, f)  # this node's own file, held only in its memory: back onto its disk
+    mpath = os.path.join(folder, _store.MANIFEST_DIR, name)
+    if "manifest:" + name not in incoming:
+        _link_or_copy(mine["places"][name], mpath)
+    own = os.path.join(root, _store.MANIFEST_DIR, name)
+    if not os.path.exists(own) and all(
+            os.path.exists(os.path.join(root, _store.DATA_DIR, f)) for f, r in plan["ranks"].items()
+            if placement.owner[r] == me):
+        with open(mpath, "rb") as src_f:
+            _store.write_atomic(own, src_f.read())  # the node's store holds the composite again
+
+
+def _exchange_files(placement: _nodes.Placement, plan: Dict[str, Any], group: _dist.Group, mine, root: str,
+                    folder: Optional[str]) -> None:
+    """Send what others need from this node and receive what it lacks, over the group (its owners only)."""
+    me = group.rank
+    pg = group.pg
+    works = []
+    for i, (what, src, where, dst, _) in enumerate(plan["moves"]):
+        if src == me:
+            path = mine["places"][what.split(":", 1)[1]] if what.startswith("manifest:") else \
+                mine["places"]["data/" + what.split(":", 1)[1]][where]
+            with open(path, "rb") as f:
+                data = f.read()
+            works.append(_dist._dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                                           if data else torch.empty(0, dtype=torch.uint8), dst, group=pg, tag=i))
+    for i, (what, src, where, dst, size) in enumerate(plan["moves"]):
+        if dst != me:
+            continue
+        kind, name = what.split(":", 1)
+        buf = torch.empty(size, dtype=torch.uint8)
+        _dist._dist.recv(buf, src, group=pg, tag=i)
+        sub = _store.DATA_DIR if kind == "data" else _store.MANIFEST_DIR
+        dst_path = os.path.join(folder, sub, name)
+        with open(dst_path, "wb") as out:
+            out.write(memoryview(buf.numpy()))
+        if kind == "data" and placement.owner[plan["ranks"][name]] == me:
+            _heal(dst_path, root, name)
+    for w in works:
+        w.wait()
+
+
+def _heal(src: str, root: str, fname: str) -> None:
+    """Write this node's own data file back into its store, durably, from ``src``."""
+    dst = os.path.join(root, _store.DATA_DIR, fname)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    tmp = dst + ".tmp"
+    shutil.copyfile(src, tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, dst)
+    _store.fsync_dir(os.path.dirname(dst))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
