@@ -214,7 +214,10 @@ class LayerCheckpoint(ModelCheckpoint):
         _refuse_sharded(trainer.strategy)
         self.restored, self._pending_rng = None, None  # set again if this fit resumes
         self._taken = False  # a new fit opens the store again
-        self.dirpath = trainer.strategy.broadcast(self._resolve_dir(trainer))
+        # a dirpath given is each process's own (node-local directories may differ by node: docs/nodes.md); one
+        # made from the logger is rank 0's, whose logger names the version
+        self.dirpath = self._resolve_dir(trainer) if self.dirpath is not None else \
+            trainer.strategy.broadcast(self._resolve_dir(trainer))
         self._install_io(trainer)
         if _is_model_parallel(trainer.strategy):
             self._route_sharded_load(trainer.strategy)

@@ -108,6 +108,7 @@ def place(group, dirpath: str) -> Placement:
         made = None
     except OSError as e:
         made = f"{mine} cannot be made: {e.strerror or e}"
+    group.barrier("every rank's probe of the checkpoint directory made")
     seen = [r for r in range(group.world) if os.path.exists(os.path.join(dirpath, f"{_PROBE}{token}-{r}"))]
     answers = group.exchange({"seen": seen, "error": made}, what="learning which ranks share a checkpoint directory")
     try:

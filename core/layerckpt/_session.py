@@ -99,7 +99,10 @@ def _lock_and_clean(dirpath: str, config: Config, retention: _retain.Retention, 
         else:
             _nodes.clear_part(dirpath)
         # memory/remote: a bad URL fails here
-        return writer, _tiers.open_tiers(dirpath, config, retention)
+        part = None
+        if identity is not None:  # this node's ranks copy their own files; rank 0's node commits the remote
+            part = (frozenset(placement.ranks_of(placement.rank)), placement.rank == 0)
+        return writer, _tiers.open_tiers(dirpath, config, retention, part)
     except BaseException:
         writer.release()
         raise

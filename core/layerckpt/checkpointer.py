@@ -275,6 +275,8 @@ class Checkpointer:
                 self._tiers.wait()
             except CheckpointError as e:
                 log.error("layerckpt: %s", e)
+        if self._replicas is not None:  # the partners' copies of the last commit (bounded by the group's timeout)
+            self._replicas.wait()
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import AbstractSet, Dict, List, Optional
 
 import torch
 
@@ -18,6 +18,7 @@ from .io._backend import checksum_function, make_backend
 from ._cli_run import Parser, figure_path, run
 from .read._fetch import unreadable_in
 from .format._manifest import MODEL, OPTIM, Manifest, load_manifest, model_name, piece_base
+from ._nodes import PART, read_part
 from .config import Config
 from .errors import CheckpointError, CheckpointNotFoundError
 from .restore import check_state, read_tensors
@@ -77,6 +78,13 @@ def cmd_inspect(args) -> int:
     named = f" ({m.name})" if m.name else ""
     print(f"{path}{named}: step {m.step}, world size {m.world_size}, {len(m.files)} file(s), "
           f"{sum(nbytes.values()) / 1e6:.1f} MB in {len(m.tensors)} tensors")
+    try:
+        part = read_part(root)
+    except CheckpointError as e:
+        print(f"node part: {PART} is damaged ({e})")
+        part = None
+    if part is not None:
+        print(_part_line(part))
     if m.pretrained:
         held = sum(e.nbytes for e in m.pretrained.values())
         print(f"held by reference to the pretrained weights the training started from (in no file: a restore takes "
@@ -172,16 +180,76 @@ def cmd_verify(args) -> int:
         raise CheckpointNotFoundError(f"no committed checkpoint in {root}: nothing to verify")
     damaged_manifests = {**{n: _damage(root, n) for n in bad}, **unreadable}
     failures = [f"{n}: damaged manifest: {why}" for n, why in sorted(damaged_manifests.items())]
+    try:
+        part = read_part(root)
+    except CheckpointError as e:  # a damaged record: verified as a whole store, its other nodes' files missing
+        failures.append(f"{PART}: {e}")
+        part = None
+    if part is not None:
+        print(_part_line(part))
+    plans = {name: _plan(root, m, part) for name, m in good.items()}
     damaged: set = set()
     shown = _progress.wanted(getattr(args, "quiet", False))
-    with _progress.Bar(sum(_stored_total(m) for m in good.values()), "verify", shown) as bar:
-        checked = sum(_verify_one(root, name, m, bar, failures, damaged) for name, m in sorted(good.items()))
+    with _progress.Bar(sum(_stored_total(m, plans[n][0]) for n, m in good.items()), "verify", shown) as bar:
+        checked = sum(_verify_one(root, name, m, bar, failures, damaged, *plans[name])
+                      for name, m in sorted(good.items()))
     for f in failures:
         print(f"FAIL {f}")
     for line in _dependents(good, damaged):
         print(line)
-    print(f"{checked} of {len(good) + len(damaged_manifests)} checkpoint(s) verified" + ("" if not failures else f", {len(failures)} failed"))
+    if part is not None:
+        print(_elsewhere_line(part, good, {n: p[1] for n, p in plans.items()}))
+    held = "" if part is None else f" (of node {part['node']}'s part: every file held here)"
+    print(f"{checked} of {len(good) + len(damaged_manifests)} checkpoint(s) verified{held}"
+          + ("" if not failures else f", {len(failures)} failed"))
     return 1 if failures else 0
+
+
+def _others(part: dict) -> List[str]:
+    """The other nodes of a node's part."""
+    return [str(n) for n in part.get("nodes", []) if n != part["node"]]
+
+
+def _part_line(part: dict) -> str:
+    world = part.get("world")
+    of = f" of {world}" if isinstance(world, int) else ""
+    others = _others(part)
+    where = f"; the other nodes' files are on {', '.join(others)}" if others else ""
+    return f"node part: node {part['node']}'s directory (ranks {part['ranks']}{of}){where}"
+
+
+def _plan(root: str, m: Manifest, part: Optional[dict]) -> tuple:
+    """(the tensor keys of ``m`` to read, the data files of ``m`` that are on other nodes): in a node's part
+    (``part.json``), a file of another node's ranks that is not here is that node's to hold; every other file,
+    this node's own and any other present, is read.  Without a part: every key, nothing elsewhere."""
+    from .tiers._tiers import needs_ref
+
+    if part is None:
+        return list(m.tensors), set()
+    mine = set(part["ranks"])
+    away = set()
+    for fname, fe in m.files.items():
+        if fe.rank in mine:
+            continue
+        try:
+            path = _store.safe_join(root, _store.DATA_DIR, fname, f"manifest of step {m.step}")
+        except CheckpointError:
+            continue  # a name that is no file's: the read refuses it
+        if not os.path.lexists(path):
+            away.add(fname)
+    keys = [k for k, t in m.tensors.items()
+            if t.file not in away and not (needs_ref(t) and t.enc["ref"].get("file") in away)]
+    return keys, away
+
+
+def _elsewhere_line(part: dict, good: Dict[str, Manifest], away: Dict[str, set]) -> str:
+    files = {f for fs in away.values() for f in fs}
+    ranks = sorted({good[n].files[f].rank for n, fs in away.items() for f in fs})
+    others = ", ".join(_others(part)) or "the other nodes"
+    if not files:
+        return f"elsewhere: none: every file of the {len(good)} checkpoint(s) is here"
+    return (f"elsewhere: {len(files)} file(s) of ranks {ranks} are on the other nodes ({others}), not in this "
+            f"node's directory; verify each node's directory there")
 
 
 def cmd_shm(args) -> int:
@@ -205,12 +273,18 @@ def cmd_shm(args) -> int:
     return 0
 
 
-def _verify_one(root: str, name: str, m: Manifest, bar: _progress.Bar, failures: List[str], damaged: set) -> bool:
-    """Read every tensor of one committed checkpoint and decode what a restore decodes besides them (RNG states,
-    extra); a failure goes to ``failures`` (and its data file, when named, to ``damaged``)."""
+def _verify_one(root: str, name: str, m: Manifest, bar: _progress.Bar, failures: List[str], damaged: set,
+                keys: Optional[List[str]] = None, away: AbstractSet[str] = frozenset()) -> bool:
+    """Read every tensor of one committed checkpoint (``keys``: those a node's part holds, ``away``: the files
+    on other nodes) and decode what a restore decodes besides them (RNG states, extra); a failure goes to
+    ``failures`` (and its data file, when named, to ``damaged``)."""
     try:
-        tensors = _read_tensors(root, m, list(m.tensors), name, bar)
-        check_state(m, tensors, os.path.join(root, _store.MANIFEST_DIR, name))
+        tensors = _read_tensors(root, m, list(m.tensors) if keys is None else keys, name, bar)
+        where = os.path.join(root, _store.MANIFEST_DIR, name)
+        if away:
+            _check_part_state(m, tensors, where, away)
+        else:
+            check_state(m, tensors, where)
         return True
     except CheckpointError as e:
         failures.append(f"{name}: {e}")
@@ -219,6 +293,35 @@ def _verify_one(root: str, name: str, m: Manifest, bar: _progress.Bar, failures:
     except _UNREADABLE as e:  # whatever else a damaged store provokes is a failure of that checkpoint too
         failures.append(f"{name}: cannot be read ({type(e).__name__}: {e})")
     return False
+
+
+def _check_part_state(m: Manifest, tensors: Dict[str, torch.Tensor], where: str, away: AbstractSet[str]) -> None:
+    """``check_state`` of a node's part: the structure decodes with the tensors on other nodes stood in for;
+    each rank's RNG states are checked where their tensors are here (the other nodes' are theirs to check)."""
+    from .restore import _Described, _State, _every_rng
+    from .write._gather import rng_values
+
+    _State.decoded(None, None, m, _Described(m, tensors), None, where)
+    for rank_rng in _every_rng(m):
+        absent = [k for k in _refs(rank_rng) if k not in tensors]
+        if absent and all(k in m.tensors and m.tensors[k].file in away for k in absent):
+            continue
+        rng_values(rank_rng, tensors, where)
+
+
+def _refs(obj) -> List[str]:
+    """The tensor keys an encoded value refers to."""
+    out, stack = [], [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, list):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            if len(o) == 1 and next(iter(o)) in ("__tensor__", "__ndarray__") and isinstance(next(iter(o.values())), str):
+                out.append(next(iter(o.values())))
+            else:
+                stack.extend(o.values())
+    return out
 
 
 def _dependents(good: Dict[str, Manifest], damaged: set) -> List[str]:

@@ -42,22 +42,29 @@ _RANK = {"disk": 0, "memory": 1, "replica": 2}  # which holder of a file is read
 
 def collective(path: Any) -> bool:
     """Whether a read of ``path`` gathers the composite over the ranks: under torch.distributed with several
-    ranks, of a directory that is one node's part (``part.json``) or holds no composite at all (a node that
-    came back empty; the others then say whether theirs are parts)."""
+    ranks, of a directory (or one of its manifests) that is one node's part (``part.json``) or holds no
+    composite at all (a node that came back empty; the others then say whether theirs are parts)."""
     if not _dist.initialized() or _dist.world_size() == 1 or not isinstance(path, (str, os.PathLike)):
         return False
-    p = os.fspath(path)
-    if is_url(p):
+    if is_url(os.fspath(path)):
         return False
-    root = os.path.abspath(p)
-    if os.path.exists(root) and not os.path.isdir(root):
-        return False  # a manifest named: that file is read
+    root, _ = split(path)
     try:
         if _nodes.read_part(root) is not None:
             return True
     except CheckpointError:
         return True  # the collective read reports it
     return not _store.list_manifests(root) if os.path.isdir(os.path.join(root, _store.MANIFEST_DIR)) else True
+
+
+def split(path: Any) -> Tuple[str, Optional[int]]:
+    """(store directory, step or None) of a store directory or of one of its manifests (which a node that
+    came back empty may lack)."""
+    p = os.path.abspath(os.fspath(path))
+    step = _store.manifest_step(os.path.basename(p))
+    if step is not None and os.path.basename(os.path.dirname(p)) == _store.MANIFEST_DIR and not os.path.isdir(p):
+        return os.path.dirname(os.path.dirname(p)), step
+    return p, None
 
 
 @dataclass
@@ -69,7 +76,10 @@ class Gathered:
 @contextlib.contextmanager
 def gather(path: Any, step: Optional[int], config: Optional[Config]) -> Iterator[Gathered]:
     """The local view of the composite every rank agrees on (see the module's docstring); collective."""
-    root = os.path.abspath(os.fspath(path))
+    root, located = split(path)
+    if located is not None and step is not None and located != step:
+        raise CheckpointError(f"{path} is the checkpoint of step {located}, but step={step} was asked for")
+    step = located if located is not None else step
     group = _dist.Group()
     folder: Optional[str] = None
     placement: Optional[_nodes.Placement] = None

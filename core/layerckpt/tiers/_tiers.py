@@ -26,7 +26,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AbstractSet, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import AbstractSet, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from .. import _faults, _registry
 from ..write import _commit, _retain
@@ -227,9 +227,18 @@ class Busy:
                 self.seconds += time.perf_counter() - self._since
 
 
+class Part(NamedTuple):
+    """A node's share of the copies where each node has a directory of its own (``_nodes``): the files its
+    ``ranks`` wrote; whether it ``commits`` the tier's manifest (its memory tier: yes; the remote: rank 0's
+    node, once every node's files are there, waiting at most ``wait_s``)."""
+    ranks: AbstractSet[int]
+    commits: bool
+    wait_s: float = 0.0
+
+
 def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: AbstractSet[str],
          transcoder=None, bases_only: bool = False, sources: Optional[Sources] = None,
-         placed: Optional[Dict[str, Tuple[str, Any]]] = None) -> Tuple[int, int, int]:
+         placed: Optional[Dict[str, Tuple[str, Any]]] = None, part: Optional[Part] = None) -> Tuple[int, int, int]:
     """Copy the composite ``m`` (committed in ``root`` as ``name``) to the tier, commit it there, apply the
     tier's retention.  ``transcoder`` (``_transcode.Transcoder``): a file whose tensors encoding pays for on
     this tier goes as an encoded copy (``bases_only``: no deltas).  ``sources``: copies of a local file in
@@ -242,9 +251,22 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
         transcoder.keep_only(set(listed))
     done = transcoder.done if transcoder is not None else {}
     where, todo = place(m, good, listed, done)
+    mine = set(where)
+    if part is not None:  # this node copies its own files only, under their own names
+        mine = {f for f, fe in m.files.items() if fe.rank in part.ranks}
+        clash = sorted(f for f in todo if f in mine and where[f] != f)
+        if clash:
+            raise OSError(errno.EEXIST, f"{clash[0]} of step {m.step} is on the tier with other bytes (a run that "
+                                        f"went back to an older step); nothing of this composite was committed "
+                                        f"there", store.where(DATA, clash[0]))
+        for f in where:
+            if f in mine and where[f] != f and f not in todo:  # another name holds its bytes: the others name f
+                todo.append(f)
+            where[f] = f
+        todo = [f for f in todo if f in mine]
     sigs = _entries(m)  # what a copy in memory of a file must hold to stand for it
     if placed is not None:
-        for f in set(where) - set(todo):
+        for f in (set(where) - set(todo)) & mine:
             placed[f] = (store.where(DATA, where[f]), sigs.get(f))
     copies = {f: done[f] for f in where if f not in todo and f in done and where[f] == done[f][0][0]}
     sent = [0]
@@ -289,6 +311,10 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
         if transcoder is not None and sent[0]:  # the tier's rate: its bytes over the time an upload ran
             transcoder.sink.observe(sent[0], busy.seconds)
         _faults.point("tier.data-copied")
+        if part is not None and not part.commits:  # rank 0's node commits the remote's manifest
+            return len(todo), len(where) - len(todo), sent[0]
+        if part is not None and part.wait_s:
+            _wait_for_parts(store, sorted(where[f] for f in where if f not in mine), part.wait_s, m.step)
         d = renamed(m, where)
         if copies:
             from ..write._transcode import apply
@@ -297,7 +323,7 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
         if transcoder is not None:  # what the tier decided for the files it copied now, and why
             d["coding"] = {where[f]: rec for f, rec in transcoder.coding.items() if f in where} or None
         held = set(store.names(DATA))  # a manifest naming a file the tier lacks would be committed unrestorable
-        lacking = sorted(n for n in d["files"] if n not in held)
+        lacking = sorted(n for n in d["files"] if n not in held and (part is None or part.wait_s or n in mine))
         if lacking:
             raise OSError(errno.ENOENT, f"the copy of step {m.step} names {len(lacking)} file(s) the tier does not "
                                         f"hold ({', '.join(lacking[:3])}); nothing of it was committed there",
@@ -314,7 +340,7 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
         transcoder.committed(m, d)
     _faults.point("tier.committed")
     good[name] = committed
-    retain(store, good, bad, keep_last, pinned)
+    retain(store, good, bad, keep_last, pinned, spare_after=m.step if part is not None else None)
     if placed is not None:
         for f in [f for f in placed if f not in where]:
             placed.pop(f, None)
@@ -356,9 +382,28 @@ def _link(path: str, dst: str) -> bool:
     return True
 
 
-def retain(store, good: Dict[str, Manifest], bad: List[str], keep_last: int, pinned: AbstractSet[str]) -> None:
+def _wait_for_parts(store, names: List[str], wait_s: float, step: int) -> None:
+    """Until the other nodes' files ``names`` are on the tier (each node uploads its own), at most ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        held = set(store.names(DATA))
+        lacking = [n for n in names if n not in held]
+        if not lacking:
+            return
+        if time.monotonic() > deadline:
+            raise OSError(errno.ETIMEDOUT, f"the other nodes' files of step {step} did not all reach the tier in "
+                                           f"{wait_s:.0f} s ({len(lacking)} lacking, e.g. {lacking[0]}: its node is "
+                                           f"gone or slow); nothing of it was committed there",
+                          store.where(DATA, lacking[0]))
+        time.sleep(0.2)
+
+
+def retain(store, good: Dict[str, Manifest], bad: List[str], keep_last: int, pinned: AbstractSet[str],
+           spare_after: Optional[int] = None) -> None:
     """The tier's retention, by reference as the local one: the ``keep_last`` newest composites and the
-    pinned ones stay; other manifests go first, then every data object no kept manifest references."""
+    pinned ones stay; other manifests go first, then every data object no kept manifest references.
+    ``spare_after``: where the nodes upload their own files, those of later steps stay (a composite still
+    arriving)."""
     order = sorted(good, key=_store.recency(good), reverse=True)
     drop = [n for n in order[keep_last:] if n not in pinned] if keep_last > 0 else []
     store.delete(MANIFESTS, drop)
@@ -370,7 +415,8 @@ def retain(store, good: Dict[str, Manifest], bad: List[str], keep_last: int, pin
         return
     keep = _retain.referenced_files({n: good[n] for n in good if n not in drop})
     store.delete(DATA, [n for n in store.names(DATA)
-                        if n not in keep and (_store.is_data_name(n) or n.endswith(".tmp"))])
+                        if n not in keep and (_store.is_data_name(n) or n.endswith(".tmp")) and not (
+                            spare_after is not None and (_store.data_step(n) or (0,))[0] > spare_after)])
 
 
 class Tier:
@@ -403,6 +449,7 @@ class Tier:
         #: the memory tier's: local data file -> (its path on the tier, the entries it holds), for the newest
         #: composite copied (and the one being copied, as its files land)
         self.placed: Dict[str, Tuple[str, Any]] = {}
+        self.part: Optional[Part] = None  # node-local directories: this node's share of the copies
         self.seq = 0  # the highest commit number the tier held at open
         self.newest: Optional[Tuple[int, int]] = None  # (seq, step) of its newest composite at open
         _registry.tier_opened(root, self)
@@ -489,7 +536,7 @@ class Tier:
                 pinned = self._tiers.pinned() if self.pins else frozenset()
                 copied, reused, sent = push(self.store, self.root, name, m, self.keep_last, pinned, self.transcoder,
                                             bases_only=self.every == REMOTE_BASES, sources=self.sources,
-                                            placed=self.placed if self.kind == "memory" else None)
+                                            placed=self.placed if self.kind == "memory" else None, part=self.part)
                 self.files_copied += copied
                 self.files_reused += reused
                 self.bytes_sent += sent
@@ -541,7 +588,8 @@ class Tiers:
     """The memory and remote tiers of one Checkpointer (rank 0): a commit listener of its flusher.  The
     local ``retention`` learns from them what they still copy from, and runs when a copy ends."""
 
-    def __init__(self, root: str, config: Config, retention: _retain.Retention):
+    def __init__(self, root: str, config: Config, retention: _retain.Retention,
+                 part: Optional[Tuple[AbstractSet[int], bool]] = None):
         self.root = root
         self.config = config
         self.retention = retention
@@ -556,6 +604,12 @@ class Tiers:
                 raise CheckpointError(f"Config.remote {config.remote} is the checkpoint directory itself; "
                                       f"name another place")
             self.tiers.append(Tier("remote", store, root, config.keep_last, config.remote_every, self))
+        if part is not None:  # node-local directories: (this node's ranks, whether it is rank 0's node)
+            from .._dist import training_timeout_s
+
+            for t in self.tiers:
+                first = part[1] if t.kind == "remote" else True
+                t.part = Part(frozenset(part[0]), first, training_timeout_s() if t.kind == "remote" and first else 0.0)
         identity = claim_identity(root, [t.store for t in self.tiers if t.kind == "remote"])
         for t in self.tiers:
             t.open(identity)
@@ -622,7 +676,7 @@ class Tiers:
         from ..write._transcode import Transcoder
 
         for t in self.tiers:
-            if t.kind == "remote":
+            if t.kind == "remote" and t.part is None:  # node-local directories: each node uploads its files raw
                 t.transcoder = Transcoder(cost, Sink("remote", cap=self.config.remote_bandwidth), charge,
                                           self.config.delta_chain)
 
@@ -683,7 +737,8 @@ class Tiers:
             self._sweep(float("inf"))
 
 
-def open_tiers(root: str, config: Config, retention: _retain.Retention) -> Optional[Tiers]:
+def open_tiers(root: str, config: Config, retention: _retain.Retention,
+               part: Optional[Tuple[AbstractSet[int], bool]] = None) -> Optional[Tiers]:
     """The tiers of the directory ``root``'s writer (rank 0), or None without any."""
     if not config.memory_tier:
         # a memory tier left by an earlier run of this directory would only shadow this run's saves
@@ -691,7 +746,7 @@ def open_tiers(root: str, config: Config, retention: _retain.Retention) -> Optio
     if not config.memory_tier and config.remote is None:
         claim_identity(root, [])
         return None
-    return Tiers(root, config, retention)
+    return Tiers(root, config, retention, part)
 
 
 def claim_identity(root: str, remotes: List) -> str:
