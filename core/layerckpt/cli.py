@@ -317,8 +317,9 @@ def _refs(obj) -> List[str]:
         if isinstance(o, list):
             stack.extend(o)
         elif isinstance(o, dict):
-            if len(o) == 1 and next(iter(o)) in ("__tensor__", "__ndarray__") and isinstance(next(iter(o.values())), str):
-                out.append(next(iter(o.values())))
+            tag, ref = next(iter(o.items())) if len(o) == 1 else (None, None)
+            if tag in ("__tensor__", "__ndarray__") and isinstance(ref, str):
+                out.append(ref)
             else:
                 stack.extend(o.values())
     return out
