@@ -16,6 +16,9 @@ waited for; on the newer one's thread),
 ``"tier.file-copied"`` (after each data file), ``"tier.data-copied"`` (the composite's data is on the
 tier, its manifest not yet), ``"tier.committed"``, ``"tier.manifests-dropped"``.  Reads:
 ``"read.manifest-loaded"`` (a reader picked a composite and holds its manifest, nothing of it read yet).
+Many nodes: ``"replica.sent"`` (a replication round's sends are queued, before its receives),
+``"replica.file-received"`` (after each data file a partner received), ``"parts.sending"`` (a collective
+restore's node owner, before it sends the files other nodes lack).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from ..errors import CheckpointError
 #: mode flag (the args attribute) -> the bench module that runs it; no flag: ``run``
 MODES: Dict[str, str] = {"sharded": "sharded", "lightning": "lightning_io", "policy": "policy",
                          "restore": "restore", "steps": "steps", "cpu": "cpu", "goodput": "goodput",
-                         "lossy": "lossy"}
+                         "lossy": "lossy", "nodes": "nodes"}
 DEFAULT = "run"
 
 #: bench module -> the options (args attributes) it reads beside --dir, --json and --quiet
@@ -28,6 +28,7 @@ USES: Dict[str, Tuple[str, ...]] = {
     "cpu": ("cpu_models", "cpu_saves"),
     "goodput": ("size", "mtbf", "goodput_steps", "failure", "seed", "cadences", "restarts"),
     "lossy": ("workloads",),
+    "nodes": ("size", "reps", "nproc", "steps_n", "steps_every", "steps_rounds"),
 }
 
 #: the defaults :func:`check` fills in for the mode that runs
@@ -37,7 +38,8 @@ DEFAULTS = {"preset": "gpt2-small", "reps": 3, "size": "gpt2-small", "nproc": 2,
             "mtbf": "60", "through": "core", "goodput_steps": 300, "failure": "crash,node", "seed": 0, "cadences": "10,25,50",
             "restarts": "fresh"}
 #: where a mode's default differs from DEFAULTS'
-MODE_DEFAULTS = {"goodput": {"size": "gpt2-mini"}}
+MODE_DEFAULTS = {"goodput": {"size": "gpt2-mini"},
+                 "nodes": {"size": "gpt2-mini", "nproc": 1, "steps_n": 15, "steps_every": 5, "steps_rounds": 2}}
 
 
 def _positive(text: str) -> int:
@@ -52,13 +54,13 @@ def _positive(text: str) -> int:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     a = sub.add_parser("bench", help="time layerckpt against torch.save, safetensors and DCP (one benchmark: the "
-                                     "default, or one of --policy, --sharded, --lightning, --restore, --steps, --cpu, "
-                                     "--goodput, --lossy)")
+                                     "default, or one of --policy, --sharded, --nodes, --lightning, --restore, --steps, "
+                                     "--cpu, --goodput, --lossy)")
     a.add_argument("--preset", choices=["gpt2-small", "tiny"],
                    help="the default bench: the state to save (default: gpt2-small)")
     a.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     a.add_argument("--reps", type=_positive,
-                   help="the default bench, --sharded, --lightning, --restore: timed repeats (default: 3)")
+                   help="the default bench, --sharded, --nodes, --lightning, --restore: timed repeats (default: 3)")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.add_argument("--config", metavar="YAML", help="the default bench, --policy: a layerckpt YAML config")
     a.add_argument("--chunk-bytes", type=_positive, help="the default bench: Config.chunk_bytes")
@@ -88,6 +90,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--sharded", action="store_true",
                    help="instead: an FSDP2 model on --nproc processes (launches torchrun itself) against "
                         "dcp.save, async_save and load")
+    a.add_argument("--nodes", type=_positive, nargs="?", const=2, metavar="N",
+                   help="instead: N simulated nodes (default: 2; torchrun node launchers on this host, --nproc "
+                        "processes each, launched by the bench): full saves to node-local directories against one "
+                        "shared directory and dcp.save, the replicas' lag and bytes (replicas=1), step time with "
+                        "replicas=0 and 1, and restores after a process crash and a node's loss (partner replica, "
+                        "remote tier) against dcp.load")
     a.add_argument("--lightning", action="store_true",
                    help="instead: lightning_layerckpt.LayerCheckpointIO against Lightning's TorchCheckpointIO and "
                         "AsyncCheckpointIO on a Trainer's checkpoint dict (time blocked, time to durable)")
@@ -97,7 +105,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--steps", action="store_true",
                    help="instead: step time of a training loop with a checkpoint after every step: layerckpt "
                         "against DCP async_save and TorchSnapshot async_take (with --size, --steps-n)")
-    a.add_argument("--steps-n", type=_positive, help="with --steps: steps measured (default: 6)")
+    a.add_argument("--steps-n", type=_positive, help="with --steps: steps measured (default: 6); with --nodes: "
+                                                     "steps per round of each step-time run (default: 15)")
     a.add_argument("--cpu", action="store_true",
                    help="instead: CPU time per checkpoint (all threads, until its background work ended) of "
                         "torch.save and layerckpt's default, forced delta and off, selective and full, beside the "
@@ -110,10 +119,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "own, 22 of the main job's model, 4 of GPT-2 small)")
     a.add_argument("--steps-every", type=_positive,
                    help="with --steps: a full checkpoint every N steps instead, the default Config against "
-                        "encoding delta and off forced (default: 1)")
+                        "encoding delta and off forced (default: 1); with --nodes: the step-time runs' save "
+                        "interval (default: 5)")
     a.add_argument("--steps-rounds", type=_positive,
                    help="with --steps-every N > 1: rounds of every contender, each round in the reverse order of "
-                        "the one before, the disk settled before each contender (default: 2)")
+                        "the one before, the disk settled before each contender (default: 2); with --nodes: the "
+                        "step-time runs' rounds (default: 2)")
     a.add_argument("--sizes", help="with --restore: comma-separated state sizes (e.g. 10MB) and/or gpt2-small "
                                    "(default: 10MB,50MB,200MB,gpt2-small)")
     a.add_argument("--cache", help="with --restore: page-cache conditions, of warm (the files read once before), "
@@ -136,8 +147,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                       "launch process that has imported the job's modules) (default: fresh)")
     a.add_argument("--size", choices=["gpt2-small", "gpt2-mini", "tiny"],
                    help="with --sharded, --lightning or --steps: the model (default: gpt2-small); with --goodput "
-                        "(default: gpt2-mini)")
-    a.add_argument("--nproc", type=_positive, help="with --sharded: processes (default: 2)")
+                        "or --nodes (default: gpt2-mini)")
+    a.add_argument("--nproc", type=_positive, help="with --sharded: processes (default: 2); with --nodes: processes "
+                                                   "per node (default: 1)")
     a.add_argument("--mesh", help="with --sharded, instead of --nproc: DxT, FSDP2 over D x tensor parallel over T "
                                   "(D * T processes)")
     a.add_argument("--encoding", choices=["auto", "delta", "compress", "off"],
@@ -182,6 +194,8 @@ def check(args) -> str:
             setattr(args, dest, MODE_DEFAULTS.get(kind, {}).get(dest, value))
     if kind == "goodput":
         _check_goodput(args)
+    if kind == "nodes":
+        _check_nodes(args)
     return kind
 
 
@@ -231,3 +245,12 @@ def _check_goodput(args) -> None:
     modes = [m.strip() for m in args.restarts.split(",")]
     if not modes or any(m not in ("fresh", "standby") for m in modes) or len(set(modes)) < len(modes):
         raise CheckpointError(f"--restarts {args.restarts}: give fresh, standby or fresh,standby")
+
+
+def _check_nodes(args) -> None:
+    if args.nodes < 2:
+        raise CheckpointError(f"--nodes {args.nodes}: give 2 or more nodes (one node has no node-local directories "
+                              f"to compare, nor a partner to hold its replica)")
+    if args.steps_every >= args.steps_n:
+        raise CheckpointError(f"--steps-every {args.steps_every} with --steps-n {args.steps_n}: no save inside a "
+                              f"round; give --steps-every below --steps-n")

@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .. import _dist, _nodes
+from .. import _dist, _faults, _nodes
 from ..config import Config
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import _store
@@ -235,9 +235,12 @@ def _decide(placement: _nodes.Placement, lists: List[Optional[Dict[str, Any]]], 
     lines = []
     for name, files in list(lacking.items())[:3]:
         d = next(found[k] for k in found if k[0] == name)
-        by = sorted({f"rank {d['ranks'][f]}" for f in files})
-        lines.append(f"{name} lacks {len(files)} file(s) ({', '.join(files[:3])}) of {', '.join(by)}")
-    return {"error": f"no composite every rank can reach: {'; '.join(lines)}: no node holds them on its disk, in "
+        ranks = sorted({d["ranks"][f] for f in files})
+        nodes = sorted({placement.nodes[r] for r in ranks if r < placement.world})
+        lines.append(f"{name} lacks {len(files)} file(s) ({', '.join(files[:3])}) of rank(s) "
+                     f"{', '.join(map(str, ranks))}" + (f" (node {', '.join(nodes)})" if nodes else ""))
+    return {"error": f"no composite every rank can reach: {'; '.join(lines)}: those files are missing: no node "
+                     f"holds them on its disk, in "
                      f"its memory tier or as a peer replica, and no remote tier holds the composite; set "
                      f"Config(replicas=1) and Config(remote=...) so that a lost node's part survives it"}
 
@@ -329,6 +332,8 @@ def _exchange_files(placement: _nodes.Placement, plan: Dict[str, Any], group: _d
     me = group.rank
     pg = group.pg
     works = []
+    if any(mv[1] == me for mv in plan["moves"]):
+        _faults.point("parts.sending")
     for i, (what, src, where, dst, _) in enumerate(plan["moves"]):
         if src == me:
             path = mine["places"][what.split(":", 1)[1]] if what.startswith("manifest:") else \
