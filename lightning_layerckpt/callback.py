@@ -292,6 +292,14 @@ class LayerCheckpoint(ModelCheckpoint):
                 found.add(os.path.normpath(d))
             except CheckpointError:
                 pass
+        if self.dirpath is not None and trainer.world_size > 1 and _distributed_now(trainer) and \
+                store.node_part(where[0]) is not None:
+            # node-local directories (docs/nodes.md): a node that came back empty resumes with the others, its
+            # ranks' part gathered from the nodes and replicas that hold it; every rank must name its store
+            anywhere = trainer.strategy.reduce_boolean_decision(bool(found), all=False)
+            if anywhere:
+                os.makedirs(where[0], exist_ok=True)
+                return {os.path.normpath(where[0])}
         remote = self.layer_config.remote
         if not found and remote is not None and remote_holds_checkpoint(remote, self.layer_config):
             # The local store was lost with its node: resume from the remote tier, through the local directory
@@ -656,3 +664,20 @@ def _refuse_sharded(strategy: Any) -> None:
             f"Lightning's CheckpointIO. For sharded training use ModelParallelStrategy (FSDP2's fully_shard in "
             f"configure_model), whose shards LayerCheckpoint saves and restores; otherwise DDP or a single device, "
             f"or Lightning's ModelCheckpoint with this strategy")
+
+
+def _distributed_now(trainer: Any) -> bool:
+    """Whether the training's process group is up, brought up here where the strategy can do it at once:
+    ``fit(ckpt_path="last")`` looks for the last checkpoint before the strategy's own setup, and on node-local
+    directories the ranks must agree whether any node holds one (a node that came back empty holds none).
+    ``DDPStrategy.setup_distributed`` returns early when called again, as it is later."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return True
+    setup = getattr(trainer.strategy, "setup_distributed", None)
+    if setup is None or not dist.is_available():
+        return False
+    setup()
+    return dist.is_initialized()
+

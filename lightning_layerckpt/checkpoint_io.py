@@ -90,6 +90,10 @@ class LayerCheckpointIO(CheckpointIO):
         if store.is_url(os.fspath(path)) and remote_holds_checkpoint(os.fspath(path), self.config):
             self.wait()  # our own copies to it land first
             return to_lightning(layerckpt.read_checkpoint(os.fspath(path), config=self.config, strict=False))
+        if store.node_part(os.fspath(path)) is not None:  # a node part (docs/nodes.md): every rank gathers it
+            self.wait()
+            return to_lightning(layerckpt.read_checkpoint(os.fspath(path), config=self._node_config(os.fspath(path)),
+                                                          strict=False))
         tiered = self._tiered_config(os.fspath(path))
         if tiered is not None:  # a callback's local store, empty or older than its remote tier
             self.wait()
@@ -110,6 +114,15 @@ class LayerCheckpointIO(CheckpointIO):
             shutil.rmtree(path)
         else:
             self.fallback.remove_checkpoint(path)
+
+    def _node_config(self, path: str) -> Config:
+        """The Config a node part is read with: the attached callback's whose store it is (its memory tier and
+        remote are where a lost node's part may be), else this CheckpointIO's."""
+        root = store.node_part(path)
+        for cb in self._callbacks:
+            if cb.dirpath is not None and os.path.abspath(os.fspath(cb.dirpath)) == root:
+                return cb.layer_config
+        return self.config
 
     def _tiered_config(self, path: str) -> Optional[Config]:
         """The Config of the attached callback whose store is ``path`` and which has a remote tier: the store is

@@ -119,6 +119,14 @@ class Group:
         self._collective(what, lambda: _dist.all_gather_object(out, text, group=self._pg))
         return [json.loads(s) for s in out]
 
+    def broadcast(self, obj: Any, what: str = "a checkpoint broadcast") -> Any:
+        """The first member's JSON-able ``obj``, on every rank (sent as JSON text: nothing is unpickled as code)."""
+        if self._pg is None:
+            return obj
+        box = [json.dumps(obj) if self.rank == 0 else None]
+        self._collective(what, lambda: _dist.broadcast_object_list(box, src=self.members[0], group=self._pg))
+        return json.loads(box[0])
+
     def _collective(self, what: str, run: Callable[[], T]) -> T:
         self._begun += 1
         try:

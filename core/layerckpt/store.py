@@ -71,6 +71,15 @@ class Composite:
                    loss=m.loss, extra=m.extra)
 
 
+def node_part(path: PathLike) -> Optional[str]:
+    """Where ``path`` (a directory or one of its manifests) is one node's part of node-local directories under
+    torch.distributed (docs/nodes.md), or a node's directory that came back empty: its store directory, which
+    every rank reads together (``restore``/``read_checkpoint`` are then collective); None otherwise."""
+    from .read import _parts
+
+    return _parts.split(path)[0] if _parts.collective(path) else None
+
+
 def manifest_path(root: PathLike, step: int) -> str:
     """The path (or, for a URL, the URL) the manifest of ``step`` has, or would have, in the store ``root``."""
     r = os.fspath(root)

@@ -189,6 +189,17 @@ def summary(xs: Sequence[float]) -> Dict[str, Any]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": list(xs)}
 
 
+def _busy_s() -> float:
+    """Core-seconds every CPU of the machine has been busy since boot (/proc/stat; 0 where unreadable)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    busy = sum(v[:3]) + sum(v[5:8])  # user nice system (idle iowait) irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 def _rotate(names: Sequence[str], i: int) -> List[str]:
     k = i % len(names)
     return list(names[k:]) + list(names[:k])
@@ -389,12 +400,17 @@ def step_times(a, w: Where, m, opt, x) -> Dict[str, Any]:
     _barrier()
     times: Dict[str, List[List[float]]] = {n: [] for n in STEP_RUNS}
     drain: Dict[str, List[float]] = {n: [] for n in cks}
+    # CPU: this rank's (every thread: training, layerckpt's, gloo's) and the machine's, per run; the difference
+    # is what other processes took of the cores meanwhile
+    cpu: Dict[str, List[float]] = {n: [] for n in STEP_RUNS}
+    busy: Dict[str, List[Tuple[float, float]]] = {n: [] for n in STEP_RUNS}
     saved: Dict[str, int] = {n: 0 for n in cks}
     for r in range(a.steps_rounds):
         for name in (STEP_RUNS if r % 2 == 0 else tuple(reversed(STEP_RUNS))):
             ck = cks.get(name)
             one: List[float] = []
             _barrier()
+            c0, b0, w0 = time.process_time(), _busy_s(), time.perf_counter()
             for s in range(1, a.steps_n + 1):
                 t0 = time.perf_counter()
                 train_step(m, opt, x)
@@ -409,6 +425,8 @@ def step_times(a, w: Where, m, opt, x) -> Dict[str, Any]:
                 ck.wait()
                 drain[name].append(time.perf_counter() - t0)
             _barrier()
+            cpu[name].append(time.process_time() - c0)
+            busy[name].append((_busy_s() - b0, time.perf_counter() - w0))
     during = _replication(_gather(cks["replicas=1"].replicas), w, skip=1)
     for ck in cks.values():
         ck.close()
@@ -419,9 +437,18 @@ def step_times(a, w: Where, m, opt, x) -> Dict[str, Any]:
         means = [statistics.fmean([t for one in rt for t in one]) for rt in _gather(times[name])]
         runs[name] = {"mean_step_s": max(means), "round_means_s": rounds,
                       "step_s": summary(_slowest([t for one in times[name] for t in one]))}
+        ours = [sum(v) for v in zip(*_gather(cpu[name]))]  # every rank's CPU seconds, per round
+        wall = [w_ for _, w_ in busy[name]]
+        runs[name]["cpu_s_all_ranks"] = ours  # per round, the steps and the drain
+        runs[name]["others_cores"] = [max(0.0, (b - o) / w_) for (b, w_), o in zip(busy[name], ours)]
+        runs[name]["round_wall_s"] = wall
         if name in cks:
             runs[name]["saves"] = saved[name]
             runs[name]["drain_s"] = _slowest(drain[name])
+        # the steps and the drains: the background work that no timed step absorbed counted in too
+        n = a.steps_n * a.steps_rounds
+        runs[name]["mean_step_with_drain_s"] = max(
+            _gather((sum(t for one in times[name] for t in one) + sum(drain.get(name, []))) / n))
     return {"steps_per_round": a.steps_n, "every": a.steps_every, "rounds": a.steps_rounds, "runs": runs,
             "replication_during_training": during}
 
@@ -693,12 +720,14 @@ def run(a, dirpath: Optional[str] = None) -> Dict[str, Any]:
         remote = Remote(root)
         started = time.perf_counter()
         out: Dict[str, Any] = {}
+        load = {"before": os.getloadavg()[0]}
         for phase in ("save", "restore"):
             rc, why = _run_phase(a, root, shm, remote, phase, timeout_s=3600)
             if rc:
                 raise RuntimeError(f"phase {phase}: the node launchers exited with status {rc}\n{why}")
             with open(os.path.join(root, f"result.{phase}.json")) as f:
                 out[phase] = json.load(f)
+            load[f"after_{phase}"] = os.getloadavg()[0]
         s, r = out["save"], out["restore"]
         res: Dict[str, Any] = {
             "bench": "nodes", "size": a.size, "nodes": a.nodes, "nproc_per_node": a.nproc, "world": s["world"],
@@ -709,7 +738,7 @@ def run(a, dirpath: Optional[str] = None) -> Dict[str, Any]:
             "remote": {"kind": remote.kind, "url": remote.url},
             "reference": s["reference"], "saves": s["saves"], "replication": s["replication"],
             "remote_save": s["remote_save"], "steps": s["steps"], "restores": r["restores"],
-            "lost_node": r["lost_node"], "wall_s": time.perf_counter() - started,
+            "lost_node": r["lost_node"], "wall_s": time.perf_counter() - started, "load_avg_1m": load,
         }
         res["ratios"] = ratios(res)
         res["targets"] = {k: {"value": res["ratios"][k], "limit": v, "met": res["ratios"][k] <= v}
@@ -735,6 +764,8 @@ def ratios(res: Dict[str, Any]) -> Dict[str, float]:
         "dcp.save durable / node-local durable": med(s["dcp.save"]["durable_s"]) / local,
         "replicas=1 durable / node-local durable": med(s["node-local replicas=1"]["durable_s"]) / local,
         "replicas=1 step / replicas=0 step": st["replicas=1"]["mean_step_s"] / st["replicas=0"]["mean_step_s"],
+        "replicas=1 step+drain / replicas=0 step+drain":
+            st["replicas=1"]["mean_step_with_drain_s"] / st["replicas=0"]["mean_step_with_drain_s"],
         "replicas=0 step / no checkpoint step": st["replicas=0"]["mean_step_s"] / st["none"]["mean_step_s"],
         "replicas=1 step / no checkpoint step": st["replicas=1"]["mean_step_s"] / st["none"]["mean_step_s"],
         "replica restore / disk restore": med(r["replica"]["s"]) / med(r["disk"]["s"]),
@@ -791,12 +822,17 @@ def format_table(res: Dict[str, Any]) -> str:
     lines += ["", f"3. step time: {st['steps_per_round']} steps x {st['rounds']} rounds per contender (rounds in "
                   f"alternating order), a full save after every {st['every']} steps, not waited for (each round's "
                   f"last save drained after its last step, outside the step times); the slowest rank's mean",
-              f"{'run':<26}{'mean s/step':>14}{'per-round means':>28}{'saves':>7}"]
+              f"{'run':<26}{'mean s/step':>14}{'with drain':>12}{'per-round means':>22}{'saves':>7}{'CPU s/round, all ranks':>26}"
+              f"{'other load (cores)':>20}"]
     for name in STEP_RUNS:
         r = st["runs"][name]
         rounds = " / ".join(f"{v:.3f}" for v in r["round_means_s"])
+        cpu = " / ".join(f"{v:.1f}" for v in r["cpu_s_all_ranks"])
+        others = " / ".join(f"{v:.2f}" for v in r["others_cores"])
         lines.append(f"{('no checkpointing' if name == 'none' else name):<26}{r['mean_step_s']:>14.4f}"
-                     f"{rounds:>28}{r.get('saves', 0):>7}")
+                     f"{r['mean_step_with_drain_s']:>12.4f}{rounds:>22}{r.get('saves', 0):>7}{cpu:>26}{others:>20}")
+    lines.append("(with drain: the steps and each round's drain of its last save over the steps; CPU: every thread of every rank, the steps and the drain; other load: the machine's busy cores "
+                 "less the ranks' CPU over the round, other processes and unattributed kernel work)")
     lines += ["", f"4. restores into a fresh model (page cache dropped; a barrier, then the restore call; the "
                   f"slowest rank's wall time, and the slowest report.seconds); node lost: {lost} (its directory and "
                   f"LAYERCKPT_SHM contents deleted)",
@@ -812,7 +848,9 @@ def format_table(res: Dict[str, Any]) -> str:
     lines += ["", "ratios (medians, same run): " + ", ".join(f"{k} = {v:.2f}x" for k, v in q.items())]
     lines.append("targets: " + "; ".join(f"{k} <= {t['limit']}: {t['value']:.2f}x, {'met' if t['met'] else 'NOT met'}"
                                           for k, t in res["targets"].items()))
-    lines.append(f"whole run {res['wall_s']:.0f}s")
+    ld = res["load_avg_1m"]
+    lines.append(f"whole run {res['wall_s']:.0f}s; load average (1 min) before {ld['before']:.2f}, after the saves "
+                 f"{ld['after_save']:.2f}, after the restores {ld['after_restore']:.2f}")
     return "\n".join(lines)
 
 
@@ -839,8 +877,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", type=int, required=True)
     p.add_argument("--size", default="gpt2-mini", choices=list(SIZES))
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps-n", type=int, default=15)
-    p.add_argument("--steps-every", type=int, default=5)
+    p.add_argument("--steps-n", type=int, default=12)
+    p.add_argument("--steps-every", type=int, default=4)
     p.add_argument("--steps-rounds", type=int, default=2)
     return p
 

@@ -39,7 +39,7 @@ DEFAULTS = {"preset": "gpt2-small", "reps": 3, "size": "gpt2-small", "nproc": 2,
             "restarts": "fresh"}
 #: where a mode's default differs from DEFAULTS'
 MODE_DEFAULTS = {"goodput": {"size": "gpt2-mini"},
-                 "nodes": {"size": "gpt2-mini", "nproc": 1, "steps_n": 15, "steps_every": 5, "steps_rounds": 2}}
+                 "nodes": {"size": "gpt2-mini", "nproc": 1, "steps_n": 12, "steps_every": 4, "steps_rounds": 2}}
 
 
 def _positive(text: str) -> int:
@@ -106,7 +106,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="instead: step time of a training loop with a checkpoint after every step: layerckpt "
                         "against DCP async_save and TorchSnapshot async_take (with --size, --steps-n)")
     a.add_argument("--steps-n", type=_positive, help="with --steps: steps measured (default: 6); with --nodes: "
-                                                     "steps per round of each step-time run (default: 15)")
+                                                     "steps per round of each step-time run (default: 12)")
     a.add_argument("--cpu", action="store_true",
                    help="instead: CPU time per checkpoint (all threads, until its background work ended) of "
                         "torch.save and layerckpt's default, forced delta and off, selective and full, beside the "
@@ -120,7 +120,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--steps-every", type=_positive,
                    help="with --steps: a full checkpoint every N steps instead, the default Config against "
                         "encoding delta and off forced (default: 1); with --nodes: the step-time runs' save "
-                        "interval (default: 5)")
+                        "interval (default: 4)")
     a.add_argument("--steps-rounds", type=_positive,
                    help="with --steps-every N > 1: rounds of every contender, each round in the reverse order of "
                         "the one before, the disk settled before each contender (default: 2); with --nodes: the "

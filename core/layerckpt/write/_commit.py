@@ -10,12 +10,13 @@ import errno
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import AbstractSet, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .. import _faults
 from .._dist import Group
 from ..io._backend import checksum_function
 from ..format._layout import DTYPES, Layout
+from ..format._json import loads_strict
 from ..format._manifest import FileEntry, Manifest, TensorEntry, plain
 from ..format._places import seal
 from ..format._store import LATEST, MANIFEST_DIR, before_commit, manifest_name, write_atomic
@@ -95,14 +96,25 @@ def agree(group: Group, mine: RankResult, failed: Optional[BaseException], path:
     raise CheckpointWriteError(bad[0].error.errno, bad[0].error.path, detail=f"{detail}; nothing was committed")
 
 
-def publish(group: Group, root: str, m: Manifest, committers: AbstractSet[int] = frozenset({0})) -> str:
-    """Each store's owner (``committers``: rank 0, or each node's owner on node-local directories) commits
-    ``m`` into its store; every rank learns whether each did.  Returns the manifest path."""
+def publish(group: Group, root: str, m: Manifest, committers: AbstractSet[int] = frozenset({0})
+            ) -> Tuple[str, Manifest]:
+    """Each store's owner (``committers``: rank 0, or each node's owner on node-local directories) commits the
+    one manifest into its store; every rank learns whether each did.  Returns the manifest path and the
+    manifest committed: rank 0's, which every node's store receives byte for byte (each rank's own ``m``
+    differs in what only rank 0 records, such as the extra state it wrote)."""
     status = None
     path = os.path.join(root, MANIFEST_DIR, manifest_name(m.step))
+    body: Optional[bytes] = None
+    split = group.world > 1 and len(committers) > 1
+    if split:
+        text = group.broadcast(m.to_json().decode() if group.rank == 0 else None,
+                               what=f"sending the manifest of step {m.step} to every node")
+        body = text.encode()
+        if group.rank != 0:
+            m = Manifest.from_dict(loads_strict(body, path), path)
     if group.rank in committers:
         try:
-            commit(root, m)
+            commit(root, m, body)
         except OSError as e:
             status = [e.errno or errno.EIO, getattr(e, "filename", None) or root]
     if group.world > 1:
@@ -110,13 +122,13 @@ def publish(group: Group, root: str, m: Manifest, committers: AbstractSet[int] =
                                               f"committed (it may be)")
         failed = [(r, a) for r, a in enumerate(answers) if a is not None]
         status = failed[0][1] if failed else None
-        if failed and len(committers) > 1:
+        if failed and split:
             nodes = ", ".join(f"rank {r}'s ({a[1]})" for r, a in failed)
             raise CheckpointWriteError(status[0], status[1], detail=f"the manifest could not be committed into "
                                        f"{nodes}; the nodes that hold it restore it, the others fetch it from them")
     if status is not None:
         raise CheckpointWriteError(status[0], status[1], detail="the manifest could not be committed")
-    return path
+    return path, m
 
 
 def unlink_quietly(path: str) -> None:
@@ -149,14 +161,14 @@ def merge(m: Manifest, ranks: List[RankResult], checksum: str) -> None:
         m.rng_ranks = {str(r.rank): r.rng for r in ranks[1:]}
 
 
-def commit(root: str, m: Manifest) -> str:
+def commit(root: str, m: Manifest, body: Optional[bytes] = None) -> str:
     """Write the manifest atomically: from its rename on, the checkpoint exists.  Then point `latest` at
     it, best effort: a failure there is logged and does not undo the commit.  Returns the manifest path."""
     _faults.point("commit.before")
     name = manifest_name(m.step)
     path = os.path.join(root, MANIFEST_DIR, name)
     before_commit(root, m.step)
-    write_atomic(path, m.to_json())
+    write_atomic(path, m.to_json() if body is None else body)
     try:
         _faults.point("commit.latest")
         # a hint that decides nothing (the manifests are the commit record): not worth two more fsyncs a save

@@ -297,7 +297,7 @@ class Flusher:
         _commit.merge(m, ranks, CHECKSUM)
         _encwrite.merge_refs(m.tensors, m.files)
         t = time.perf_counter()
-        job.pending.manifest_path = _commit.publish(self.group, self.root, m, self.committers)
+        job.pending.manifest_path, m = _commit.publish(self.group, self.root, m, self.committers)
         self.refs.committed(m.tensors, m.files)
         job.pending.durable_s = time.perf_counter() - job.t0  # committed: what follows is housekeeping
         job.pending.phases["commit"] = time.perf_counter() - t
