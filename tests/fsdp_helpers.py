@@ -95,8 +95,13 @@ def main(mode: str, root: str, threshold: float) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     m = shard(model(WIDE if mode == "lossy" else DIM))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    store = os.path.join(root, "store")
-    cfg = layerckpt.Config(threshold=threshold, keep_last=0) if threshold >= 0 else layerckpt.Config(keep_last=0)
+    # FSDP_NODE_STORES=1 (tests/test_nodes_sharded.py): each node its own directory, ROOT/node<GROUP_RANK>;
+    # FSDP_REPLICAS: Config.replicas there
+    nodes = os.environ.get("FSDP_NODE_STORES") == "1"
+    store = os.path.join(root, f"node{os.environ['GROUP_RANK']}" if nodes else "store")
+    more = {"replicas": int(os.environ.get("FSDP_REPLICAS", "0"))}
+    cfg = layerckpt.Config(threshold=threshold, keep_last=0, **more) if threshold >= 0 else \
+        layerckpt.Config(keep_last=0, **more)
     if mode == "lossy":
         with layerckpt.Checkpointer(store, m, opt, layerckpt.Config(encoding="lossy", full=True, keep_last=0)) as ck:
             for step in (2, 4, 6):
@@ -118,7 +123,7 @@ def main(mode: str, root: str, threshold: float) -> None:
             torch.save(ref, os.path.join(root, f"ref.{world}.pt"))
         r = torch.rand(3)  # each rank's RNG after the save
         train(m, opt, 3, seed=99)
-        report = layerckpt.restore(store, m, opt, strict=False)
+        report = layerckpt.restore(store, m, opt, strict=False, config=cfg)
         assert report.step == 6 and report.extra == {"world": world}
         if threshold == 0.0:
             check(m, opt, ref)
@@ -142,8 +147,11 @@ def main(mode: str, root: str, threshold: float) -> None:
         raise SystemExit("rank 1 should have died before step 6 committed")
     elif mode == "load":
         ref = torch.load(os.path.join(root, "ref.pt"), weights_only=True)
-        layerckpt.restore(store, m, opt, strict=False)
+        report = layerckpt.restore(store, m, opt, strict=False, config=cfg)
         check(m, opt, ref)
+        if nodes:
+            with open(os.path.join(root, f"sources.{rank}.txt"), "w") as f:
+                f.write(repr(sorted(report.sources.items())))
         train(m, opt, 1, seed=7)
     dist.barrier()
     dist.destroy_process_group()
