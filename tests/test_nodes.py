@@ -19,14 +19,18 @@ themselves.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
+import random
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import pytest
@@ -150,40 +154,120 @@ def _end(procs: Sequence[subprocess.Popen]) -> None:
         p.wait()
 
 
-def launch(base, nnodes: int, phase_args: Sequence[str], timeout: float = TIMEOUT_S,
-           node_env: Optional[Mapping[int, Mapping[str, str]]] = None) -> List[Result]:
-    """One torchrun launcher per node, started together on a free port; waits for all and returns each node's
-    (returncode, stdout, stderr), node 0 first.  ``phase_args`` follow the helper (``["train", base, ...]``);
-    ``node_env``: node -> variables to add to that node's environment.  The logs stay in
-    ``base/logs/<phase>.node<k>.{out,err}`` (files, not pipes: a node whose pipe filled would stall its ranks,
-    and every rank with them).  A launch still running after ``timeout`` seconds is ended and fails the test,
-    with every node's output (the ranks' stacks at the end included)."""
-    base = str(base)
-    logs = os.path.join(base, "logs")
-    os.makedirs(logs, exist_ok=True)
-    for k in range(nnodes):
-        _private_dir(_shm(base, k))
-    phase = str(phase_args[0])
-    for name in os.listdir(base):  # what an earlier launch of this phase left: each rank's results and errors
-        if name.startswith((f"error.{phase}.rank", f"result.{phase}.rank")):
-            os.remove(os.path.join(base, name))
-    for attempt in range(3):
+class Launch:
+    """One start of a phase: a torchrun launcher per node, started together on a free port, not waited for
+    (``launch`` waits; the soak kills).  Clears what an earlier launch of this phase left (each rank's results
+    and errors); the logs go to ``base/logs/<phase>.node<k>.{out,err}`` (files, not pipes: a node whose pipe
+    filled would stall its ranks, and every rank with them)."""
+
+    def __init__(self, base, nnodes: int, phase_args: Sequence[str],
+                 node_env: Optional[Mapping[int, Mapping[str, str]]] = None):
+        base = str(base)
+        self.base, self.nnodes = base, nnodes
+        logs = os.path.join(base, "logs")
+        os.makedirs(logs, exist_ok=True)
+        for k in range(nnodes):
+            _private_dir(_shm(base, k))
+        self.phase = phase = str(phase_args[0])
+        for name in os.listdir(base):  # what an earlier launch of this phase left: each rank's results and errors
+            if name.startswith((f"error.{phase}.rank", f"result.{phase}.rank")):
+                os.remove(os.path.join(base, name))
         port = _free_port()
-        procs, paths = [], []
+        self.procs: List[subprocess.Popen] = []
+        self.paths: List[Tuple[str, str]] = []
+        self.seen: Dict[int, int] = {}  # every worker seen below a launcher -> its node (to end orphans)
+        self.started = time.monotonic()
         try:
             for k in range(nnodes):
                 out, err = (os.path.join(logs, f"{phase}.node{k}.{ext}") for ext in ("out", "err"))
-                paths.append((out, err))
+                self.paths.append((out, err))
                 with open(out, "w") as fo, open(err, "w") as fe:
-                    procs.append(subprocess.Popen(_command(nnodes, k, port, phase_args),
-                                                  env=_env(base, k, (node_env or {}).get(k)), cwd=os.path.dirname(HERE),
-                                                  stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
-                                                  start_new_session=True))
+                    self.procs.append(subprocess.Popen(
+                        _command(nnodes, k, port, phase_args), env=_env(base, k, (node_env or {}).get(k)),
+                        cwd=os.path.dirname(HERE), stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
+                        start_new_session=True))
+        except BaseException:
+            self.end()
+            raise
+
+    def port_taken(self) -> bool:
+        """Node 0's launcher failed to bind the port picked (taken between the pick and the bind)."""
+        p = self.procs[0]
+        return p.poll() is not None and p.returncode != 0 and any(s in _read(self.paths[0][1]) for s in _PORT_TAKEN)
+
+    def below(self, k: int, tree: Optional[Dict[int, List[int]]] = None) -> List[int]:
+        """Node ``k``'s workers now (its launcher's descendants), remembered for :meth:`end`."""
+        found = _descendants(self.procs[k].pid, tree)
+        for pid in found:
+            self.seen[pid] = k
+        return found
+
+    def kill_node(self, k: int) -> None:
+        """SIGKILL node ``k``'s launcher and every process below it at once, as a node lost would."""
+        pids = [self.procs[k].pid] + self.below(k) + [p for p, n in self.seen.items() if n == k]
+        _signal(pids, signal.SIGKILL)
+        self.procs[k].wait()
+        _gone([p for p in pids if p != self.procs[k].pid])
+
+    def results(self, barrier: Sequence[int] = ()) -> List[Result]:
+        out = []
+        for k, (p, (o, e)) in enumerate(zip(self.procs, self.paths)):
+            if k in barrier:  # what torchrun would have exited with, after waiting out its exit barrier
+                out.append((0, _read(o), _read(e) + _BARRIER_NOTE))
+            else:
+                out.append((p.returncode, _read(o), _read(e)))
+        return out
+
+    def end(self) -> None:
+        """Ends whatever is still running (``_end``), then any worker seen that outlived its launcher."""
+        _end(self.procs)
+        _signal(_ours([p for p in self.seen]), signal.SIGKILL)
+        _gone(list(self.seen))
+
+
+def _ours(pids: Sequence[int]) -> List[int]:
+    """Those of ``pids`` that still run this harness's worker (a pid reused by another process is left)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if HELPER.encode() in f.read():
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def _gone(pids: Sequence[int], timeout: float = 10.0) -> None:
+    """Until every process of ``pids`` is gone (or a zombie): a SIGKILL is delivered, not awaited."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                        break
+            except OSError:
+                break
+            time.sleep(0.05)
+
+
+def launch(base, nnodes: int, phase_args: Sequence[str], timeout: float = TIMEOUT_S,
+           node_env: Optional[Mapping[int, Mapping[str, str]]] = None) -> List[Result]:
+    """One torchrun launcher per node (``Launch``); waits for all and returns each node's (returncode, stdout,
+    stderr), node 0 first.  ``phase_args`` follow the helper (``["train", base, ...]``); ``node_env``: node ->
+    variables to add to that node's environment.  A launch still running after ``timeout`` seconds is ended and
+    fails the test, with every node's output (the ranks' stacks at the end included).  Whatever a launch
+    leaves running (a worker that outlived its launcher) is killed before it returns."""
+    for attempt in range(3):
+        run = Launch(base, nnodes, phase_args, node_env)
+        procs = run.procs
+        barrier: set = set()
+        try:
             deadline = time.monotonic() + timeout
-            taken, had_workers, idle_since, barrier = False, [False] * nnodes, [None] * nnodes, set()
+            taken, had_workers, idle_since = False, [False] * nnodes, [None] * nnodes
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if procs[0].poll() is not None and procs[0].returncode != 0 and any(
-                        s in _read(paths[0][1]) for s in _PORT_TAKEN):
+                if run.port_taken():
                     taken = True
                     break
                 failed = any(p.poll() is not None and p.returncode != 0 for p in procs)
@@ -191,7 +275,7 @@ def launch(base, nnodes: int, phase_args: Sequence[str], timeout: float = TIMEOU
                 for k, p in enumerate(procs):
                     if p.poll() is not None or k in barrier:
                         continue
-                    if _descendants(p.pid, tree):
+                    if run.below(k, tree):
                         had_workers[k], idle_since[k] = True, None
                     elif had_workers[k] and failed:
                         idle_since[k] = idle_since[k] or time.monotonic()
@@ -205,13 +289,8 @@ def launch(base, nnodes: int, phase_args: Sequence[str], timeout: float = TIMEOU
             for k in barrier:  # no worker left; torchrun blocked in the barrier's store wait ignores SIGTERM
                 _signal([procs[k].pid], signal.SIGKILL)
                 procs[k].wait()
-            _end(procs)  # the test failing (or interrupted) leaves nothing running
-        results = []
-        for k, (p, (o, e)) in enumerate(zip(procs, paths)):
-            if k in barrier:  # what torchrun would have exited with, after waiting out its exit barrier
-                results.append((0, _read(o), _read(e) + _BARRIER_NOTE))
-            else:
-                results.append((p.returncode, _read(o), _read(e)))
+            run.end()  # the test failing (or interrupted) leaves nothing running
+        results = run.results(barrier)
         if taken and attempt < 2:
             continue
         if hung:
@@ -384,3 +463,336 @@ def test_a_lost_node_without_replicas_is_a_clear_error(tmp_path):
         low = told.lower()
         assert "node1" in told and ("missing" in low or "no committed" in low), \
             f"rank {r} (node1) was told: {told}\n{outputs(results)}"
+
+
+# ------------------------------------------------------------------ faults: deaths mid-transfer, node losses
+
+def _saved(base, step: int, r: int) -> dict:
+    """What rank ``r``'s save of ``step`` was given (nodes_helpers.record)."""
+    return _load(os.path.join(str(base), f"saved.step{step}.rank{r}.pt"))
+
+
+def _assert_equals_saved(base, nnodes: int, step: int, restored_name: str = "restored") -> None:
+    for r in range(NPROC * nnodes):
+        got = _load(os.path.join(str(base), f"{restored_name}.rank{r}.pt"))
+        want = _saved(base, step, r)
+        assert_same_tensors(got["model"], want["model"])
+        assert_same_optimizer_state(got["optim"], want["optim"])
+
+
+def _died(base) -> Dict[int, str]:
+    """rank -> the fault point (and hit) at which it killed itself (nodes_helpers.install_faults)."""
+    out = {}
+    for name in os.listdir(str(base)):
+        if name.startswith("died.rank") and name.endswith(".txt"):
+            out[int(name[len("died.rank"):-4])] = _read(os.path.join(str(base), name)).strip()
+    return out
+
+
+def _is_layerckpt_error(told: str) -> bool:
+    """Whether "Type: message" names a CheckpointError (or a subclass) of layerckpt."""
+    import layerckpt.errors as errors
+
+    cls = getattr(errors, told.split(":", 1)[0].strip(), None)
+    return isinstance(cls, type) and issubclass(cls, errors.CheckpointError)
+
+
+def _die_at(point: str, n: int, **extra: str) -> Dict[str, str]:
+    return {"NODES_DIE_AT": f"{point}:{n}", **extra}
+
+
+#: a restore whose peer died mid-transfer must fail within the training's process-group timeout (the worker's
+#: GLOO_TIMEOUT_S, 60 s), plus the launch's own start and end: a hang is ended and fails the test there
+_DEAD_PEER_BOUND_S = 60 + 30
+
+
+def test_a_peer_dying_mid_transfer_fails_the_restore_on_every_other_rank(tmp_path):
+    """replicas=0: every node gathers the whole composite, so node0 receives node1's files; node1's store owner
+    (rank 2) dies as it begins sending them.  The other ranks fail with a layerckpt error naming the rank or the
+    node gone, well before the harness's bound, never a hang."""
+    assert_all_ok(launch(tmp_path, 2, ["train", tmp_path, 4, 2, 0]), tmp_path, "train")
+    t0 = time.monotonic()
+    results = launch(tmp_path, 2, ["restore", tmp_path, 0], timeout=_DEAD_PEER_BOUND_S,
+                     node_env={1: _die_at("parts.sending", 1)})
+    took = time.monotonic() - t0
+    assert _died(tmp_path) == {2: "parts.sending:1"}, f"{_died(tmp_path)}\n{outputs(results)}"
+    assert all(rc != 0 for rc, _, _ in results[:1]), f"node0's restore succeeded without node1\n{outputs(results)}"
+    errors = rank_errors(tmp_path, "restore")
+    for r in ranks_of(0):
+        assert r in errors, f"rank {r} (node0) left no error\n{outputs(results)}"
+        told = errors[r]
+        assert _is_layerckpt_error(told), f"rank {r} was told no layerckpt error: {told}"
+        assert re.search(r"\branks? (?:\d+, )*2\b|\bnode ?1\b", told), \
+            f"rank {r} was told of no rank/node gone: {told}"
+    assert not any(os.path.exists(tmp_path / f"result.restore.rank{r}.json") for r in range(2 * NPROC))
+    # from the death to the last of node0's errors: the peer's loss is seen, not waited out (gloo's timeout)
+    died_at = os.path.getmtime(tmp_path / "died.rank2.txt")
+    told_after = max(os.path.getmtime(tmp_path / f"error.restore.rank{r}.txt") for r in ranks_of(0)) - died_at
+    print(f"restore with a peer dying mid-transfer: node0's ranks failed {told_after:.1f}s after the death "
+          f"(the launch took {took:.1f}s)")
+    assert told_after < 60, f"node0's ranks failed {told_after:.0f}s after rank 2 died: gloo's timeout waited out"
+    assert took < _DEAD_PEER_BOUND_S
+
+
+def _replica_of(base, holder: int, source: int) -> Tuple[List[str], Optional[str]]:
+    """What node ``holder`` holds of node ``source``'s part in its memory tier's base: the complete copies'
+    manifests (normally one) and the steps of the data files of the copy that was arriving (None: none)."""
+    found = glob.glob(os.path.join(_shm(base, holder), "layerckpt-replicas-*", f"node{source}"))
+    assert len(found) == 1, f"node{holder} holds no replica folder of node{source}: {found}"
+    complete = sorted(glob.glob(os.path.join(found[0], "c-*", "manifests", "*.json")))
+    incoming = os.path.join(found[0], ".incoming")
+    partial = sorted(os.listdir(os.path.join(incoming, "data"))) if os.path.isdir(incoming) else None
+    return complete, None if partial is None else ",".join(partial)
+
+
+def test_a_kill_during_replication_leaves_the_previous_composite_restorable(tmp_path):
+    """Node1's owner dies as the 3rd data file arrives of node0's part: the 1st of the 2nd round (2 files per
+    round, one per rank of node0), that of step 4 or 6.  Node0 lost: the restore reads node0's part from the
+    replica node1 held complete (the 1st round's), never the partial one."""
+    results = launch(tmp_path, 2, ["train", tmp_path, 6, 2, 1], node_env={1: _die_at("replica.file-received", 3)})
+    assert _died(tmp_path) == {2: "replica.file-received:3"}, f"{_died(tmp_path)}\n{outputs(results)}"
+    assert any(rc != 0 for rc, _, _ in results), outputs(results)
+    complete, partial = _replica_of(tmp_path, 1, 0)
+    assert len(complete) == 1, complete
+    held = _store_step(complete[0])
+    assert partial, f"node1 was killed receiving a round, but holds no partial copy: {complete}"
+    partial_steps = {int(n[len("step-"):].split(".")[0]) for n in partial.split(",")}
+    assert partial_steps and min(partial_steps) > held, (held, partial)
+    # the composite node1 holds node0's part of complete is still whole with node1's own part (its disk)
+    own = sorted(os.listdir(os.path.join(_node(tmp_path, 1), "manifests")))
+    print(f"node1 holds node0's part of step {held} complete (partial: {partial}); its own manifests: {own}")
+    lose_node(tmp_path, 0)
+    results = launch(tmp_path, 2, ["restore", tmp_path, 1])
+    assert_all_ok(results, tmp_path, "restore")
+    reports, sources = restored(tmp_path, 2)
+    assert {r: rep["step"] for r, rep in reports.items()} == {r: held for r in range(4)}, (held, reports)
+    assert {r: sources[r] for r in ranks_of(0)} == {r: "replica" for r in ranks_of(0)}, sources
+    assert all(sources[r] in ("disk", "memory") for r in ranks_of(1)), sources
+    _assert_equals_saved(tmp_path, 2, held)
+
+
+def _store_step(manifest_path: str) -> int:
+    name = os.path.basename(manifest_path)
+    assert re.fullmatch(r"step-\d{8,}\.json", name), manifest_path
+    return int(name[len("step-"):-len(".json")])
+
+
+def test_a_kill_during_upload_leaves_the_previous_remote_composite_restorable(tmp_path):
+    """replicas=0, a file:// remote: node1's owner dies as the 3rd file it uploads lands (the 1st of the 2nd
+    composite it uploads: 2 files per composite, one per rank of node1).  Node1 lost: the restore reads the
+    remote's newest committed composite, bit for bit, every rank's part from the remote."""
+    remote = tmp_path / "remote"
+    remote.mkdir()  # as a bucket is there before the job
+    env = {"NODES_REMOTE": f"file://{remote}"}
+    results = launch(tmp_path, 2, ["train", tmp_path, 6, 2, 0],
+                     node_env={0: env, 1: _die_at("tier.file-copied", 3, **env)})
+    assert _died(tmp_path) == {2: "tier.file-copied:3"}, f"{_died(tmp_path)}\n{outputs(results)}"
+    assert any(rc != 0 for rc, _, _ in results), outputs(results)
+    committed = sorted(_store_step(n) for n in os.listdir(remote / "manifests") if n.endswith(".json"))
+    assert committed, f"nothing committed on the remote: {sorted(os.listdir(remote / 'manifests'))}"
+    newest = committed[-1]
+    uploaded = data_ranks(str(remote))
+    step2 = {r for n, r in uploaded.items() if n.startswith("step-00000002.")}
+    assert step2 == set(range(4)), f"the remote holds step 2's files of ranks {sorted(step2)}: {sorted(uploaded)}"
+    print(f"remote: committed {committed}, data {sorted(uploaded)}")
+    lose_node(tmp_path, 1)
+    results = launch(tmp_path, 2, ["restore", tmp_path, 0], node_env={0: env, 1: env})
+    assert_all_ok(results, tmp_path, "restore")
+    reports, sources = restored(tmp_path, 2)
+    assert {r: rep["step"] for r, rep in reports.items()} == {r: newest for r in range(4)}, (committed, reports)
+    assert sources == {r: "remote" for r in range(4)}, sources
+    _assert_equals_saved(tmp_path, 2, newest)
+
+
+def _expected_composite(base, r: int, report: dict) -> dict:
+    """What a restore of a selective composite must give rank ``r``, bit for bit: each layer's tensors and
+    optimizer state as saved at the step that layer was persisted (the restored step minus its staleness)."""
+    step = report["step"]
+    layer_of = {n: layer for layer, names in report["layers"].items() for n in names}
+    stale = report["staleness"]
+    at = {n: step - stale.get(layer_of[n], 0) for n in layer_of}
+    cache: Dict[int, dict] = {}
+
+    def saved(s: int) -> dict:
+        if s not in cache:
+            cache[s] = _saved(base, s, r)
+        return cache[s]
+
+    model = {n: saved(at[n])["model"][n] for n in saved(step)["model"]}
+    newest = saved(step)["optim"]
+    optim = {"param_groups": newest["param_groups"],
+             "state": {i: saved(at[n])["optim"]["state"][i] for i, n in enumerate(report["params"])
+                       if i in newest["state"]}}
+    return {"model": model, "optim": optim, "steps": sorted(set(at.values()))}
+
+
+def test_a_node_restored_from_its_partner_trains_on_selectively_and_restores_after_a_crash(tmp_path):
+    """Node1 lost and restored from node0's replica, then both train on with the DEFAULT selective Config
+    (replicas=1, keep_last=2) and save; a process crash (a plain relaunch) restores the newest save from the
+    disks alone, each layer bit for bit as the step that persisted it saved it."""
+    assert_all_ok(launch(tmp_path, 2, ["train", tmp_path, 4, 2, 1]), tmp_path, "train")
+    lose_node(tmp_path, 1)
+    results = launch(tmp_path, 2, ["resume", tmp_path, 1, 4, 2])
+    assert_all_ok(results, tmp_path, "resume")
+    for r in range(4):
+        with open(tmp_path / f"result.resume.rank{r}.json") as f:
+            rep = json.load(f)
+        assert rep["step"] == 4, rep
+        want = {str(q): "replica" if q in ranks_of(1) else "disk" for q in range(4)}
+        assert rep["sources"] == want, rep["sources"]
+    _assert_equals_saved(tmp_path, 2, 4, "restored.resume")
+    resumed = _load(os.path.join(str(tmp_path), "result.resume.rank0.pt"))
+    assert resumed["saved"] == [6, 8], resumed["saved"]
+    results = launch(tmp_path, 2, ["restore", tmp_path, 1])
+    assert_all_ok(results, tmp_path, "restore")
+    reports, sources = restored(tmp_path, 2)
+    assert {r: rep["step"] for r, rep in reports.items()} == {r: 8 for r in range(4)}, reports
+    assert sources == {r: "disk" for r in range(4)}, sources
+    for r in range(4):
+        got = _load(os.path.join(str(tmp_path), f"restored.rank{r}.pt"))
+        want = _expected_composite(tmp_path, r, reports[r])
+        assert_same_tensors(got["model"], want["model"])
+        assert_same_optimizer_state(got["optim"], want["optim"])
+    print(f"the selective composite of step 8: layers from steps {want['steps']}, "
+          f"staleness {reports[0]['staleness']}")
+
+
+def test_three_nodes_restored_onto_two(tmp_path):
+    """3 nodes train with replicas=1; node2 gone, a 2-node launch (node0's and node1's directories) restores
+    the newest composite, node2's part from node0's replica of it: every rank bit for bit the 3-node state."""
+    assert_all_ok(launch(tmp_path, 3, ["train", tmp_path, 4, 2, 1]), tmp_path, "train")
+    train = trained(tmp_path, 3)
+    results = launch(tmp_path, 2, ["restore", tmp_path, 1])
+    assert_all_ok(results, tmp_path, "restore")
+    steps, sources = {}, {}
+    for r in range(4):
+        with open(tmp_path / f"result.restore.rank{r}.json") as f:
+            rep = json.load(f)
+        steps[r], sources[r] = rep["step"], rep["sources"]
+    assert steps == {r: 4 for r in range(4)}, steps
+    print(f"3 -> 2 nodes: sources {sources[0]}")
+    for r in range(4):
+        got = _load(os.path.join(str(tmp_path), f"restored.rank{r}.pt"))
+        assert_same_tensors(got["model"], train[0]["model"])
+        assert_same_optimizer_state(got["optim"], train[0]["optim"])
+
+
+# ------------------------------------------------------------------ the soak: nodes lost at random times
+
+def _steps_in(base, prefix: str) -> List[int]:
+    """Every step any rank appended to BASE/<prefix>.rank<R>."""
+    out = []
+    for path in glob.glob(os.path.join(str(base), f"{prefix}.rank*")):
+        out += [int(line) for line in _read(path).split() if line.strip().isdigit()]
+    return out
+
+
+def _soak_results(base, nnodes: int) -> Dict[int, dict]:
+    out = {}
+    for r in range(NPROC * nnodes):
+        path = os.path.join(str(base), f"result.soak.rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                out[r] = json.load(f)
+    return out
+
+
+def _check_soak_restore(got: Dict[int, dict], committed: Optional[int], i: int, outs: str) -> None:
+    steps = {r: g["step"] for r, g in got.items()}
+    assert len(set(steps.values())) == 1, f"launch {i}: the ranks restored different steps: {steps}"
+    step = next(iter(steps.values()))
+    if committed is not None:
+        assert step is not None and step >= committed, \
+            f"launch {i}: restored {step}, but step {committed} was committed (replicated and on the remote) " \
+            f"before the kill: {got}\n{outs}"
+    for r, g in got.items():
+        if step is not None:
+            assert g["recorded"] is not None, f"launch {i}: rank {r} restored step {step}, of which no save " \
+                                              f"recorded a hash"
+            assert g["hash"] == g["recorded"], f"launch {i}: rank {r}: the state restored of step {step} is " \
+                                               f"not the one saved"
+
+
+def _errors_before(base, phase: str, t: float) -> Dict[int, str]:
+    """The ranks' errors written before the wall-clock time ``t`` (a kill's: those after it are its echo)."""
+    out = {}
+    for r, told in rank_errors(base, phase).items():
+        if os.path.getmtime(os.path.join(str(base), f"error.{phase}.rank{r}.txt")) < t:
+            out[r] = told
+    return out
+
+
+@pytest.mark.slow
+def test_soak_random_node_losses(tmp_path):
+    """LAYERCKPT_NODE_LOSSES times: 2 nodes train saving every step (full, replicas=1, a file:// remote); after
+    a random 2-8 s one random node is SIGKILLed whole (launcher and workers), then the other (the scheduler
+    ending the job), and the first is lost (its directory and memory tier emptied).  Each next launch's
+    restore must give a step no older than any committed before the kill (0 committed composites lost: one is
+    committed once its Checkpointer's wait() returned, its replica and remote copy made) and the state its save
+    recorded, bit for bit (a hash)."""
+    losses = int(os.environ.get("LAYERCKPT_NODE_LOSSES", "30"))
+    rng = random.Random(20240611)
+    base, nnodes = str(tmp_path), 2
+    (tmp_path / "remote").mkdir()
+    env = {k: {"NODES_REMOTE": f"file://{tmp_path / 'remote'}"} for k in range(nnodes)}
+    t0 = time.monotonic()
+    kinds: Counter = Counter()
+    fresh = unchecked = 0
+    newest = 0
+    for i in range(losses + 1):
+        committed = max(_steps_in(base, "committed"), default=None)
+        final = i == losses  # the last launch only restores, checked, then ends
+        run = Launch(base, nnodes, ["soak", base, 100000], node_env=env)
+        try:
+            wait = rng.uniform(2.0, 8.0)
+            deadline = time.monotonic() + (TIMEOUT_S if final else wait)
+            while time.monotonic() < deadline:
+                tree = _children()
+                for k in range(nnodes):
+                    run.below(k, tree)
+                if run.port_taken():
+                    break
+                if any(p.poll() is not None for p in run.procs):
+                    pytest.fail(f"soak launch {i}: a launcher ended by itself (exits "
+                                f"{[p.poll() for p in run.procs]}); the ranks were told: "
+                                f"{rank_errors(base, 'soak')}\n{outputs(run.results())}", pytrace=False)
+                if final and len(_soak_results(base, nnodes)) == NPROC * nnodes:
+                    break
+                time.sleep(0.1)
+            if run.port_taken():
+                continue
+            lost = rng.randrange(nnodes)
+            t_kill = time.time()
+            run.kill_node(lost)
+            for k in range(nnodes):
+                if k != lost:
+                    run.kill_node(k)
+        finally:
+            run.end()
+        outs = outputs(run.results(), tail=1500)
+        early = _errors_before(base, "soak", t_kill)
+        assert not early, f"soak launch {i}: ranks failed before the kill: {early}\n{outs}"
+        got = _soak_results(base, nnodes)
+        if final:
+            assert len(got) == NPROC * nnodes, f"the last launch did not restore on every rank: {got}\n{outs}"
+        if got:
+            _check_soak_restore(got, committed, i, outs)
+            step = next(iter(got.values()))["step"]
+            if step is None:
+                fresh += 1
+            else:
+                newest = max(newest, step)
+                kinds.update(s for g in got.values() for s in (g["sources"] or {}).values())
+        elif committed is not None:
+            unchecked += 1  # killed before its restore ended
+        if not final:
+            lose_node(base, lost)
+        print(f"launch {i}: {'restored step ' + str(got and next(iter(got.values()))['step']) if got else 'no restore'}"
+              f", committed before {committed}, killed after {wait:.1f}s, node{lost} lost, "
+              f"{time.monotonic() - t0:.0f}s")
+    took = time.monotonic() - t0
+    summary = (f"soak: {losses} node losses in {took:.0f}s; restores by source (rank parts): {dict(kinds)}; "
+               f"fresh starts {fresh}; launches killed before their restore ended {unchecked}; newest step restored "
+               f"{newest}; steps committed {len(set(_steps_in(base, 'committed')))}")
+    print(summary)
+    assert newest > 0, summary

@@ -822,8 +822,8 @@ def format_table(res: Dict[str, Any]) -> str:
     lines += ["", f"3. step time: {st['steps_per_round']} steps x {st['rounds']} rounds per contender (rounds in "
                   f"alternating order), a full save after every {st['every']} steps, not waited for (each round's "
                   f"last save drained after its last step, outside the step times); the slowest rank's mean",
-              f"{'run':<26}{'mean s/step':>14}{'with drain':>12}{'per-round means':>22}{'saves':>7}{'CPU s/round, all ranks':>26}"
-              f"{'other load (cores)':>20}"]
+              f"{'run':<26}{'mean s/step':>14}{'with drain':>12}{'per-round means':>22}{'saves':>7}"
+              f"{'CPU s/round, all ranks':>26}{'other load (cores)':>20}"]
     for name in STEP_RUNS:
         r = st["runs"][name]
         rounds = " / ".join(f"{v:.3f}" for v in r["round_means_s"])
@@ -831,8 +831,9 @@ def format_table(res: Dict[str, Any]) -> str:
         others = " / ".join(f"{v:.2f}" for v in r["others_cores"])
         lines.append(f"{('no checkpointing' if name == 'none' else name):<26}{r['mean_step_s']:>14.4f}"
                      f"{r['mean_step_with_drain_s']:>12.4f}{rounds:>22}{r.get('saves', 0):>7}{cpu:>26}{others:>20}")
-    lines.append("(with drain: the steps and each round's drain of its last save over the steps; CPU: every thread of every rank, the steps and the drain; other load: the machine's busy cores "
-                 "less the ranks' CPU over the round, other processes and unattributed kernel work)")
+    lines.append("(with drain: the steps and each round's drain of its last save, over the steps; CPU: every "
+                 "thread of every rank, the steps and the drain; other load: the machine's busy cores less the "
+                 "ranks' CPU over the round, other processes and unattributed kernel work)")
     lines += ["", f"4. restores into a fresh model (page cache dropped; a barrier, then the restore call; the "
                   f"slowest rank's wall time, and the slowest report.seconds); node lost: {lost} (its directory and "
                   f"LAYERCKPT_SHM contents deleted)",

@@ -54,8 +54,8 @@ def _positive(text: str) -> int:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     a = sub.add_parser("bench", help="time layerckpt against torch.save, safetensors and DCP (one benchmark: the "
-                                     "default, or one of --policy, --sharded, --nodes, --lightning, --restore, --steps, "
-                                     "--cpu, --goodput, --lossy)")
+                                     "default, or one of --policy, --sharded, --nodes, --lightning, --restore, "
+                                     "--steps, --cpu, --goodput, --lossy)")
     a.add_argument("--preset", choices=["gpt2-small", "tiny"],
                    help="the default bench: the state to save (default: gpt2-small)")
     a.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")

@@ -166,10 +166,10 @@ def _inventory(root: str, config: Optional[Config], placement: _nodes.Placement,
     except CheckpointError:
         identity = None
     out["id"] = identity
-    for ident in _replica_ids():
+    for ident in _replica_ids():  # a node that came back empty knows no identity: the agreed one filters
         for node, folder in _replica.held(ident).items():
             if ident == identity or identity is None:
-                add_store(folder, f"replica:{node}")
+                add_store(folder, f"replica:{node}@{ident}")
     if first and config is not None and config.remote:
         out["remote"] = _remote_newest(config)
     return out
@@ -203,6 +203,9 @@ def _decide(placement: _nodes.Placement, lists: List[Optional[Dict[str, Any]]], 
             ) -> Dict[str, Any]:
     """The composite to read and how each node gets each of its files: the same on every rank."""
     owners = placement.owners
+    ids = [lists[o]["id"] for o in owners if lists[o]["id"]]
+    for o in owners:  # replicas of another store's composites (a node that knew no identity listed every one)
+        _only_store(lists[o], ids[0] if ids else None)
     found: Dict[Tuple[str, int], Dict[str, Any]] = {}
     for o in owners:
         for n, d in lists[o]["manifests"].items():
@@ -243,6 +246,15 @@ def _decide(placement: _nodes.Placement, lists: List[Optional[Dict[str, Any]]], 
                      f"holds them on its disk, in "
                      f"its memory tier or as a peer replica, and no remote tier holds the composite; set "
                      f"Config(replicas=1) and Config(remote=...) so that a lost node's part survives it"}
+
+
+def _only_store(listed: Dict[str, Any], identity: Optional[str]) -> None:
+    """Drop from one node's list what it holds as replicas of a store other than ``identity``."""
+    def ours(where: str) -> bool:
+        return "@" not in where or identity is None or where.rsplit("@", 1)[1] == identity
+
+    listed["manifests"] = {n: d for n, d in listed["manifests"].items() if ours(d["where"])}
+    listed["files"] = {f: [h for h in held if ours(h[1])] for f, held in listed["files"].items()}
 
 
 def _holders(lists, owners: List[int], f: str, size: int) -> List[Tuple[int, int, str]]:
