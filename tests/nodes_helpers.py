@@ -30,16 +30,19 @@ and its identity ``LAYERCKPT_NODE`` (``node<K>``), both set by the launcher's en
         "recorded" (the hash recorded when that step was saved; None where none was), "node", "rank"}; then
         trains up to STEPS more steps saving EVERY step (full checkpoints, replicas=1, the remote where
         NODES_REMOTE names one): after each save().wait() it writes BASE/hash.step<S>.rank<R> and appends S
-        to BASE/local.rank<R>; after the Checkpointer's wait() (every copy of it made: the partner's replica
-        and the remote's) it appends S to BASE/committed.rank<R>.  The harness kills it
+        to BASE/local.rank<R>; a node's store owner (its lowest rank, the one that runs the copies), once its
+        Checkpointer's wait() returned without error (every copy made: its node holds its source node's part as
+        a replica, its own files are on the remote, and rank 0's node has committed the remote's manifest),
+        appends S to BASE/committed.rank<R>.  The harness kills it
 
 ``train`` and ``resume`` also write BASE/saved.step<S>.rank<R>.pt ({"model", "optim"}) after each save().wait():
 the state that step saved, so that a restore of any step is checked bit for bit.
 
 The launcher's environment may add, per node:
 
-    NODES_DIE_AT="<fault point>:<n>[,<point>:<n>...]"   each rank SIGKILLs its own process the n-th time that
-        point (layerckpt._faults) is hit in that process, having written BASE/died.rank<R>.txt (the point and n)
+    NODES_DIE_AT="<fault point>:<n>[:<seconds>][,...]"   each rank SIGKILLs its own process the n-th time that
+        point (layerckpt._faults) is hit in that process (the thread that hit it stalled <seconds> first, the
+        process's other threads going on), having written BASE/died.rank<R>.txt (the point and n)
     NODES_REMOTE="file:///..."   Config(remote=...) for every phase (``config``)
 
 Every rank holds the same weights, as under DDP: the same initial model on every rank, batches depending on
@@ -62,6 +65,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Dict, List, Optional
 
@@ -109,11 +113,11 @@ def install_faults(base: str) -> None:
 
     rank = os.environ.get("RANK", "?")
     for item in spec.split(","):
-        name, n = item.rsplit(":", 1)
-        _faults.install(name, _killer(base, rank, name, int(n)))
+        name, n, *wait = item.split(":")
+        _faults.install(name, _killer(base, rank, name, int(n), float(wait[0]) if wait else 0.0))
 
 
-def _killer(base: str, rank: str, name: str, n: int):
+def _killer(base: str, rank: str, name: str, n: int, wait_s: float = 0.0):
     lock, hits = threading.Lock(), [0]
 
     def hook() -> None:
@@ -121,6 +125,7 @@ def _killer(base: str, rank: str, name: str, n: int):
             hits[0] += 1
             if hits[0] != n:
                 return
+            time.sleep(wait_s)  # the thread that hit the point stalls first (the others go on)
             with open(os.path.join(base, f"died.rank{rank}.txt"), "w") as f:
                 f.write(f"{name}:{n}\n")
                 f.flush()
@@ -171,8 +176,8 @@ def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     def add(name: str, v: Any) -> None:
         h.update(name.encode() + b"\0")
         if isinstance(v, torch.Tensor):
-            t = v.detach().contiguous().cpu()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            t = v.detach().cpu().reshape(-1).contiguous()
+            h.update(f"{t.dtype}{tuple(v.shape)}".encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         else:
             h.update(repr(v).encode())
@@ -304,7 +309,8 @@ def soak(base: str, steps: int) -> None:
             print(f"rank {rank}: step {step}: the replication stopped: {ck.replicas['error']}", file=sys.stderr,
                   flush=True)
             continue
-        _append(os.path.join(base, f"committed.rank{rank}"), str(step))
+        if ck.placement.is_owner:  # only a store's owner runs its copies: another rank's wait() waits for none
+            _append(os.path.join(base, f"committed.rank{rank}"), str(step))
     ck.close()
 
 

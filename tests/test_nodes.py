@@ -545,11 +545,16 @@ def _replica_of(base, holder: int, source: int) -> Tuple[List[str], Optional[str
     return complete, None if partial is None else ",".join(partial)
 
 
-def test_a_kill_during_replication_leaves_the_previous_composite_restorable(tmp_path):
+@pytest.mark.parametrize("stall_s", [0, 4], ids=["prompt", "lagging"])
+def test_a_kill_during_replication_leaves_the_previous_composite_restorable(tmp_path, stall_s):
     """Node1's owner dies as the 3rd data file arrives of node0's part: the 1st of the 2nd round (2 files per
     round, one per rank of node0), that of step 4 or 6.  Node0 lost: the restore reads node0's part from the
-    replica node1 held complete (the 1st round's), never the partial one."""
-    results = launch(tmp_path, 2, ["train", tmp_path, 6, 2, 1], node_env={1: _die_at("replica.file-received", 3)})
+    replica node1 held complete (the 1st round's), never the partial one.  ``lagging``: the replication
+    thread stalls 4 s at that file before the death while the training goes on (a round slower than the saves,
+    as with a slow link): node1 commits step 6 meanwhile, and its own part of the composite whose replica of
+    node0 it holds complete must stay for that replica to restore."""
+    results = launch(tmp_path, 2, ["train", tmp_path, 6, 2, 1],
+                     node_env={1: {"NODES_DIE_AT": f"replica.file-received:3:{stall_s}"}})
     assert _died(tmp_path) == {2: "replica.file-received:3"}, f"{_died(tmp_path)}\n{outputs(results)}"
     assert any(rc != 0 for rc, _, _ in results), outputs(results)
     complete, partial = _replica_of(tmp_path, 1, 0)
@@ -679,12 +684,21 @@ def test_three_nodes_restored_onto_two(tmp_path):
 
 # ------------------------------------------------------------------ the soak: nodes lost at random times
 
-def _steps_in(base, prefix: str) -> List[int]:
-    """Every step any rank appended to BASE/<prefix>.rank<R>."""
+def _steps_in(base, prefix: str, ranks: Optional[Sequence[int]] = None, skip: Optional[Dict[int, int]] = None
+              ) -> List[int]:
+    """The steps ranks appended to BASE/<prefix>.rank<R> (``ranks``: those ranks only; ``skip``: rank -> how many
+    of its first lines to leave out, those of earlier launches)."""
     out = []
     for path in glob.glob(os.path.join(str(base), f"{prefix}.rank*")):
-        out += [int(line) for line in _read(path).split() if line.strip().isdigit()]
+        r = int(path.rsplit(".rank", 1)[1])
+        if ranks is None or r in ranks:
+            out += [int(x) for x in _read(path).split()[(skip or {}).get(r, 0):] if x.isdigit()]
     return out
+
+
+def _lines(base, prefix: str) -> Dict[int, int]:
+    return {int(p.rsplit(".rank", 1)[1]): len(_read(p).split()) for p in glob.glob(os.path.join(str(base),
+                                                                                                 f"{prefix}.rank*"))}
 
 
 def _soak_results(base, nnodes: int) -> Dict[int, dict]:
@@ -703,8 +717,8 @@ def _check_soak_restore(got: Dict[int, dict], committed: Optional[int], i: int, 
     step = next(iter(steps.values()))
     if committed is not None:
         assert step is not None and step >= committed, \
-            f"launch {i}: restored {step}, but step {committed} was committed (replicated and on the remote) " \
-            f"before the kill: {got}\n{outs}"
+            f"launch {i}: restored {step}, but step {committed} was committed before the kill (on the remote, or " \
+            f"replicated to the node that survived it): {got}\n{outs}"
     for r, g in got.items():
         if step is not None:
             assert g["recorded"] is not None, f"launch {i}: rank {r} restored step {step}, of which no save " \
@@ -724,12 +738,14 @@ def _errors_before(base, phase: str, t: float) -> Dict[int, str]:
 
 @pytest.mark.slow
 def test_soak_random_node_losses(tmp_path):
-    """LAYERCKPT_NODE_LOSSES times: 2 nodes train saving every step (full, replicas=1, a file:// remote); after
-    a random 2-8 s one random node is SIGKILLed whole (launcher and workers), then the other (the scheduler
-    ending the job), and the first is lost (its directory and memory tier emptied).  Each next launch's
-    restore must give a step no older than any committed before the kill (0 committed composites lost: one is
-    committed once its Checkpointer's wait() returned, its replica and remote copy made) and the state its save
-    recorded, bit for bit (a hash)."""
+    """LAYERCKPT_NODE_LOSSES times: 2 nodes train saving every step (full, replicas=1, a file:// remote); one
+    random node is SIGKILLed whole (launcher and workers), then the other (the scheduler ending the job), and the
+    first is lost (its directory and memory tier emptied).  The kill comes a random 2-8 s after every rank
+    restored (the launch's own start, importing torch in six processes, takes about as long again: counted from
+    the start, most kills would land before the training), or, one launch in four, at a random time during the
+    start and the collective restore.  Each next launch's restore must give a step no older than any committed
+    before the kill (0 committed composites lost: one is committed once its Checkpointer's wait() returned, its
+    replica and remote copy made) and the state its save recorded, bit for bit (a hash)."""
     losses = int(os.environ.get("LAYERCKPT_NODE_LOSSES", "30"))
     rng = random.Random(20240611)
     base, nnodes = str(tmp_path), 2
@@ -737,15 +753,20 @@ def test_soak_random_node_losses(tmp_path):
     env = {k: {"NODES_REMOTE": f"file://{tmp_path / 'remote'}"} for k in range(nnodes)}
     t0 = time.monotonic()
     kinds: Counter = Counter()
-    fresh = unchecked = 0
-    newest = 0
-    for i in range(losses + 1):
-        committed = max(_steps_in(base, "committed"), default=None)
+    fresh = unchecked = early_kills = 0
+    newest, ready_s = 0, [6.0]
+    i = 0
+    committed, saved, lost_local = None, None, 0
+    while i <= losses:
+        required = committed  # what this launch's restore must reach, learnt at the last kill
+        before, before_local = _lines(base, "committed"), _lines(base, "local")
         final = i == losses  # the last launch only restores, checked, then ends
+        early = not final and rng.random() < 0.25
+        wait = rng.uniform(1.0, sum(ready_s) / len(ready_s)) if early else rng.uniform(2.0, 8.0)
+        lost = rng.randrange(nnodes)
         run = Launch(base, nnodes, ["soak", base, 100000], node_env=env)
         try:
-            wait = rng.uniform(2.0, 8.0)
-            deadline = time.monotonic() + (TIMEOUT_S if final else wait)
+            ready, deadline = None, run.started + (wait if early else TIMEOUT_S)
             while time.monotonic() < deadline:
                 tree = _children()
                 for k in range(nnodes):
@@ -756,12 +777,20 @@ def test_soak_random_node_losses(tmp_path):
                     pytest.fail(f"soak launch {i}: a launcher ended by itself (exits "
                                 f"{[p.poll() for p in run.procs]}); the ranks were told: "
                                 f"{rank_errors(base, 'soak')}\n{outputs(run.results())}", pytrace=False)
-                if final and len(_soak_results(base, nnodes)) == NPROC * nnodes:
-                    break
-                time.sleep(0.1)
+                if ready is None and len(_soak_results(base, nnodes)) == NPROC * nnodes:
+                    ready = time.monotonic()
+                    ready_s.append(ready - run.started)
+                    if final:
+                        break
+                    if not early:
+                        deadline = ready + wait
+                time.sleep(0.05)
+            else:
+                if ready is None and not early:
+                    pytest.fail(f"soak launch {i}: no restore after {TIMEOUT_S}s\n{outputs(run.results())}",
+                                pytrace=False)
             if run.port_taken():
                 continue
-            lost = rng.randrange(nnodes)
             t_kill = time.time()
             run.kill_node(lost)
             for k in range(nnodes):
@@ -770,14 +799,14 @@ def test_soak_random_node_losses(tmp_path):
         finally:
             run.end()
         outs = outputs(run.results(), tail=1500)
-        early = _errors_before(base, "soak", t_kill)
-        assert not early, f"soak launch {i}: ranks failed before the kill: {early}\n{outs}"
+        told = _errors_before(base, "soak", t_kill)
+        assert not told, f"soak launch {i}: ranks failed before the kill: {told}\n{outs}"
         got = _soak_results(base, nnodes)
         if final:
             assert len(got) == NPROC * nnodes, f"the last launch did not restore on every rank: {got}\n{outs}"
+        step = next(iter(got.values()))["step"] if got else None
         if got:
-            _check_soak_restore(got, committed, i, outs)
-            step = next(iter(got.values()))["step"]
+            _check_soak_restore(got, required, i, outs)
             if step is None:
                 fresh += 1
             else:
@@ -785,14 +814,27 @@ def test_soak_random_node_losses(tmp_path):
                 kinds.update(s for g in got.values() for s in (g["sources"] or {}).values())
         elif committed is not None:
             unchecked += 1  # killed before its restore ended
+        early_kills += early
+        if got and saved is not None and (step or 0) < saved:
+            lost_local += 1  # saved, but killed before its copies were made: lost with its node, by design
         if not final:
             lose_node(base, lost)
-        print(f"launch {i}: {'restored step ' + str(got and next(iter(got.values()))['step']) if got else 'no restore'}"
-              f", committed before {committed}, killed after {wait:.1f}s, node{lost} lost, "
-              f"{time.monotonic() - t0:.0f}s")
+        # what the next restore must reach: the remote's commits (rank 0's, ever), and what the survivor's owner
+        # holds of the lost node's part, replicated during this launch
+        survivor = ranks_of(1 - lost)[0]
+        committed = max(_steps_in(base, "committed", ranks=[0]) +
+                        _steps_in(base, "committed", ranks=[survivor], skip=before), default=None)
+        saved = max(_steps_in(base, "local", skip=before_local), default=saved)
+        print(f"launch {i}: {'restored step ' + str(step) if got else 'killed before its restore'} (committed "
+              f"before: {required}), killed {'during the start' if early else 'after the restore'} +{wait:.1f}s, "
+              f"node{lost} lost, {time.monotonic() - t0:.0f}s")
+        i += 1
     took = time.monotonic() - t0
-    summary = (f"soak: {losses} node losses in {took:.0f}s; restores by source (rank parts): {dict(kinds)}; "
-               f"fresh starts {fresh}; launches killed before their restore ended {unchecked}; newest step restored "
-               f"{newest}; steps committed {len(set(_steps_in(base, 'committed')))}")
+    summary = (f"soak: {losses} node losses in {took:.0f}s ({early_kills} during a start or restore); restores by "
+               f"source (rank parts): {dict(kinds)}; fresh starts {fresh}; launches killed before their restore "
+               f"ended {unchecked}; newest step restored {newest}; restores older than a save that had "
+               f"returned (killed before its copies were made) {lost_local}; steps committed "
+               f"{len(set(_steps_in(base, 'committed')))}; a launch restored after {sum(ready_s) / len(ready_s):.1f}s "
+               f"on average")
     print(summary)
     assert newest > 0, summary
