@@ -35,7 +35,7 @@ def open_store(dirpath: str, config: Config, group: _dist.Group, retention: _ret
     except OSError:
         pass  # _nodes.place says which rank could not write it, on every rank
     placement = _nodes.place(group, dirpath)
-    identity = _agree_identity(dirpath, group, placement) if placement.split else None
+    identity = _agree_identity(dirpath, group, placement, config) if placement.split else None
     writer: Optional[_store.WriterLock] = None
     tiers: Optional[_tiers.Tiers] = None
     refused: Optional[str] = None
@@ -56,19 +56,23 @@ def open_store(dirpath: str, config: Config, group: _dist.Group, retention: _ret
     return writer, tiers, placement
 
 
-def _agree_identity(dirpath: str, group: _dist.Group, placement: _nodes.Placement) -> str:
-    """The one store identity of every node's part: the first node's that has one, else a new one.  Parts
-    that carry different identities hold different stores' composites: refused, naming them."""
+def _agree_identity(dirpath: str, group: _dist.Group, placement: _nodes.Placement, config: Config) -> str:
+    """The one store identity of every node's part: the first node's that has one, else the remote's (every
+    node came back empty and restored from it: ``_tiers.claim_identity``'s rule for one directory), else a new
+    one.  Parts that carry different identities hold different stores' composites: refused, naming them."""
     import uuid
 
     mine: Optional[str] = None
     error: Optional[str] = None
+    new = uuid.uuid4().hex
     if placement.is_owner:
         try:
             mine = _store.store_id(dirpath)
         except CheckpointError as e:
             error = str(e)
-    answers = group.exchange({"id": mine, "error": error, "new": uuid.uuid4().hex},
+    if group.rank == 0 and mine is None and config.remote is not None and not _store.list_manifests(dirpath):
+        new = _remote_identity(config) or new
+    answers = group.exchange({"id": mine, "error": error, "new": new},
                              what="agreeing on the store identity of the nodes' parts")
     errors = [f"node {placement.nodes[r]}: {a['error']}" for r, a in enumerate(answers) if a["error"]]
     if errors:
@@ -80,6 +84,18 @@ def _agree_identity(dirpath: str, group: _dist.Group, placement: _nodes.Placemen
         raise CheckpointError(f"layerckpt: the nodes' checkpoint directories hold different stores' checkpoints: "
                               f"{by}; give every node the directory of one run (or empty ones)")
     return ids[0] if ids else answers[0]["new"]
+
+
+def _remote_identity(config: Config) -> Optional[str]:
+    """The identity the remote tier carries, None without one (or where it cannot be read: its tier says why
+    when it opens)."""
+    from .tiers._remote import FsspecStore
+
+    try:
+        found = _tiers.tier_id(FsspecStore(config.remote, config.remote_options))
+    except Exception:  # noqa: BLE001 - an unreachable remote is reported when the tier opens
+        return None
+    return found if found != _tiers.BAD_ID else None
 
 
 def _lock_and_clean(dirpath: str, config: Config, retention: _retain.Retention, placement: _nodes.Placement,

@@ -139,7 +139,7 @@ def _inventory(root: str, config: Optional[Config], placement: _nodes.Placement,
             if have is None or _RANK[where.split(":")[0]] < _RANK[have["where"].split(":")[0]]:
                 mp = os.path.join(folder, _store.MANIFEST_DIR, n)
                 out["manifests"][n] = {"seq": m.seq, "created": m.created, "step": m.step, "where": where,
-                                       "bytes": os.path.getsize(mp),
+                                       "bytes": os.path.getsize(mp), "world": m.world_size,
                                        "files": {f: fe.size for f, fe in m.files.items()},
                                        "ranks": {f: fe.rank for f, fe in m.files.items()}}
                 out["places"][n] = os.path.join(folder, _store.MANIFEST_DIR, n)
@@ -284,12 +284,13 @@ def _plan(placement: _nodes.Placement, name: str, d: Dict[str, Any], where, list
         o = placement.owner[r]
         got = set()
         for f, fr in d["ranks"].items():
-            if fr != r:
+            if fr != r and d["world"] == placement.world:  # onto another world: every file is each rank's
                 continue
             local = [w for _, ow, w in where[f] if ow == o]
             got.add(local[0].split(":")[0] if local else where[f][0][2].split(":")[0])
         sources[str(r)] = ", ".join(sorted(got)) if got else "disk"
     return {"error": None, "name": name, "step": d["step"], "seq": d["seq"], "remote": False, "moves": moves,
+            "world": d["world"],
             "files": d["files"], "ranks": d["ranks"], "sources": sources}
 
 
@@ -325,15 +326,16 @@ def _assemble(root: str, folder: str, placement: _nodes.Placement, plan: Dict[st
         places = mine["places"]["data/" + f]
         src = sorted(places.items(), key=lambda kv: _RANK[kv[0].split(":")[0]])[0][1]
         _link_or_copy(src, dst)
-        if placement.owner[plan["ranks"][f]] == me and not os.path.exists(os.path.join(root, _store.DATA_DIR, f)):
+        mine_f = _own(placement, plan, plan["ranks"][f], me)
+        if mine_f and not os.path.exists(os.path.join(root, _store.DATA_DIR, f)):
             _heal(src, root, f)  # this node's own file, held only in its memory: back onto its disk
     mpath = os.path.join(folder, _store.MANIFEST_DIR, name)
     if "manifest:" + name not in incoming:
         _link_or_copy(mine["places"][name], mpath)
     own = os.path.join(root, _store.MANIFEST_DIR, name)
-    if not os.path.exists(own) and all(
+    if plan.get("world") == placement.world and not os.path.exists(own) and all(
             os.path.exists(os.path.join(root, _store.DATA_DIR, f)) for f, r in plan["ranks"].items()
-            if placement.owner[r] == me):
+            if _own(placement, plan, r, me)):
         with open(mpath, "rb") as src_f:
             _store.write_atomic(own, src_f.read())  # the node's store holds the composite again
 
@@ -354,20 +356,28 @@ def _exchange_files(placement: _nodes.Placement, plan: Dict[str, Any], group: _d
                 data = f.read()
             works.append(_dist._dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8)
                                            if data else torch.empty(0, dtype=torch.uint8), dst, group=pg, tag=i))
-    for i, (what, src, where, dst, size) in enumerate(plan["moves"]):
-        if dst != me:
-            continue
-        kind, name = what.split(":", 1)
-        buf = torch.empty(size, dtype=torch.uint8)
-        _dist._dist.recv(buf, src, group=pg, tag=i)
-        sub = _store.DATA_DIR if kind == "data" else _store.MANIFEST_DIR
-        dst_path = os.path.join(folder, sub, name)
-        with open(dst_path, "wb") as out:
-            out.write(memoryview(buf.numpy()))
-        if kind == "data" and placement.owner[plan["ranks"][name]] == me:
-            _heal(dst_path, root, name)
-    for w in works:
-        w.wait()
+    try:
+        for i, (what, src, where, dst, size) in enumerate(plan["moves"]):
+            if dst != me:
+                continue
+            kind, name = what.split(":", 1)
+            buf = torch.empty(size, dtype=torch.uint8)
+            _dist._dist.recv(buf, src, group=pg, tag=i)
+            sub = _store.DATA_DIR if kind == "data" else _store.MANIFEST_DIR
+            dst_path = os.path.join(folder, sub, name)
+            with open(dst_path, "wb") as out:
+                out.write(memoryview(buf.numpy()))
+            if kind == "data" and _own(placement, plan, plan["ranks"][name], me):
+                _heal(dst_path, root, name)
+    finally:  # what others wait for from this node is sent, even where its own part failed
+        for w in works:
+            w.wait()
+
+
+def _own(placement: _nodes.Placement, plan: Dict[str, Any], rank: int, me: int) -> bool:
+    """Whether a file the composite's rank ``rank`` wrote is this node's own (``me``: its owner): a rank of the
+    same world on this node.  Restored onto another number of ranks, no old file is any node's own."""
+    return plan.get("world") == placement.world and rank < placement.world and placement.owner[rank] == me
 
 
 def _heal(src: str, root: str, fname: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import uuid
 import shutil
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -164,7 +165,8 @@ class FsspecStore:
         """Make the layout where the file system has folders, and prove the store takes writes."""
         if self.local:
             _local_layout(self.root)
-        probe = self._path(".layerckpt-probe")
+        # a name of this opener's own: the nodes of one job open the remote at once (docs/nodes.md)
+        probe = self._path(f".layerckpt-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.fs.pipe_file(probe, b"layerckpt\n")
         self.fs.rm_file(probe)
 
@@ -233,7 +235,7 @@ class FsspecStore:
         if self.atomic_put:
             self.fs.pipe_file(dst, data)
         else:  # no atomic put here: a reader must never see half a manifest
-            tmp = self._path(sub, "." + name + ".tmp")
+            tmp = self._path(sub, f".{name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")  # one writer's own
             self.fs.pipe_file(tmp, data)
             self.fs.mv(tmp, dst)
 

@@ -92,6 +92,10 @@ class Replicas:
         self._cv = threading.Condition()
         self._queued: List[Tuple[str, Manifest]] = []
         self._queued_at: Dict[int, float] = {}  # commit number -> when it was queued
+        #: the composites of the last two rounds: the one this node finished last, and the one before it, which
+        #: every owner had finished once the next round's exchange was over.  Each node's retention keeps its
+        #: own part of both: a replica is of use only beside every other node's own part of the same composite
+        self._rounds: List[str] = []
         self._busy: Optional[str] = None
         self._stop = False
         self._thread: Optional[threading.Thread] = None
@@ -125,7 +129,7 @@ class Replicas:
     def _hold(self) -> None:
         if self.retention is not None:
             with self._cv:
-                names = {n for n, _ in self._queued} | ({self._busy} if self._busy else set())
+                names = {n for n, _ in self._queued} | ({self._busy} if self._busy else set()) | set(self._rounds)
             self.retention.hold(names, "replicas")
 
     # -------------------------------------------------------------- the rounds (replication thread)
@@ -183,6 +187,7 @@ class Replicas:
             self.lag_s.append(time.perf_counter() - t0)
         self.rounds += 1
         with self._cv:
+            self._rounds = (self._rounds + [name])[-2:]
             self._busy = None
             self._cv.notify_all()
         self._hold()

@@ -118,8 +118,8 @@ def publish(group: Group, root: str, m: Manifest, committers: AbstractSet[int] =
         except OSError as e:
             status = [e.errno or errno.EIO, getattr(e, "filename", None) or root]
     if group.world > 1:
-        answers = group.exchange(status, what=f"learning from the committing ranks whether step {m.step} is "
-                                              f"committed (it may be)")
+        who = "the nodes' owners" if split else "rank 0"
+        answers = group.exchange(status, what=f"learning from {who} whether step {m.step} is committed (it may be)")
         failed = [(r, a) for r, a in enumerate(answers) if a is not None]
         status = failed[0][1] if failed else None
         if failed and split:
