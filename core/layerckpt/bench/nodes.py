@@ -27,9 +27,11 @@ Two launches of the same N launchers: ``save`` (the saves, the replication, the 
    in memory: the partner's /dev/shm), the wall time of the restore call on the slowest rank after a barrier:
    a process crash (each node reads its own disk: sources "disk"), the loss of node N-1 (its directory and its
    ``LAYERCKPT_SHM`` contents deleted) restored from its partner's replica (sources "replica" for its ranks),
-   the same loss without replicas restored from the remote tier (sources "remote"; moto's S3 server on loopback,
-   or a file:// folder where moto cannot be imported), and ``dcp.load`` + ``load_state_dict`` from the shared
-   DCP directory.  Every restored model and optimizer is compared with the saved state tensor by tensor
+   the same loss without replicas restored from the remote tier (sources "remote" for its ranks; the library
+   then reads the whole composite from the remote on every rank; moto's S3 server on loopback, or a file://
+   folder where moto cannot be imported), and ``dcp.load`` + ``load_state_dict`` from the shared DCP directory;
+   beside them, a process crash's restore from the shared directory of (b) (one store: no parts to exchange
+   between the nodes).  Every restored model and optimizer is compared with the saved state tensor by tensor
    (``torch.equal``) inside the workers: a difference fails the run.
 
 Run it as ``layerckpt bench --nodes [N]``: it starts the launchers, the S3 server and the folders itself
@@ -64,10 +66,10 @@ from .models import GPT
 from .sharded import SIZES
 
 SAVES = ("node-local", "shared", "dcp.save", "node-local replicas=1")
-RESTORES = ("disk", "replica", "remote", "dcp.load")
+RESTORES = ("disk", "shared", "replica", "remote", "dcp.load")
 STEP_RUNS = ("none", "replicas=0", "replicas=1")
 #: restore -> the checkpoint set it reads (a folder under the run's root)
-RESTORE_SET = {"disk": "local", "replica": "replica", "remote": "remote"}
+RESTORE_SET = {"disk": "local", "shared": "shared", "replica": "replica", "remote": "remote"}
 TARGETS = {"node-local durable / shared durable": 1.1, "replicas=1 step / replicas=0 step": 1.1,
            "replica restore / disk restore": 1.5}
 GLOO_TIMEOUT_S = 300
@@ -460,6 +462,8 @@ def _sources_ok(name: str, w: Where, sources: Dict[int, str]) -> bool:
     ``lost``'s loss its ranks "replica" (the others their own "disk"), or "remote" (the others "disk" or
     "remote": where a part is nowhere among the nodes, the library reads the whole composite from the remote)."""
     lost = set(w.ranks_of[w.lost])
+    if name == "shared":
+        return sources == {}  # one directory: no parts
     if set(sources) != set(range(w.world)):
         return False
     if name == "disk":
@@ -479,7 +483,7 @@ def _restore_one(name: str, w: Where, size: str, dcp_dir: str, ref: Dict[str, An
         w.lose_node(RESTORE_SET[name])
     w.drop_cache(os.path.join(w.root, RESTORE_SET.get(name, os.path.basename(dcp_dir))))
     remote = _remote()
-    cfg = {"disk": _full(), "replica": _full(replicas=1),
+    cfg = {"disk": _full(), "shared": _full(), "replica": _full(replicas=1),
            "remote": _full(remote=remote["url"], remote_options=remote["options"])}.get(name)
     _barrier()
     t0 = time.perf_counter()
@@ -497,7 +501,8 @@ def _restore_one(name: str, w: Where, size: str, dcp_dir: str, ref: Dict[str, An
             set_optimizer_state_dict(m, opt, sd["optim"])
         seconds, sources = time.perf_counter() - t0, None
     else:
-        rep = restore(w.node_dir(RESTORE_SET[name]), m, opt, config=cfg)
+        where = os.path.join(w.root, "shared") if name == "shared" else w.node_dir(RESTORE_SET[name])
+        rep = restore(where, m, opt, config=cfg)
         seconds, sources = rep.seconds, {int(r): s for r, s in rep.sources.items()}
     wall = time.perf_counter() - t0
     bad = differences(m, opt, ref)
@@ -771,6 +776,7 @@ def ratios(res: Dict[str, Any]) -> Dict[str, float]:
         "replica restore / disk restore": med(r["replica"]["s"]) / med(r["disk"]["s"]),
         "remote restore / replica restore": med(r["remote"]["s"]) / med(r["replica"]["s"]),
         "dcp.load / disk restore": med(r["dcp.load"]["s"]) / med(r["disk"]["s"]),
+        "disk restore / shared-dir restore": med(r["disk"]["s"]) / med(r["shared"]["s"]),
     }
 
 
@@ -838,13 +844,16 @@ def format_table(res: Dict[str, Any]) -> str:
                   f"slowest rank's wall time, and the slowest report.seconds); node lost: {lost} (its directory and "
                   f"LAYERCKPT_SHM contents deleted)",
               f"{'restore':<30}{'s':>24}{'report.seconds':>24}  sources  bit-exact"]
-    label = {"disk": "process crash (own disk)", "replica": f"{lost} lost, partner replica",
-             "remote": f"{lost} lost, remote (replicas=0)", "dcp.load": "dcp.load (shared dir)"}
+    label = {"disk": "process crash (own disk)", "shared": "process crash (shared dir)",
+             "replica": f"{lost} lost, partner replica", "remote": f"{lost} lost, remote (replicas=0)",
+             "dcp.load": "dcp.load (shared dir)"}
     for name in RESTORES:
         r = res["restores"][name]
         src = ",".join(f"{k}:{v}" for k, v in r["sources"].items()) if r["sources"] else "-"
         rep_s = _fmt(r["report_s"]) if name != "dcp.load" else "-"
         lines.append(f"{label[name]:<30}{_fmt(r['s']):>24}{rep_s:>24}  {src}  {r['bit_exact']}")
+    lines.append("(s: the whole restore call; report.seconds: the library's own figure, the read of the gathered "
+                 "view, without the collective gathering of the nodes' parts before it)")
     q = res["ratios"]
     lines += ["", "ratios (medians, same run): " + ", ".join(f"{k} = {v:.2f}x" for k, v in q.items())]
     lines.append("targets: " + "; ".join(f"{k} <= {t['limit']}: {t['value']:.2f}x, {'met' if t['met'] else 'NOT met'}"
