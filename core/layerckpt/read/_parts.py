@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -76,6 +77,7 @@ class Gathered:
 @contextlib.contextmanager
 def gather(path: Any, step: Optional[int], config: Optional[Config]) -> Iterator[Gathered]:
     """The local view of the composite every rank agrees on (see the module's docstring); collective."""
+    t0 = time.perf_counter()
     root, located = split(path)
     if located is not None and step is not None and located != step:
         raise CheckpointError(f"{path} is the checkpoint of step {located}, but step={step} was asked for")
@@ -113,7 +115,7 @@ def gather(path: Any, step: Optional[int], config: Optional[Config]) -> Iterator
             raise CheckpointError("layerckpt: the composite could not be gathered: " + "; ".join(errors))
         local = os.path.join(root, _store.MANIFEST_DIR, plan["name"])
         try:
-            yield Gathered(View(folder, plan["step"], local if os.path.exists(local) else None, tier="nodes"),
+            yield Gathered(View(folder, plan["step"], local if os.path.exists(local) else None, t0, "nodes"),
                            {int(r): s for r, s in plan["sources"].items()})
         finally:  # a rank whose read failed comes here too: no rank waits for it past its error
             group.barrier("every rank's read of the gathered composite")
@@ -352,23 +354,22 @@ def _exchange_files(placement: _nodes.Placement, plan: Dict[str, Any], group: _d
         if src == me:
             path = mine["places"][what.split(":", 1)[1]] if what.startswith("manifest:") else \
                 mine["places"]["data/" + what.split(":", 1)[1]][where]
-            with open(path, "rb") as f:
-                data = f.read()
-            works.append(_dist._dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                                           if data else torch.empty(0, dtype=torch.uint8), dst, group=pg, tag=i))
+            works += [_dist._dist.isend(c, dst, group=pg, tag=i) for c in _replica.file_chunks(path)]
     try:
         for i, (what, src, where, dst, size) in enumerate(plan["moves"]):
             if dst != me:
                 continue
             kind, name = what.split(":", 1)
-            buf = torch.empty(size, dtype=torch.uint8)
-            _dist._dist.recv(buf, src, group=pg, tag=i)
             sub = _store.DATA_DIR if kind == "data" else _store.MANIFEST_DIR
             dst_path = os.path.join(folder, sub, name)
-            with open(dst_path, "wb") as out:
-                out.write(memoryview(buf.numpy()))
             if kind == "data" and _own(placement, plan, plan["ranks"][name], me):
-                _heal(dst_path, root, name)
+                # this node's own file, lost with it: received into its store, durably, and linked into the view
+                home = os.path.join(root, _store.DATA_DIR, name)
+                _replica.receive_file(home + ".tmp", size, src, pg, tag=i)
+                _durable(home + ".tmp", home)
+                _link_or_copy(home, dst_path)
+            else:
+                _replica.receive_file(dst_path, size, src, pg, tag=i)
     finally:  # what others wait for from this node is sent, even where its own part failed
         for w in works:
             w.wait()
@@ -383,11 +384,17 @@ def _own(placement: _nodes.Placement, plan: Dict[str, Any], rank: int, me: int) 
 def _heal(src: str, root: str, fname: str) -> None:
     """Write this node's own data file back into its store, durably, from ``src``."""
     dst = os.path.join(root, _store.DATA_DIR, fname)
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    tmp = dst + ".tmp"
-    shutil.copyfile(src, tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    shutil.copyfile(src, dst + ".tmp")
+    _durable(dst + ".tmp", dst)
+
+
+def _durable(tmp: str, dst: str) -> None:
+    """``tmp`` synced and renamed to ``dst``, its folder synced."""
+    fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, dst)
     _store.fsync_dir(os.path.dirname(dst))
 

@@ -135,6 +135,10 @@ class Replicas:
     # -------------------------------------------------------------- the rounds (replication thread)
 
     def _run(self) -> None:
+        try:  # the training's threads first on a busy machine: this one only copies in the background
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         while True:
             with self._cv:
                 while not self._queued and not self._stop:
@@ -205,8 +209,7 @@ class Replicas:
                  _dist._dist.isend(_as_tensor(header), dst, group=pg),
                  _dist._dist.isend(_as_tensor(body), dst, group=pg)]
         for f in files:
-            path = os.path.join(self.root, _store.DATA_DIR, f)
-            for chunk in _chunks(path):
+            for chunk in file_chunks(os.path.join(self.root, _store.DATA_DIR, f)):
                 works.append(_dist._dist.isend(chunk, dst, group=pg))
                 self.bytes_sent += chunk.numel()
         _faults.point("replica.sent")
@@ -230,14 +233,7 @@ class Replicas:
         os.makedirs(os.path.join(incoming, _store.MANIFEST_DIR), mode=0o700)
         sent = set(h["sent"])
         for f in sorted(sent):
-            size = h["part"][f]
-            with open(os.path.join(incoming, _store.DATA_DIR, f), "wb") as out:
-                left = size
-                while left > 0:
-                    chunk = torch.empty(min(CHUNK, left), dtype=torch.uint8)
-                    _dist._dist.recv(chunk, src, group=pg)
-                    out.write(memoryview(chunk.numpy()))
-                    left -= chunk.numel()
+            receive_file(os.path.join(incoming, _store.DATA_DIR, f), h["part"][f], src, pg)
             _faults.point("replica.file-received")
         before = held(self.identity).get(node)
         for f, size in h["part"].items():  # what it held already: linked from its previous complete copy
@@ -285,14 +281,30 @@ def _as_tensor(b: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
 
 
-def _chunks(path: str):
-    """The file's bytes, as uint8 tensors of at most CHUNK bytes."""
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(CHUNK)
-            if not b:
-                return
-            yield torch.frombuffer(bytearray(b), dtype=torch.uint8)
+def file_chunks(path: str, tag_from: int = 0) -> List[torch.Tensor]:
+    """The file's bytes as views of at most CHUNK bytes of one private mapping of it (no copy made here: the
+    sender's transport reads the pages)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return []
+    whole = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+    return [whole[off:off + CHUNK] for off in range(0, size, CHUNK)]
+
+
+def receive_file(path: str, size: int, src: int, pg: Any, tag: int = 0) -> None:
+    """Receive ``size`` bytes from ``src`` straight into a shared mapping of a new file at ``path`` (in chunks
+    of at most CHUNK bytes, as :func:`file_chunks` sends them)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    if size == 0:
+        return
+    whole = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    for off in range(0, size, CHUNK):
+        _dist._dist.recv(whole[off:off + CHUNK], src, group=pg, tag=tag)
+    del whole  # unmapped: the pages stay in the file
 
 
 def stats(r: Optional[Replicas]) -> Dict[str, Any]:
