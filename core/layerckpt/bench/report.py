@@ -30,6 +30,7 @@ Views (the marker's second word; without one, the view is told from the JSON's k
 ``goodput``          ``layerckpt bench --goodput`` (``goodput_report.format_table``)
 ``goodput-summary``  its README summary: each contender at its best cadence, lost time split, targets
 ``main-job``         ``examples/lightning_finetune.py --json`` (``main_job.format_table``)
+``nodes``            ``layerckpt bench --nodes``
 ===================  ==========================================================================================
 """
 from __future__ import annotations
@@ -76,6 +77,7 @@ VIEWS: Dict[str, Callable[[Dict[str, Any]], str]] = {
     "goodput": _call("goodput_report", "format_table"),
     "goodput-summary": _call("goodput_report", "format_summary"),
     "main-job": _call("main_job", "format_table"),
+    "nodes": _call("nodes", "format_table"),
 }
 
 
@@ -83,6 +85,8 @@ def view_of(res: Dict[str, Any]) -> str:
     """The view a marker without one gets, told from the JSON's keys (the bench that wrote it)."""
     if "main_job" in res:
         return "main-job"
+    if res.get("bench") == "nodes":
+        return "nodes"
     if "rows" in res and res.get("lossy"):
         return "lossy"
     if "rows" in res:
