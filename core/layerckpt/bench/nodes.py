@@ -852,8 +852,8 @@ def format_table(res: Dict[str, Any]) -> str:
         src = ",".join(f"{k}:{v}" for k, v in r["sources"].items()) if r["sources"] else "-"
         rep_s = _fmt(r["report_s"]) if name != "dcp.load" else "-"
         lines.append(f"{label[name]:<30}{_fmt(r['s']):>24}{rep_s:>24}  {src}  {r['bit_exact']}")
-    lines.append("(s: the whole restore call; report.seconds: the library's own figure, the read of the gathered "
-                 "view, without the collective gathering of the nodes' parts before it)")
+    lines.append("(s: the whole restore call; report.seconds: the library's own figure, from the start of the "
+                 "collective gathering of the nodes' parts)")
     q = res["ratios"]
     lines += ["", "ratios (medians, same run): " + ", ".join(f"{k} = {v:.2f}x" for k, v in q.items())]
     lines.append("targets: " + "; ".join(f"{k} <= {t['limit']}: {t['value']:.2f}x, {'met' if t['met'] else 'NOT met'}"
