@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any, Optional, Tuple
 
-from . import _dist, _nodes
+from . import _dist
 from ._registry import Owner
 from .config import Config
 from .errors import CheckpointError
@@ -26,15 +26,15 @@ log = logging.getLogger("layerckpt")
 
 
 def open_store(dirpath: str, config: Config, group: _dist.Group, retention: _retain.Retention
-               ) -> Tuple[Optional[_store.WriterLock], Optional[_tiers.Tiers], _nodes.Placement]:
+               ) -> Tuple[Optional[_store.WriterLock], Optional[_tiers.Tiers], _dist.Placement]:
     """Each store's owner (rank 0 for a directory every rank shares; on node-local directories, each node's
-    lowest rank: ``_nodes.place``) locks its store, removes torn leftovers and opens the tiers; every rank
+    lowest rank: ``_dist.place``) locks its store, removes torn leftovers and opens the tiers; every rank
     learns whether each did, so all of them go on or all refuse together."""
     try:
         os.makedirs(dirpath, exist_ok=True)
     except OSError:
-        pass  # _nodes.place says which rank could not write it, on every rank
-    placement = _nodes.place(group, dirpath)
+        pass  # _dist.place says which rank could not write it, on every rank
+    placement = _dist.place(group, dirpath)
     identity = _agree_identity(dirpath, group, placement, config) if placement.split else None
     writer: Optional[_store.WriterLock] = None
     tiers: Optional[_tiers.Tiers] = None
@@ -56,7 +56,7 @@ def open_store(dirpath: str, config: Config, group: _dist.Group, retention: _ret
     return writer, tiers, placement
 
 
-def _agree_identity(dirpath: str, group: _dist.Group, placement: _nodes.Placement, config: Config) -> str:
+def _agree_identity(dirpath: str, group: _dist.Group, placement: _dist.Placement, config: Config) -> str:
     """The one store identity of every node's part: the first node's that has one, else the remote's (every
     node came back empty and restored from it: ``_tiers.claim_identity``'s rule for one directory), else a new
     one.  Parts that carry different identities hold different stores' composites: refused, naming them."""
@@ -98,11 +98,11 @@ def _remote_identity(config: Config) -> Optional[str]:
     return found if found != _tiers.BAD_ID else None
 
 
-def _lock_and_clean(dirpath: str, config: Config, retention: _retain.Retention, placement: _nodes.Placement,
+def _lock_and_clean(dirpath: str, config: Config, retention: _retain.Retention, placement: _dist.Placement,
                     identity: Optional[str]) -> Tuple[_store.WriterLock, Optional[_tiers.Tiers]]:
     """One writer per store: its owner holds the lock for the Checkpointer's life, and only the holder
     cleans up, so no opener ever deletes what another one is still writing.  A node's part records the
-    agreed store identity and whose part it is (``_nodes.PART``)."""
+    agreed store identity and whose part it is (``_store.PART``)."""
     _store.ensure_layout(dirpath)
     writer = _store.WriterLock(dirpath)
     try:
@@ -111,9 +111,9 @@ def _lock_and_clean(dirpath: str, config: Config, retention: _retain.Retention, 
             log.info("layerckpt: removed %d leftover file(s) of interrupted saves", len(removed))
         if identity is not None:
             _store.ensure_store_id(dirpath, identity)
-            _nodes.write_part(dirpath, placement)
+            _store.write_part(dirpath, placement.part())
         else:
-            _nodes.clear_part(dirpath)
+            _store.clear_part(dirpath)
         # memory/remote: a bad URL fails here
         part = None
         if identity is not None:  # this node's ranks copy their own files; rank 0's node commits the remote
@@ -143,7 +143,7 @@ def start_io(dirpath: str, config: Config, writer: Optional[_store.WriterLock],
         raise
 
 
-def open_replicas(dirpath: str, config: Config, placement: _nodes.Placement, retention: _retain.Retention
+def open_replicas(dirpath: str, config: Config, placement: _dist.Placement, retention: _retain.Retention
                   ) -> Tuple[Optional[Any], Optional[_dist.Group]]:
     """``Config.replicas`` on node-local directories: the owners' process group (formed by every rank) and,
     on each owner, its store's replication (``tiers/_replica``)."""

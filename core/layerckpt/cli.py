@@ -18,7 +18,7 @@ from .io._backend import checksum_function, make_backend
 from ._cli_run import Parser, figure_path, run
 from .read._fetch import unreadable_in
 from .format._manifest import MODEL, OPTIM, Manifest, load_manifest, model_name, piece_base
-from ._nodes import PART, read_part
+from .format._store import PART, read_part
 from .config import Config
 from .errors import CheckpointError, CheckpointNotFoundError
 from .restore import check_state, read_tensors

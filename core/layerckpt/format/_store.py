@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -537,3 +538,44 @@ def locate(path: Union[str, os.PathLike]) -> Tuple[str, Optional[int]]:
             f"{p} is a directory but not a layerckpt checkpoint (it has no {MANIFEST_DIR}/ folder); "
             f"pass the dirpath layerckpt saved into, or one of its {MANIFEST_DIR}/step-N.json")
     raise CheckpointNotFoundError(f"checkpoint {p} does not exist")
+
+
+PART = "part.json"  # in a node's store of node-local directories: whose part of the composites it holds
+
+
+def write_part(root: str, part: Dict[str, Any]) -> None:
+    """Record, in a node's store, that it is a part of its composites (and whose)."""
+    body = json.dumps(part, sort_keys=True).encode()
+    path = os.path.join(root, PART)
+    try:
+        with open(path, "rb") as f:
+            if f.read(1 << 16) == body:
+                return
+    except OSError:
+        pass
+    write_atomic(path, body)
+
+
+def read_part(root: str) -> Optional[Dict[str, Any]]:
+    """``part.json`` of a store (None where it has none: a store that holds whole composites)."""
+    path = os.path.join(root, PART)
+    try:
+        raw = read_regular(path, "node part record", cap=1 << 16, follow=False, under=root)
+    except CheckpointNotFoundError:
+        return None
+    try:
+        d = json.loads(bytes(raw))
+        if not (isinstance(d, dict) and isinstance(d.get("node"), str) and isinstance(d.get("ranks"), list)
+                and all(isinstance(r, int) for r in d["ranks"]) and isinstance(d.get("nodes"), list)):
+            raise ValueError("fields")
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{path} is not a node part record ({e}); remove it if this directory is "
+                                     f"not a node's part", path=path) from None
+    return d
+
+
+def clear_part(root: str) -> None:
+    try:
+        os.unlink(os.path.join(root, PART))
+    except OSError:
+        pass

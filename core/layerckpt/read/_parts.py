@@ -1,4 +1,4 @@
-"""Reading a composite whose files are spread over the nodes' own directories (``_nodes``): collective.
+"""Reading a composite whose files are spread over the nodes' own directories (``_dist.place``): collective.
 
 Every rank calls ``restore(dirpath, ...)`` with its node's directory.  The owner of each node's store lists
 what it can serve: the composites and data files of its disk, of its memory tier, and of the replicas of
@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .. import _dist, _faults, _nodes
+from .. import _dist, _faults
 from ..config import Config
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import _store
@@ -51,7 +51,7 @@ def collective(path: Any) -> bool:
         return False
     root, _ = split(path)
     try:
-        if _nodes.read_part(root) is not None:
+        if _store.read_part(root) is not None:
             return True
     except CheckpointError:
         return True  # the collective read reports it
@@ -84,13 +84,13 @@ def gather(path: Any, step: Optional[int], config: Optional[Config]) -> Iterator
     step = located if located is not None else step
     group = _dist.Group()
     folder: Optional[str] = None
-    placement: Optional[_nodes.Placement] = None
+    placement: Optional[_dist.Placement] = None
     try:
         try:
             os.makedirs(root, exist_ok=True)
         except OSError:
             pass
-        placement = _nodes.place(group, root)
+        placement = _dist.place(group, root)
         if not placement.split:
             yield Gathered(None)
             return
@@ -128,7 +128,7 @@ def gather(path: Any, step: Optional[int], config: Optional[Config]) -> Iterator
 # ------------------------------------------------------------------ what each node holds
 
 
-def _inventory(root: str, config: Optional[Config], placement: _nodes.Placement, first: bool) -> Dict[str, Any]:
+def _inventory(root: str, config: Optional[Config], placement: _dist.Placement, first: bool) -> Dict[str, Any]:
     """What this node's store owner can serve: {"manifests": {name: {seq, created, step, files, where}},
     "files": {fname: [[size, where]]}, "remote": {name, seq, step, created} or None}; ``where``: disk,
     memory, or replica:<node>."""
@@ -201,7 +201,7 @@ def _remote_newest(config: Config) -> Optional[Dict[str, Any]]:
 # ------------------------------------------------------------------ the one answer every rank works out
 
 
-def _decide(placement: _nodes.Placement, lists: List[Optional[Dict[str, Any]]], step: Optional[int]
+def _decide(placement: _dist.Placement, lists: List[Optional[Dict[str, Any]]], step: Optional[int]
             ) -> Dict[str, Any]:
     """The composite to read and how each node gets each of its files: the same on every rank."""
     owners = placement.owners
@@ -269,7 +269,7 @@ def _holders(lists, owners: List[int], f: str, size: int) -> List[Tuple[int, int
     return sorted(out)
 
 
-def _plan(placement: _nodes.Placement, name: str, d: Dict[str, Any], where, lists) -> Dict[str, Any]:
+def _plan(placement: _dist.Placement, name: str, d: Dict[str, Any], where, lists) -> Dict[str, Any]:
     moves = []  # [what, from owner, from where, to owner]
     for o in placement.owners:
         if name not in lists[o]["manifests"] or lists[o]["manifests"][name]["seq"] != d["seq"]:
@@ -299,13 +299,13 @@ def _plan(placement: _nodes.Placement, name: str, d: Dict[str, Any], where, list
 # ------------------------------------------------------------------ the view, gathered
 
 
-def _assemble(root: str, folder: str, placement: _nodes.Placement, plan: Dict[str, Any], mine: Dict[str, Any],
+def _assemble(root: str, folder: str, placement: _dist.Placement, plan: Dict[str, Any], mine: Dict[str, Any],
               group: _dist.Group, config: Optional[Config]) -> None:
     _store.ensure_layout(root)  # a node that came back empty: its store is made whole again below
     ids = [lists_id for lists_id in plan.get("ids", []) if lists_id]
     if ids:
         _store.ensure_store_id(root, ids[0])
-    _nodes.write_part(root, placement)
+    _store.write_part(root, placement.part())
     os.makedirs(os.path.join(folder, _store.DATA_DIR))
     os.makedirs(os.path.join(folder, _store.MANIFEST_DIR))
     name = plan["name"]
@@ -342,7 +342,7 @@ def _assemble(root: str, folder: str, placement: _nodes.Placement, plan: Dict[st
             _store.write_atomic(own, src_f.read())  # the node's store holds the composite again
 
 
-def _exchange_files(placement: _nodes.Placement, plan: Dict[str, Any], group: _dist.Group, mine, root: str,
+def _exchange_files(placement: _dist.Placement, plan: Dict[str, Any], group: _dist.Group, mine, root: str,
                     folder: Optional[str]) -> None:
     """Send what others need from this node and receive what it lacks, over the group (its owners only)."""
     me = group.rank
@@ -375,7 +375,7 @@ def _exchange_files(placement: _nodes.Placement, plan: Dict[str, Any], group: _d
             w.wait()
 
 
-def _own(placement: _nodes.Placement, plan: Dict[str, Any], rank: int, me: int) -> bool:
+def _own(placement: _dist.Placement, plan: Dict[str, Any], rank: int, me: int) -> bool:
     """Whether a file the composite's rank ``rank`` wrote is this node's own (``me``: its owner): a rank of the
     same world on this node.  Restored onto another number of ranks, no old file is any node's own."""
     return plan.get("world") == placement.world and rank < placement.world and placement.owner[rank] == me

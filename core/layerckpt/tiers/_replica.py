@@ -1,7 +1,7 @@
 """Peer replicas: each node's newest committed part also held in the memory of ``Config.replicas`` partner
 nodes (a ring over the nodes' stores), sent over torch.distributed in the background.
 
-After each commit the owner of each node's store (``_nodes``) queues the composite; its replication thread
+After each commit the owner of each node's store (``_dist.place``) queues the composite; its replication thread
 agrees with the other owners on the newest composite every one of them has queued (a round), then sends its
 part (the data files its ranks wrote that the partner does not hold yet, and the manifest) to each partner,
 and receives its sources' parts.  A partner writes what arrives into a folder of its memory tier's base

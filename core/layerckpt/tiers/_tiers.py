@@ -228,7 +228,7 @@ class Busy:
 
 
 class Part(NamedTuple):
-    """A node's share of the copies where each node has a directory of its own (``_nodes``): the files its
+    """A node's share of the copies where each node has a directory of its own (``_dist.place``): the files its
     ``ranks`` wrote; whether it ``commits`` the tier's manifest (its memory tier: yes; the remote: rank 0's
     node, once every node's files are there, waiting at most ``wait_s``)."""
     ranks: AbstractSet[int]
