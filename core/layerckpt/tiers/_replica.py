@@ -28,6 +28,7 @@ import torch
 
 from .. import _dist, _faults
 from ..format import _store
+from ..format._json import read_regular
 from ..format._manifest import Manifest
 from ._memtier import _base, make_private
 
@@ -174,7 +175,7 @@ class Replicas:
         me = self.group.members[self.group.rank]
         part = {f: fe.size for f, fe in m.files.items() if fe.rank in self.my_ranks}
         sends = []
-        body = _read(os.path.join(self.root, _store.MANIFEST_DIR, name))
+        body = read_regular(os.path.join(self.root, _store.MANIFEST_DIR, name), follow=False)
         for p in self.partners:
             their = answers[self.group.members.index(p)]["have"].get(str(me), {})
             todo = sorted(f for f, size in part.items() if their.get(f) != size)
@@ -272,16 +273,11 @@ class Replicas:
             t.join()
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def _as_tensor(b: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
 
 
-def file_chunks(path: str, tag_from: int = 0) -> List[torch.Tensor]:
+def file_chunks(path: str) -> List[torch.Tensor]:
     """The file's bytes as views of at most CHUNK bytes of one private mapping of it (no copy made here: the
     sender's transport reads the pages)."""
     size = os.path.getsize(path)
