@@ -43,8 +43,9 @@ _RANK = {"disk": 0, "memory": 1, "replica": 2}  # which holder of a file is read
 
 def collective(path: Any) -> bool:
     """Whether a read of ``path`` gathers the composite over the ranks: under torch.distributed with several
-    ranks, of a directory (or one of its manifests) that is one node's part (``part.json``) or holds no
-    composite at all (a node that came back empty; the others then say whether theirs are parts)."""
+    ranks, of a directory (or one of its manifests) that is one node's part (``part.json``) or, in a job of
+    several nodes, holds no composite at all (a node that came back empty; the others then say whether theirs
+    are parts)."""
     if not _dist.initialized() or _dist.world_size() == 1 or not isinstance(path, (str, os.PathLike)):
         return False
     if is_url(os.fspath(path)):
@@ -55,7 +56,19 @@ def collective(path: Any) -> bool:
             return True
     except CheckpointError:
         return True  # the collective read reports it
-    return not _store.list_manifests(root) if os.path.isdir(os.path.join(root, _store.MANIFEST_DIR)) else True
+    empty = not _store.list_manifests(root) if os.path.isdir(os.path.join(root, _store.MANIFEST_DIR)) else True
+    return empty and several_nodes()
+
+
+def several_nodes() -> bool:
+    """Whether this job spans several nodes, as its launcher tells (torchrun's ``LOCAL_WORLD_SIZE`` below the
+    world, SLURM's node count) or ``LAYERCKPT_NODE`` names them: only there may an empty directory be a node that
+    came back empty, read with the others.  On one node an empty directory is read alone, as ever (a restore
+    called by one rank only must not wait for the others)."""
+    world = _dist.world_size()
+    local, slurm = os.environ.get("LOCAL_WORLD_SIZE", ""), os.environ.get("SLURM_JOB_NUM_NODES", "")
+    return bool(os.environ.get(_dist.NODE_ENV)) or (local.isdigit() and int(local) < world) or \
+        (slurm.isdigit() and int(slurm) > 1)
 
 
 def split(path: Any) -> Tuple[str, Optional[int]]:
