@@ -110,7 +110,9 @@ def gather(path: Any, step: Optional[int], config: Optional[Config]) -> Iterator
         token = group.exchange(uuid.uuid4().hex, what="opening a read of the nodes' parts")[0]
         folder = os.path.join(root, VIEW + token)
         mine = _inventory(root, config, placement, group.rank == 0) if placement.is_owner else None
-        lists = group.exchange(mine, what="listing what every node holds of the composites")
+        # the local paths (``places``) stay here: only the owner reads its files
+        lists = group.exchange(None if mine is None else {k: v for k, v in mine.items() if k != "places"},
+                               what="listing what every node holds of the composites")
         plan = _decide(placement, lists, step)
         plan["ids"] = [lists[o]["id"] for o in placement.owners]
         if plan["error"] is not None:
@@ -121,8 +123,6 @@ def gather(path: Any, step: Optional[int], config: Optional[Config]) -> Iterator
                 _assemble(root, folder, placement, plan, mine, group, config)
             except Exception as e:  # noqa: BLE001 - every rank learns it below
                 error = f"node {placement.nodes[group.rank]}: {type(e).__name__}: {e}"
-        else:
-            _exchange_files(placement, plan, group, mine=None, root=root, folder=None)
         errors = [e for e in group.exchange(error, what="gathering the composite on every node") if e]
         if errors:
             raise CheckpointError("layerckpt: the composite could not be gathered: " + "; ".join(errors))

@@ -31,6 +31,7 @@ from ..format import _store
 from ..format._json import read_regular
 from ..format._manifest import Manifest
 from ._memtier import _base, make_private
+from ._tiers import stop_worker
 
 log = logging.getLogger("layerckpt")
 
@@ -265,12 +266,7 @@ class Replicas:
                 self._cv.wait(0.1)
 
     def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-            t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join()
+        stop_worker(self)
 
 
 def _as_tensor(b: bytes) -> torch.Tensor:

@@ -576,12 +576,18 @@ class Tier:
             raise self.error
 
     def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-            t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join()
+        stop_worker(self)
+
+
+def stop_worker(w) -> None:
+    """End a background copier (a :class:`Tier`, ``_replica.Replicas``): its thread finishes what is queued, then
+    returns; joined unless called from that thread itself."""
+    with w._cv:
+        w._stop = True
+        w._cv.notify_all()
+        t = w._thread
+    if t is not None and t is not threading.current_thread():
+        t.join()
 
 
 class Tiers:
