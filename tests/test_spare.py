@@ -170,3 +170,56 @@ def test_an_open_that_breaks_the_lease_neither_ends_the_process_nor_passes_for_a
     finally:
         os.close(fd)
     assert readers[0].wait(timeout=30) == 0
+
+
+def _take_and_write(data, rank, n, size, out):
+    """A rank's saves: take a spare for each new data file, write this rank's bytes through the descriptor,
+    then read the file back by its name."""
+    got = wrong = 0
+    for k in range(n):
+        path = os.path.join(data, f"step-{k:08d}.rank{rank}.safetensors")
+        taken = _spare.take(path, size, False)
+        if taken is None:
+            continue
+        fd, _ = taken
+        mine = bytes([rank + 1]) * size
+        os.pwrite(fd, mine, 0)
+        os.close(fd)
+        got += 1
+        with open(path, "rb") as f:
+            wrong += f.read() != mine
+        os.unlink(path)
+    out.put((got, wrong))
+
+
+def _retire(data, n, size):
+    """Rank 0's retention after each commit: a retired file moved into a free spare slot."""
+    for k in range(n):
+        p = os.path.join(data, f"step-{k:08d}.old.safetensors")
+        with open(p, "wb") as f:
+            f.write(b"\xee" * size)
+        if not _spare.keep(p):
+            os.unlink(p)
+
+
+def test_ranks_taking_spares_while_retention_retires_files_write_into_the_file_they_name(tmp_path):
+    """Several ranks share one store's spares while rank 0's retention refills the slots: each save's bytes land
+    in the file its name holds.  (A take that opened the spare by name and renamed it after could move another
+    file, retired in between, to its data file's name: about 1% of takes here, and committed files with
+    another step's bytes in 16-rank runs.)"""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    data = str(tmp_path / "data")
+    os.makedirs(data)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_take_and_write, args=(data, r, 20000, 8192, out)) for r in range(4)]
+    procs.append(ctx.Process(target=_retire, args=(data, 40000, 8192)))
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in range(4)]
+    for p in procs:
+        p.join(timeout=120)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert sum(g for g, _ in results) > 100, results  # spares were taken while slots were refilled
+    assert sum(w for _, w in results) == 0, results

@@ -138,21 +138,26 @@ def take(path: str, size: int, direct: bool) -> Optional[Tuple[int, bool]]:
     """Open a spare for writing the data file ``path`` (``size`` bytes, about), renamed to that name: (fd,
     whether O_DIRECT), or None where no spare is free of other users (open a new file then).  The spare
     nearest ``size`` from above is taken first (its blocks cover the file; the rest is truncated away), else
-    the largest.  One someone else has open is deleted instead: its reader keeps its bytes."""
+    the largest.  One someone else has open is deleted instead: its reader keeps its bytes.
+
+    The spare is claimed by renaming it to ``path`` before it is opened: a rename moves whatever file the
+    name holds at that instant, and only one taker can move it.  Opened by its spare name first, another
+    rank's take (or retention putting a new file in the freed slot) could swap the file under the name
+    between the open and the rename, and the save would write into one file while its name held another."""
     data_dir = os.path.dirname(path)
     for _, spare, _ in sorted(_spares(data_dir), key=lambda s: (s[2] < size, abs(s[2] - size))):
         try:
-            fd, is_direct = open_file(spare, write=True, direct=direct, create=False)
-        except OSError:
+            os.rename(spare, path)
+        except OSError:  # another taker claimed it first
             continue
         try:
-            if not _alone(fd):
-                os.close(fd)
-                unlink_quietly(spare)
-                continue
-            os.rename(spare, path)
+            fd, is_direct = open_file(path, write=True, direct=direct, create=False)
         except OSError:
+            unlink_quietly(path)
+            continue
+        if not _alone(fd):  # a reader still has it open (from before retention retired it): it keeps its bytes
             os.close(fd)
+            unlink_quietly(path)
             continue
         return fd, is_direct
     return None
