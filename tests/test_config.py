@@ -152,7 +152,7 @@ def test_groups_list_every_field_once():
     listed = [name for names in GROUPS.values() for name in names]
     assert sorted(listed) == sorted(f.name for f in dataclasses.fields(Config))
     assert len(listed) == len(set(listed))
-    assert set(GROUPS) == {"selection", "io", "tiers", "restore"}
+    assert set(GROUPS) == {"selection", "io", "tiers", "restore", "preemption"}
 
 
 def test_moved_names_stay_importable():

@@ -15,6 +15,7 @@ from .write._torchfile import TorchFileWriter
 from .checkpointer import Checkpointer
 from .config import Config
 from .interval import Interval
+from .preempt import EXIT_PREEMPTED
 from ._plot import plot
 from .errors import (
     CheckpointCorruptError,
@@ -35,4 +36,5 @@ __all__ = [
     "CheckpointError", "CheckpointWriteError", "CheckpointCorruptError", "CheckpointGoneError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError", "ConfigError", "StalenessError", "LayerSpec", "TorchFileWriter", "store", "Interval", "plot",
+    "EXIT_PREEMPTED",
 ]

@@ -164,6 +164,18 @@ def open_replicas(dirpath: str, config: Config, placement: _dist.Placement, rete
                     group, config.replicas, _store.store_id(dirpath), retention), group
 
 
+def open_notice(config: Config, group: _dist.Group) -> Optional[Any]:
+    """``Config.preemption``: the signal handlers, and (several ranks) the gloo group of its own over which every
+    rank posts what it was told at each step boundary (formed by every rank, in the same order)."""
+    from .preempt import Notice, signal_names
+
+    signals = signal_names(config.preemption)
+    if signals is None:
+        return None
+    notice_group = _dist.Group(ranks=list(range(group.world))) if group.world > 1 else None
+    return Notice(signals, config.grace_s, group=notice_group)
+
+
 def shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_store.WriterLock],
              tiers: Optional[_tiers.Tiers] = None, hook=None, owner: Optional[Owner] = None,
              group: Optional[_dist.Group] = None, stager: Optional[LazyStager] = None, replicas: Any = None,

@@ -32,7 +32,7 @@ import torch
 
 from . import _dist, _faults, _registry, _session
 from .config import Config
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 from .format import _store
 from .format._codec import Entries
 from .format._layout import LayoutCache
@@ -105,6 +105,8 @@ class Checkpointer:
         self._replicas, self._replica_group = _session.open_replicas(self.dirpath, self.config, self.placement,
                                                                      self._retention)
         self._flusher.listeners = tuple(self._listeners())
+        self._notice = _session.open_notice(self.config, self.group)  # Config.preemption (``preempt``)
+        self._saves: List[PendingSave] = []  # the newest few, whatever became of them (for a notice's estimate)
         if self._tiers is not None:
             if self._flusher.cost is not None:  # encoding='auto': a remote gets encoded what pays there
                 box = self._charge_now  # not self: the tier must not keep the Checkpointer alive
@@ -191,7 +193,9 @@ class Checkpointer:
             self._raise_unreported()  # the flush just waited for may have failed
             self._training_threads = torch.get_num_threads()  # the training's, before _serial sets one
             with _serial():
-                return self._save(step, extra, loss, name)
+                pending = self._save(step, extra, loss, name)
+            self._saves = self._saves[-3:] + [pending]
+            return pending
 
     def keep(self, manifests: Iterable[Union[str, "os.PathLike[str]"]]) -> None:
         """Composites (manifest paths of this directory) that retention keeps besides the
@@ -237,6 +241,68 @@ class Checkpointer:
         if self._replicas is not None:  # and the partners' copies of this node's part
             self._replicas.wait()
 
+    # ------------------------------------------------------------ preemption (``preempt``)
+
+    def preempt(self, seconds: Optional[float] = None) -> None:
+        """Tell a notice of preemption this process learned of (a cloud's metadata notice): it ends ``seconds``
+        from now (``Config.grace_s``, else 30 s, where not given).  Thread-safe; acted on at the next step
+        boundary (:meth:`preempted`).  Needs ``Config.preemption`` on (``[]``: notices by this call only)."""
+        if self._notice is None:
+            raise ConfigError("preempt() needs Config(preemption=...) on: True or a signal name to save on that "
+                              "signal, [] to save on notices told by preempt() only")
+        self._notice.tell(seconds)
+
+    def preempted(self, step: int, extra: Optional[Dict[str, Any]] = None) -> bool:
+        """Ask at every step boundary, on every rank, once the optimizer stepped (the state is that of ``step``):
+        True once a notice (a ``Config.preemption`` signal, or :meth:`preempt`, on any rank) was agreed on by
+        every rank at this step, and ``step`` saved and committed before the deadline where it could be (else
+        the newest committed composite is what a restart resumes from, and the log says why).  Then stop
+        training: ``raise SystemExit(layerckpt.EXIT_PREEMPTED)``.  Cheap otherwise: no blocking collective.
+        ``extra``: what ``save()`` would be given at this step (a data loader's position, ...)."""
+        deadline = self.notice(step)
+        if deadline is None:
+            return self._notice is not None and self._notice.agreed is not None
+        if self.can_save_by(deadline, step):
+            self.save(step, extra)
+        self.durable_by(deadline)
+        return True
+
+    def notice(self, step: int) -> Optional[float]:
+        """The step-boundary check (every rank, every step): the deadline (``time.time()``) of a notice every rank
+        agreed to act on at this ``step``, once; else None.  An adapter saves through its framework then, where
+        :meth:`can_save_by` says so, and waits with :meth:`durable_by`."""
+        return None if self._notice is None else self._notice.boundary(step)
+
+    def can_save_by(self, deadline: float, step: int) -> bool:
+        """At the agreed step, on every rank (collective): whether to save ``step`` now, that is, it was not saved
+        yet and every rank's newest save went from ``save()`` to its commit in the time left (logged where not)."""
+        from .preempt import FIT, estimate_s
+
+        need, left = estimate_s(self._saves), deadline - time.time()
+        saved = bool(self._saves) and self._saves[-1].step == step
+        fits = self._notice.all_can(need is None or need <= FIT * left)
+        if not fits and self.rank == 0:
+            newest = next((p.step for p in reversed(self._saves) if p.done() and p.error is None), None)
+            log.warning("layerckpt: preemption: %.1f s left before the deadline, and a save takes about %.1f s on the "
+                        "slowest rank: step %d is not saved; a restart resumes from the newest committed "
+                        "composite%s", left, need or 0.0, step, f" (step {newest})" if newest is not None else "")
+        return fits and not saved
+
+    def durable_by(self, deadline: float) -> bool:
+        """Wait for the saves in flight to commit and for the tiers to copy them, until ``deadline``; whether all
+        of it ended in time (a failure is logged, never raised: the process is about to be killed)."""
+        from .preempt import wait_until
+
+        ended, error = wait_until(self.wait, deadline)
+        if error is not None:
+            log.error("layerckpt: preemption: the last save did not complete: %s", error)
+        elif not ended:
+            log.warning("layerckpt: preemption: the deadline came before every copy was durable")
+        else:
+            log.warning("layerckpt: preemption: step %s committed (%.1f s before the deadline)",
+                        self._saves[-1].step if self._saves else "-", deadline - time.time())
+        return ended and error is None
+
     @property
     def replicas(self) -> Dict[str, Any]:
         """What the peer replication of this node's part did (``Config.replicas``, node-local directories, the
@@ -253,6 +319,8 @@ class Checkpointer:
         last one.  Errors stay with each :class:`PendingSave`; a later ``close()`` waits and raises them."""
         if self.selector.pretrained is not None:
             self.selector.pretrained.stop(wait)
+        if self._notice is not None:  # the signal handlers found are put back
+            self._notice.close()
         if wait:
             try:
                 self.wait()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from .io._units import ALIGN, GiB, KiB, MiB, parse_size  # noqa: F401 - their home is _units; importable here too
 from ._url import check_config
@@ -214,11 +214,33 @@ class Config:
     tier's base folder, ``LAYERCKPT_SHM`` or /dev/shm).  0: none.  Ignored (logged) on one node or a shared
     directory, where every node reads the same disk."""
 
+    preemption: Optional[Union[bool, str, List[str]]] = None
+    """Which signals are a notice of preemption, saved on (docs/failure-semantics.md, "Preemption"): a name
+    ("SIGTERM"), several (["SIGTERM", "SIGUSR1"] under SLURM's ``--signal``), True for SIGTERM, [] for notices
+    told by ``Checkpointer.preempt()`` only, False for none.  None: the entry point's default, SIGTERM in the
+    adapters (LayerCheckpoint, the Accelerate plugin, the Trainer hook); none in a plain Checkpointer, whose
+    loop asks ``ckpt.preempted(step)`` at each step.  On a notice every rank saves at one agreed step, where the
+    save can be durable before the deadline, then training stops."""
+    grace_s: Optional[float] = None
+    """Seconds from a notice to the kill that follows it.  None: the signal's convention (SIGTERM 30 s, SIGUSR1
+    and SIGUSR2 60 s, SIGINT 10 s), or what ``Checkpointer.preempt(seconds)`` says."""
+
     def __post_init__(self) -> None:
         self._check_selection()
         self._check_io()
         self._check_tiers()
         _flags(self, "verify_checksums", "restore_rng")
+        self._check_preemption()
+
+    def _check_preemption(self) -> None:
+        from .preempt import signal_names
+
+        if self.preemption is not None and not isinstance(self.preemption, (bool, str, list, tuple)):
+            raise ConfigError(f"Config.preemption takes true/false, a signal name or a list of them, got "
+                              f"{self.preemption!r}")
+        signal_names(self.preemption)  # each a signal this process can handle
+        if self.grace_s is not None:
+            _number(self, "grace_s", float, lo=0.0)
 
     def _check_selection(self) -> None:
         """Which layers a save writes: the rule (full, fidelity or threshold) and its bounds."""
@@ -392,6 +414,7 @@ GROUPS: Dict[str, Tuple[str, ...]] = {
            "encoding", "delta_chain", "encode_threads", "lossy_quantum", "lossy_bits"),
     "tiers": ("keep_last", "memory_tier", "remote", "remote_options", "remote_every", "remote_bandwidth", "replicas"),
     "restore": ("verify_checksums", "restore_rng"),
+    "preemption": ("preemption", "grace_s"),
 }
 """Every Config field, once, by what it governs (docs/configuration.md's Config table follows it)."""
 
