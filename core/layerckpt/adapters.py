@@ -62,6 +62,14 @@ def default_of(name: str) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
 
 
+def with_preemption(config: Config) -> Config:
+    """The adapters' default for ``Config.preemption``: SIGTERM where the user left it unset (None); a notice
+    handled is never worse than one ignored.  ``False`` turns it off, a name or list picks the signals."""
+    from .preempt import ADAPTER_DEFAULT
+
+    return config if config.preemption is not None else config.replace(preemption=list(ADAPTER_DEFAULT))
+
+
 @functools.lru_cache(maxsize=None)
 def _field_types() -> Dict[str, Any]:
     """Config field -> the type an adapter's keyword argument for it takes (None: not given).  Byte counts
