@@ -16,7 +16,8 @@ from typing_extensions import override
 
 import layerckpt
 from layerckpt import store
-from layerckpt.adapters import SelectionLoss, as_config, close_quietly, config_overrides, hold, with_config_fields
+from layerckpt.adapters import (SelectionLoss, as_config, close_quietly, config_overrides, hold, with_config_fields,
+                                with_preemption)
 from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
 from layerckpt.interop import peft_extra
@@ -184,6 +185,9 @@ class LayerCheckpoint(ModelCheckpoint):
         self.last_save: Optional[layerckpt.PendingSave] = None
         self.restored: Optional[Dict[str, Any]] = None  # what the last resume read: step, layers, staleness, ...
         self.saves: List[layerckpt.PendingSave] = []
+        #: whether this fit stopped on a notice of preemption (``Config.preemption``); a script may then
+        #: ``sys.exit(layerckpt.EXIT_PREEMPTED)`` for its launcher to tell it from a crash and from the end
+        self.preempted = False
 
     @property
     def enabled(self) -> bool:
@@ -339,8 +343,12 @@ class LayerCheckpoint(ModelCheckpoint):
                     f"a newer LayerCheckpoint of this process took over the store {self.dirpath} during this fit "
                     f"(this one's saves there had ended and it closed them); save through the newer one")
             hold(self.dirpath, self._taken_over)  # an older LayerCheckpoint of this process there closes first
+            # SIGTERM saved on by default: installed here, at the fit's start, our handler stands in for the one
+            # Lightning installed (whose SIGTERMException would end the fit at this rank's batch end, unsaved,
+            # and the other ranks' at their next); Lightning puts its predecessor back when the fit ends
             self._ckpt = layerckpt.Checkpointer(self.dirpath, trainer.lightning_module,
-                                                optimizers[0] if optimizers else None, self.layer_config)
+                                                optimizers[0] if optimizers else None,
+                                                with_preemption(self.layer_config))
             self._pin()
         elif optimizers and self._ckpt.optimizer is not optimizers[0]:
             raise CheckpointError("the Trainer's optimizer changed since the first checkpoint of this fit; "
@@ -467,7 +475,8 @@ class LayerCheckpoint(ModelCheckpoint):
         # micro-batch's, divided for gradient accumulation; a step ends where the global step moved
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         self._interval.add(loss)
-        if trainer.global_step != self._step_seen:
+        stepped = trainer.global_step != self._step_seen
+        if stepped:
             self._step_seen = trainer.global_step
             self._interval.step_done()
         if self._ckpt is not None:
@@ -476,6 +485,20 @@ class LayerCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.interval is not None:
             self._save_on_interval(trainer)
+        if stepped and self._ckpt is not None:  # an optimizer step's boundary: every rank reaches it alike
+            deadline = self._ckpt.notice(int(trainer.global_step))
+            if deadline is not None:
+                self._stop_on_notice(trainer, deadline)
+
+    def _stop_on_notice(self, trainer: Any, deadline: float) -> None:
+        """Every rank agreed on a notice at this step: save it where it can be durable in time, wait for it (and
+        the tiers' copies) until the deadline, and stop the fit as Lightning stops one (``should_stop``)."""
+        step = int(trainer.global_step)
+        if self._ckpt.can_save_by(deadline, step) and self._last_global_step_saved != step:
+            self._save(trainer, name=self.CHECKPOINT_NAME_LAST)
+        self._ckpt.durable_by(deadline)
+        self.preempted = True
+        trainer.should_stop = True
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
