@@ -128,7 +128,8 @@ def test_a_notice_during_a_save_in_flight_leaves_one_committed_composite(tmp_pat
     store = os.path.join(tmp_path, "store")
     stop = out["stopped"]
     # the save of step 8 meets a flush or commit point; an upload (of step 4's composite, or 8's) may meet it sooner
-    assert stop in ((8, 9) if not fault.startswith("tier.") else range(ph.SIGNAL_AT, ph.STEPS + 1)), (stop, r.stderr[-2000:])
+    allowed = (8, 9) if not fault.startswith("tier.") else range(ph.SIGNAL_AT, ph.STEPS + 1)
+    assert stop in allowed, (stop, r.stderr[-2000:])
     steps = sorted(int(n[5:13]) for n in os.listdir(os.path.join(store, "manifests")))
     assert steps[-1] == stop, steps
     if fault.startswith("tier."):
@@ -186,3 +187,59 @@ def test_a_second_signal_keeps_the_first_deadline_and_does_not_kill(tmp_path):
         assert ck._notice.received == first and first[0] == "SIGTERM"
         assert ck.preempted(3)
         assert layerckpt.read_checkpoint(str(tmp_path)).step == 3
+
+
+# ------------------------------------------------------------------ layerckpt launch: no restart after a notice
+
+LOOP = """
+import os, sys, time, torch, layerckpt
+root = sys.argv[1]
+m = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+ck = layerckpt.Checkpointer(os.path.join(root, "store"), m, opt, config=layerckpt.Config(preemption=True, full=True))
+with open(os.path.join(root, "attempts"), "a") as f:
+    f.write(os.environ.get("LAYERCKPT_RESTART_COUNT", "?") + "\\n")
+for step in range(1, 100000):
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    open(os.path.join(root, "step"), "w").write(str(step))
+    if ck.preempted(step):
+        ck.close()
+        sys.exit(layerckpt.EXIT_PREEMPTED)
+    time.sleep(0.02)
+"""
+
+
+def _until_file(path: str, timeout: float = 120) -> None:
+    t = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < t, path
+        time.sleep(0.05)
+
+
+def test_launch_passes_the_notice_on_and_does_not_restart_a_preempted_job(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    p = subprocess.Popen([sys.executable, "-m", "layerckpt.cli", "launch", "--max-restarts", "3", str(script),
+                          str(tmp_path)], stderr=subprocess.PIPE, text=True, env=_env())
+    _until_file(str(tmp_path / "step"))
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == layerckpt.EXIT_PREEMPTED, err[-2000:]
+    assert (tmp_path / "attempts").read_text() == "0\n"  # the attempt was not restarted
+    stopped = int((tmp_path / "step").read_text())
+    assert layerckpt.read_checkpoint(str(tmp_path / "store")).step == stopped  # the step it stopped at, committed
+
+
+def test_launch_passes_sigusr1_to_the_attempt(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP.replace("preemption=True", "preemption='SIGUSR1', grace_s=60"))
+    p = subprocess.Popen([sys.executable, "-m", "layerckpt.cli", "launch", str(script), str(tmp_path)],
+                         stderr=subprocess.PIPE, text=True, env=_env())
+    _until_file(str(tmp_path / "step"))
+    p.send_signal(signal.SIGUSR1)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == layerckpt.EXIT_PREEMPTED, err[-2000:]
+    assert "notice of preemption, its checkpoint handled; no restart here" in err
+    assert "preemption notice (SIGUSR1)" in err

@@ -15,6 +15,9 @@ generators from the OS, as a new interpreter would have.
 
 Exit status: the script's, once it exits 0 or the restarts run out (a death by signal N as 128 + N);
 ``SIGTERM`` sent to the launcher is passed to the running attempt, and ``SIGTERM`` or ``SIGINT`` stop the restarts.
+An attempt that exits with ``layerckpt.EXIT_PREEMPTED`` (75: it stopped on a notice of preemption, its checkpoint
+handled) is not restarted either: the machine is going away, and the job resumes wherever it is started next.
+``SIGUSR1`` and ``SIGUSR2`` (SLURM's ``--signal``) are passed to the running attempt as they come.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import time
 from typing import List, Optional
 
 from ..errors import CheckpointError
+from ..preempt import EXIT_PREEMPTED
 
 #: the environment variable that tells an attempt how many ran before it
 RESTART_COUNT = "LAYERCKPT_RESTART_COUNT"
@@ -103,8 +107,8 @@ def _attempt_in_fork(target: List[str], restart: int, launcher: int) -> int:
 
     os.environ[RESTART_COUNT] = str(restart)
     os.environ[LAUNCHER_PID] = str(launcher)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     _reseed()
     module = target[0] == "-m"
     sys.argv = ([target[1]] if module else [target[0]]) + target[2 if module else 1:]
@@ -154,11 +158,20 @@ def launch(target: List[str], max_restarts: int = 3, preload: Optional[List[str]
     if standby:
         _preload(list(preload or []))
     stopping: List[int] = []
+    running: List[int] = []  # the attempt's pid, while one runs
 
     def on_signal(sig, _frame):  # _wait passes a SIGTERM on (a SIGINT from a terminal reached the attempt already)
         stopping.append(sig)
 
+    def pass_on(sig, _frame):  # a notice the attempt acts on itself (SLURM's --signal=USR1@90)
+        for pid in running:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old.update({s: signal.signal(s, pass_on) for s in (signal.SIGUSR1, signal.SIGUSR2)})
     told, code = False, 0
     try:
         for restart in range(max_restarts + 1):
@@ -176,11 +189,15 @@ def launch(target: List[str], max_restarts: int = 3, preload: Optional[List[str]
                 pid = os.fork()
                 if pid == 0:
                     return _attempt_in_fork(target, restart, launcher)
-                code = _status(_wait(pid, stopping))
             else:
                 cmd = [sys.executable] + target
-                p = subprocess.Popen(cmd, env=dict(os.environ, **{RESTART_COUNT: str(restart)}))
-                code = _status(_wait(p.pid, stopping))
+                pid = subprocess.Popen(cmd, env=dict(os.environ, **{RESTART_COUNT: str(restart)})).pid
+            running[:] = [pid]
+            code = _status(_wait(pid, stopping))
+            running.clear()
+            if code == EXIT_PREEMPTED:
+                _say("the job stopped on a notice of preemption, its checkpoint handled; no restart here")
+                return code
             if code == 0 or stopping or restart == max_restarts:
                 if code and not stopping and max_restarts:
                     _say(f"the job ended ({_how_it_ended(code)}) after {max_restarts} restart(s); giving up")
