@@ -22,6 +22,7 @@ from layerckpt.config import Config
 from layerckpt.errors import CheckpointError, ConfigError
 from layerckpt.interop import peft_extra
 from layerckpt.metrics import SaveMetrics
+from layerckpt.preempt import signal_names
 
 from ._state import EXTRA_KEY, LOADED_KEY, from_plain, remote_holds_checkpoint, to_extra
 from .checkpoint_io import LayerCheckpointIO
@@ -327,12 +328,23 @@ class LayerCheckpoint(ModelCheckpoint):
         self._interval, self._step_seen = SelectionLoss(), trainer.global_step  # this fit's steps alone
         if self._ckpt is None:
             self._checkpointer(trainer)
+            self._take_early_notice(trainer)
             if self.restored is not None and os.path.dirname(os.path.dirname(self.restored["manifest"])) == \
                     self._ckpt.dirpath:
                 self._ckpt.adopt(self.restored["manifest"])  # resumed from this store: stay selective
         loaded, self._pending_rng = self._pending_rng, None
         if loaded is not None:  # Lightning keeps no RNG state; put back each rank's own, as at the save
             loaded.restore_rng()
+
+    def _take_early_notice(self, trainer: Any) -> None:
+        """A SIGTERM that came after Lightning installed its handler and before ours (the restore, the fit's
+        setup) is ours to act on: told to the Checkpointer, and Lightning's flag cleared (else its
+        SIGTERMException would end the fit unsaved at the first batch)."""
+        connector = getattr(trainer, "_signal_connector", None)
+        if getattr(connector, "received_sigterm", False) and \
+                "SIGTERM" in (signal_names(with_preemption(self.layer_config).preemption) or ()):
+            self._ckpt.preempt()
+            connector.received_sigterm = False
 
     def _checkpointer(self, trainer: Any) -> "layerckpt.Checkpointer":
         """This fit's Checkpointer (created on every rank at once: construction is collective)."""

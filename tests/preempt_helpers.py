@@ -11,7 +11,8 @@ at each step; Lightning runs LayerCheckpoint at its defaults but ``full=True`` (
 Each rank writes ROOT/MODE.rank<r>.json last: the step it stopped at, the step it resumed from, its exit status to
 be, and ROOT/MODE.rank<r>.pt: its final weights and optimizer state.  Options: ``signal_rank`` (default: the last
 rank), ``grace_s``, ``fault`` (a fault point at which the notice is sent instead, from the flusher thread),
-``remote`` (a remote tier URL).
+``remote`` (a remote tier URL); Lightning: ``devices``, ``early`` (the notice at the fit's start, before
+LayerCheckpoint's handler is installed).
 """
 from __future__ import annotations
 
@@ -108,8 +109,12 @@ def lightning(root: str, mode: str, opts: Dict[str, str]) -> int:
     devices = int(opts.get("devices", "1"))
 
     class SignalAt(L.Callback):
+        def on_train_start(self, trainer, pl_module):  # before LayerCheckpoint's: Lightning's handler gets it
+            if mode == "notice" and opts.get("early") and trainer.global_rank == int(opts.get("signal_rank", 0)):
+                _notice()
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if mode == "notice" and trainer.global_step == SIGNAL_AT and \
+            if mode == "notice" and not opts.get("early") and trainer.global_step == SIGNAL_AT and \
                     trainer.global_rank == int(opts.get("signal_rank", devices - 1)):
                 _notice()
 
