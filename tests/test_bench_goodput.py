@@ -109,7 +109,8 @@ def test_each_plain_contender_resumes_after_losing_the_node(kind, tmp_path, monk
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--failure", "disk"], "--failure disk: give crash, node or crash,node"),
+    (["--failure", "disk"], "--failure disk: give crash, node and/or preempt"),
+    (["--grace", "soon"], "--grace='soon' is not a duration"),
     (["--cadences", "5,0"], "--cadences 5,0: give distinct whole numbers"),
     (["--mtbf", "soon"], "--mtbf='soon' is not a duration"),
     (["--reps", "2"], "--reps does not apply to bench --goodput"),

@@ -7,13 +7,18 @@ the contender's run began) and starts it again at once, as torchrun's ``--max-re
 would, until the job has done its steps.  With ``restarts="standby"`` every attempt is instead a fork of one
 ``layerckpt launch`` process that has imported what the job imports (``layerckpt.launch``): the same kills,
 the restarts without their interpreters' start (for the crash kind: a node loss takes the standby with it).
-Two kinds of failure:
+Three kinds of failure:
 
 * ``crash``: the process dies; its local files and ``/dev/shm`` stay;
 * ``node``: the machine is lost: after the kill the supervisor deletes the contender's local store and its
   memory tier; layerckpt restores from its ``file://`` remote tier.  torch.save, ``dcp.async_save`` and
   ModelCheckpoint write straight into that surviving folder (on the same disk, so a node loss costs them no
-  more than a crash: a real remote would slow each of their saves instead).
+  more than a crash: a real remote would slow each of their saves instead);
+* ``preempt``: a notice, then the kill: at the failure time the supervisor sends SIGTERM, and SIGKILLs the
+  process ``grace`` seconds later if it is still there; the job starts again once the process is gone (an exit
+  on the notice, status 0 or ``layerckpt.EXIT_PREEMPTED``, or the kill), its local files and ``/dev/shm`` kept as
+  after a crash.  Each contender handles the notice as its users would (``goodput_child``).  The standby
+  restarts are not run under it: the notice says the machine is going away, and its standby with it.
 
 Contenders, on the same failure times: in the plain loop torch.save, ``dcp.async_save`` and layerckpt's
 ``Checkpointer`` (default Config with the memory tier and the remote tier), each every N steps for each of
@@ -35,7 +40,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .goodput_account import account, figures, read_progress
 from .goodput_report import OURS, format_table
@@ -43,6 +48,13 @@ from .machine import machine
 BATCH, LR = 2, 3e-4
 THREADS = 1  # torch's threads in the job: the rest of the cores are the savers' (and the machine's other users')
 MAX_ATTEMPTS = 200  # a job that cannot get through its start between failures would never end
+#: seconds from the notice (SIGTERM) to the SIGKILL under the preempt kind (``--grace``).  SIGTERM's convention is
+#: 30 s (Kubernetes, Google Cloud's spot VMs), a few saves of a job whose save takes seconds; gpt2-mini saves in
+#: 1-3 s on 2 cores (ModelCheckpoint writes two files on the exception), so 10 s keeps the grace a few saves long
+GRACE_S = 10.0
+#: the exit statuses of a process that handled a notice: 0 (a script's own handler; Lightning's SIGTERMException)
+#: and layerckpt.EXIT_PREEMPTED
+HANDLED = (0, 75)
 #: how each attempt after a kill starts: a new interpreter (as torchrun restarts), or a fork of a launcher that has
 #: imported the job's modules (``layerckpt launch``)
 RESTARTS = ("fresh", "standby")
@@ -92,13 +104,18 @@ def model_config(size: str) -> Dict[str, Any]:
 
 def supervise(c: Contender, spec: Dict[str, Any], work: str, steps: int, failures: Optional[Failures],
               node_loss: bool, restarts: str = "fresh") -> List[Dict[str, Any]]:
-    """Run ``c``'s job until it has done ``steps`` steps, killing it at each failure time; its attempts."""
+    """Run ``c``'s job until it has done ``steps`` steps, killing it at each failure time; its attempts.  With
+    ``spec["grace"]`` (the preempt kind) each failure is a notice, SIGTERM, and a SIGKILL that many seconds later
+    where the process is still there; an attempt ended so holds ``notice`` (the SIGTERM's time) and ``exit`` (its
+    status: 0 or 75 where it handled the notice, -15 where it had no handler yet, -9 for the SIGKILL)."""
     dirs = {k: os.path.join(work, k) for k in ("node", "remote", "progress")}
     shm = tempfile.mkdtemp(prefix="layerckpt-bench-goodput-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     os.makedirs(dirs["progress"])
     env = dict(os.environ, LAYERCKPT_SHM=shm)
     spec = {**spec, "kind": c.name, "loop": c.loop, "every": c.every, "node": dirs["node"], "remote": dirs["remote"]}
     if restarts == "standby":
+        if spec.get("grace") is not None:
+            raise ValueError("the preempt kind runs with fresh restarts only: its notice takes the standby too")
         try:
             return _supervise_standby(c, spec, dirs, env, steps, failures, node_loss, shm)
         finally:
@@ -120,18 +137,24 @@ def supervise(c: Contender, spec: Dict[str, Any], work: str, steps: int, failure
                 proc = subprocess.Popen([sys.executable, "-m", "layerckpt.bench.goodput", "--child", child],
                                         stdout=out, stderr=subprocess.STDOUT, env=env)
                 due = t0 + failures.at(k) if failures else None
-                killed = _wait_or_kill(proc, due)
+                if spec.get("grace") is None:
+                    notice, killed = None, _wait_or_kill(proc, due)
+                else:
+                    notice, killed = _wait_or_preempt(proc, due, spec["grace"])
             events = read_progress(path)
             finished = any(e["e"] == "step" and e["s"] == steps for e in events)
             attempts.append({"spawned": spawned, "killed": None if finished else killed, "events": events,
                              "failure_s": None if finished or killed is None else failures.at(k)})
+            if notice is not None and not finished:
+                attempts[-1].update(notice=notice, exit=proc.returncode)
             if finished:
                 return attempts
-            if killed is None:
+            if killed is None or (notice is not None and proc.returncode not in HANDLED + (-signal.SIGTERM,
+                                                                                           -signal.SIGKILL)):
                 with open(log, encoding="utf-8", errors="replace") as f:
                     tail = f.read()[-3000:]
                 raise RuntimeError(f"{c.label}: attempt {n} exited with status {proc.returncode} before step "
-                                   f"{steps}:\n{tail}")
+                                   f"{steps}{' on the notice' if notice is not None else ''}:\n{tail}")
             k += 1
             if node_loss:  # the machine is gone: its disk and its shared memory with it
                 shutil.rmtree(dirs["node"], ignore_errors=True)
@@ -278,6 +301,27 @@ def _wait_or_kill(proc: subprocess.Popen, due: Optional[float]) -> Optional[floa
     return None
 
 
+def _wait_or_preempt(proc: subprocess.Popen, due: Optional[float], grace: float) -> Tuple[Optional[float],
+                                                                                         Optional[float]]:
+    """Wait for ``proc`` to exit; at ``due`` send it SIGTERM, the notice, and SIGKILL it ``grace`` seconds later
+    where it is still there: the notice's time and when the process was gone, or (None, None) where it exited
+    before the notice."""
+    notice = None
+    while proc.poll() is None:
+        now = time.time()
+        if notice is None and due is not None and now >= due:
+            os.kill(proc.pid, signal.SIGTERM)
+            notice = time.time()
+        elif notice is not None and now >= notice + grace:
+            os.kill(proc.pid, signal.SIGKILL)
+            killed = time.time()
+            proc.wait()
+            return notice, killed
+        wake = notice + grace if notice is not None else due
+        time.sleep(0.005 if notice is not None else 0.01 if wake is None else min(0.01, max(0.0, wake - now)))
+    return notice, (time.time() if notice is not None else None)
+
+
 def _summary(attempts: List[Dict[str, Any]], t0: float) -> List[Dict[str, Any]]:
     """Each attempt's marks in seconds since the run began (None where the process did not get there)."""
     def at(ev, kind):
@@ -288,7 +332,8 @@ def _summary(attempts: List[Dict[str, Any]], t0: float) -> List[Dict[str, Any]]:
              "resumed_at": next((e["step"] for e in a["events"] if e["e"] == "restored"), None),
              "last_step": max((e["s"] for e in a["events"] if e["e"] == "step"), default=None),
              "last_save": max((e["s"] for e in a["events"] if e["e"] == "save"), default=None),
-             "killed_s": None if a["killed"] is None else round(a["killed"] - t0, 3), "failure_s": a["failure_s"]}
+             "killed_s": None if a["killed"] is None else round(a["killed"] - t0, 3), "failure_s": a["failure_s"],
+             **({} if a.get("notice") is None else {"notice_s": round(a["notice"] - t0, 3), "exit": a["exit"]})}
             for a in attempts]
 
 
@@ -313,7 +358,7 @@ def _one(c: Contender, spec: Dict[str, Any], root: str, steps: int, base: Option
 
 def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("crash", "node"), seed: int = 0,
         cadences=(10, 25, 50), dirpath: Optional[str] = None, say=lambda line: None,
-        restarts=("fresh",)) -> Dict[str, Any]:
+        restarts=("fresh",), grace: float = GRACE_S) -> Dict[str, Any]:
     cfg = model_config(size)
     spec = {"model": cfg, "steps": steps, "batch": BATCH, "lr": LR, "seed": seed, "mtbf": None,
             "threads": THREADS}
@@ -322,6 +367,8 @@ def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("c
                            "batch": BATCH, "seq": 32, "threads": THREADS, "mtbf_s": mtbf, "seed": seed,
                            "cadences": list(cadences), "kinds": list(kinds), "restarts": list(restarts), "free": {},
                            "runs": {}}
+    if "preempt" in kinds:
+        res["grace_s"] = grace
     if dirpath:
         os.makedirs(dirpath, exist_ok=True)
     root = tempfile.mkdtemp(prefix="layerckpt-bench-goodput-", dir=dirpath)
@@ -335,14 +382,15 @@ def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("c
         for kind in kinds:
             res["runs"][kind] = rows = []
             for mode, c in ((m, c) for m in restarts for c in contenders(list(cadences))):
-                if mode == "standby" and kind == "node":  # a standby on the lost node is lost with it
+                if mode == "standby" and kind != "crash":  # a standby on the lost (or going) node goes with it
                     continue
-                if (c, mode) in ran:  # its files are in the surviving folder: a node loss is a crash to it, run once
-                    rows.append(ran[(c, mode)])
+                if kind != "preempt" and (c, mode) in ran:  # its files are in the surviving folder: a node loss is
+                    rows.append(ran[(c, mode)])  # a crash to it, run once
                     continue
                 free = res["free"][c.loop]
                 try:
-                    r = _one(c, {**spec, "mtbf": mtbf if c.mtbf else None}, root, steps, free["base_step_s"],
+                    r = _one(c, {**spec, "mtbf": mtbf if c.mtbf else None,
+                                 "grace": grace if kind == "preempt" else None}, root, steps, free["base_step_s"],
                              failures, kind == "node", mode)
                 except Exception as e:  # a contender that cannot finish: its row says why, the others still run
                     rows.append(failed_row(c, mode, kind, e))
@@ -352,11 +400,12 @@ def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("c
                 figures(r, free, mtbf)
                 r["ran_under"] = kind
                 rows.append(r)
-                if c.name not in OURS:
+                if c.name not in OURS and kind != "preempt":
                     ran[(c, mode)] = r
                 say(f"goodput: {kind}: {c.label}{f' every {c.every}' if c.every else ''}"
-                    f"{', standby restarts' if mode == 'standby' else ''}: {r['kills']} kill(s), "
-                    f"{steps} steps in {r['wall_s']:.1f} s, goodput {r['goodput'] * 100:.1f}%")
+                    f"{', standby restarts' if mode == 'standby' else ''}: {r['kills']} "
+                    f"{'notice(s)' if kind == 'preempt' else 'kill(s)'}, {steps} steps in {r['wall_s']:.1f} s, "
+                    f"goodput {r['goodput'] * 100:.1f}%, {r['redone_steps']} step(s) redone")
         res["failure_times_s"] = failures.times
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -389,7 +438,7 @@ def main(args) -> int:
 
     restarts = [m.strip() for m in args.restarts.split(",") if m.strip()]
     res = run(args.size, args.goodput_steps, parse_duration(args.mtbf, "--mtbf"), kinds, args.seed, cadences,
-              args.dir, say, restarts)
+              args.dir, say, restarts, parse_duration(args.grace, "--grace"))
     print(json.dumps(res) if args.json else format_table(res), flush=True)
     return 0
 

@@ -11,6 +11,11 @@ bucket, so the buckets sum to it:
 * ``redone``: the median step for every step done again after a restart, and the work in flight at a kill;
 * ``restart``: from a kill to the next spawn (the supervisor reaps the process, wipes the node's stores).
 
+A process that got a notice (the preempt kind: the attempt holds ``notice``) ends with its exit or the SIGKILL
+after the grace.  From its last step to that end it saved that step, where the next process resumed from it:
+that time is ``checkpoint`` (the save on the notice, its wait and the exit; counted as a save where the process
+recorded none at that step), else ``redone`` as at a kill.  ``redone_steps`` counts the steps done again.
+
 ``restore`` is imports + setup + load + warmup: a process's spawn to its first step done.
 """
 from __future__ import annotations
@@ -58,7 +63,7 @@ def account(attempts: List[Dict[str, Any]], steps: int, base_s: float) -> Dict[s
     losses: Dict[int, float] = {}  # step -> its loss on the path that reached the end (a redone step's last)
     first_start: Optional[float] = None
     prev_end: Optional[float] = None
-    for a in attempts:
+    for i, a in enumerate(attempts):
         ev = a["events"]
         end = a["killed"]
         if end is None:  # the last process: its run ends with the last step
@@ -70,7 +75,7 @@ def account(attempts: List[Dict[str, Any]], steps: int, base_s: float) -> Dict[s
             mark = next((e["t"] for e in ev if e["e"] == kind), end)
             b[part] += min(mark, end) - t
             t = min(mark, end)
-        first = True
+        first, last = True, None
         for e in ev:
             if e["t"] > end:
                 break
@@ -83,19 +88,28 @@ def account(attempts: List[Dict[str, Any]], steps: int, base_s: float) -> Dict[s
             b["warmup" if first else "checkpoint"] += (e["t"] - t) - base_s
             done.add(e["s"])
             losses[e["s"]] = e["loss"]
-            first, t = False, e["t"]
+            first, t, last = False, e["t"], e["s"]
             if e["s"] == steps:
                 final_loss = e["loss"]
         if a["killed"] is not None and any(e["e"] == "restored" for e in ev):
-            b["redone"] += end - t  # the step (or save) in flight at the kill
+            kept = a.get("notice") is not None and last is not None and _resumed(attempts[i + 1:]) == last
+            b["checkpoint" if kept else "redone"] += end - t  # the step (or save) in flight at the kill
+            if kept and not any(e["e"] == "save" and e["s"] == last and e["t"] <= end for e in ev):
+                saves += 1  # saved on the notice by a process that does not say so (layerckpt's ck.preempted)
         if prev_end is None and not first:  # the first process reached a step: its start, whole
             first_start = sum(b[p] for p in RESTORE)
         prev_end = end
     wall = prev_end - attempts[0]["spawned"]
     return {"buckets": b, "wall_s": wall, "steps_done": len(done), "executed": executed, "saves": saves,
+            "redone_steps": executed - len(done), "notices": sum(a.get("notice") is not None for a in attempts),
             "final_loss": final_loss, "tail_loss": tail_loss(losses, steps), "first_start_s": first_start,
             "kills": sum(a["killed"] is not None for a in attempts),
             "resumed_at": [next((e["step"] for e in a["events"] if e["e"] == "restored"), None) for a in attempts]}
+
+
+def _resumed(later: List[Dict[str, Any]]) -> Optional[int]:
+    """The step the first of ``later`` attempts that restored resumed at."""
+    return next((e["step"] for a in later for e in a["events"] if e["e"] == "restored"), None)
 
 
 def _noise(free: Dict[str, Any]) -> float:

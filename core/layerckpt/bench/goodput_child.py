@@ -9,6 +9,14 @@ nothing written; the supervisor reads what is there): ``imports`` (everything th
 (one per optimizer step: steps done and the loss) and ``save`` (a checkpoint taken at that step), each with
 its wall-clock time.  The process start is the supervisor's spawn time.
 
+Under the preemption kind (the spec's ``grace``: seconds from the notice, SIGTERM, to the SIGKILL) each contender
+handles the notice as its users would: layerckpt's plain loop with ``Config(preemption=True, grace_s=grace)`` and
+``ck.preempted(step)`` after each step, exiting with ``layerckpt.EXIT_PREEMPTED``; LayerCheckpoint at its
+default (SIGTERM saved on) with ``grace_s``, the script exiting with ``EXIT_PREEMPTED`` where it stopped on a
+notice; ModelCheckpoint with Lightning's own handling (its SIGTERM handler, ``SIGTERMException`` at the batch end)
+and ``save_on_exception=True``; torch.save and ``dcp.async_save`` with a handler written by hand: SIGTERM sets a
+flag, checked after each step: that step saved where it was not, the save waited for, exit 0.
+
 Where each contender's files live: layerckpt writes its local store in ``node`` (lost with the node; its
 memory tier in ``LAYERCKPT_SHM``, lost too) and copies to a ``file://`` remote tier in ``remote``;
 torch.save, ``dcp.async_save`` and ModelCheckpoint write straight into ``remote``, which survives a node loss.
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -104,13 +113,21 @@ def _plain(spec: Dict[str, Any], progress: Progress) -> None:
         progress.event("step", s=step + 1, loss=value)
         if step + 1 < spec["steps"] and saver.after_step(step + 1, value):
             progress.event("save", s=step + 1)
+        stop = saver.preempted(step + 1) if step + 1 < spec["steps"] else None  # the last step: the job is done
+        if stop is not None:
+            if stop:
+                progress.event("save", s=step + 1)
+            raise SystemExit(saver.exit_status)
     saver.close()
 
 
 class NoSaver:
+    exit_status = 0  # on a notice handled
+
     def __init__(self, spec: Dict[str, Any], model, opt):
         self.spec, self.model, self.opt = spec, model, opt
         self.every = spec.get("every")
+        self.last: Optional[int] = None  # the step of the last save made
 
     def restore(self) -> int:
         return 0
@@ -119,13 +136,49 @@ class NoSaver:
         return bool(self.every) and step % self.every == 0
 
     def after_step(self, step: int, loss: float) -> bool:
-        return False
+        if not self.due(step):
+            return False
+        self.save(step)
+        self.last = step
+        return True
+
+    def save(self, step: int) -> None:
+        pass
+
+    def preempted(self, step: int) -> Optional[bool]:
+        """At a step boundary: None where no notice came; else the notice is handled (the loop then exits with
+        ``exit_status``): whether this step was saved on it."""
+        return None
 
     def close(self) -> None:
         pass
 
 
-class TorchSaver(NoSaver):
+class ByHand(NoSaver):
+    """A notice handled as a user of torch.save or DCP writes it (the preemption kind only): a SIGTERM handler that
+    sets a flag, checked after each step; on it, the step saved where it was not yet, the save waited for, exit 0."""
+
+    def __init__(self, spec: Dict[str, Any], model, opt):
+        super().__init__(spec, model, opt)
+        self.notice = False
+        if spec.get("grace") is not None:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.notice = True
+
+    def preempted(self, step: int) -> Optional[bool]:
+        if not self.notice:
+            return None
+        fresh = self.last != step
+        if fresh:
+            self.save(step)
+            self.last = step
+        self.close()
+        return fresh
+
+
+class TorchSaver(ByHand):
     """``torch.save`` of the model's and optimizer's state dicts into one file, replaced whole (written beside
     it, then renamed: a kill midway leaves the previous one), not fsynced (as ModelCheckpoint)."""
 
@@ -144,18 +197,15 @@ class TorchSaver(NoSaver):
         self.opt.load_state_dict(sd["optimizer"])
         return int(sd["step"])
 
-    def after_step(self, step: int, loss: float) -> bool:
+    def save(self, step: int) -> None:
         import torch
 
-        if not self.due(step):
-            return False
         tmp = self.path + ".tmp"
         torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": step}, tmp)
         os.replace(tmp, self.path)
-        return True
 
 
-class DcpSaver(NoSaver):
+class DcpSaver(ByHand):
     """``dcp.async_save`` of ``get_state_dict(model, opt)`` into a folder per step; one save in flight (the
     previous one's future is waited for first, as DCP asks); a folder is complete once DCP wrote its
     ``.metadata``; older complete folders are removed once a newer one is."""
@@ -183,21 +233,18 @@ class DcpSaver(NoSaver):
         set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         return int(done[0].split("-")[1])
 
-    def after_step(self, step: int, loss: float) -> bool:
+    def save(self, step: int) -> None:
         import shutil
 
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        if not self.due(step):
-            return False
         self._wait()
         for old in self._complete()[1:]:
             shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
         msd, osd = get_state_dict(self.model, self.opt)
         self.future = dcp.async_save({"model": msd, "optim": osd},
                                      checkpoint_id=os.path.join(self.root, f"step-{step:08d}"))
-        return True
 
     def _wait(self) -> None:
         if self.future is not None:
@@ -211,14 +258,18 @@ class DcpSaver(NoSaver):
 class LayerSaver(NoSaver):
     """layerckpt's ``Checkpointer``, the default Config with the memory tier and a ``file://`` remote tier, every
     ``every`` steps or where ``layerckpt.Interval(mtbf)`` says; the restore reads the freshest of the local
-    store, the memory tier and the remote (after a node loss: the remote)."""
+    store, the memory tier and the remote (after a node loss: the remote).  Under the preemption kind: SIGTERM a
+    notice of ``grace`` seconds (``Config.preemption``, ``grace_s``), asked at each step (``ck.preempted``)."""
 
     def __init__(self, spec, model, opt):
         import layerckpt
 
         super().__init__(spec, model, opt)
         self.node = os.path.join(spec["node"], "layerckpt")
-        self.config = layerckpt.Config(memory_tier=True, remote="file://" + os.path.abspath(spec["remote"]))
+        notice = {} if spec.get("grace") is None else {"preemption": True, "grace_s": spec["grace"]}
+        self.config = layerckpt.Config(memory_tier=True, remote="file://" + os.path.abspath(spec["remote"]),
+                                       **notice)
+        self.exit_status = layerckpt.EXIT_PREEMPTED
         self.interval = layerckpt.Interval(spec["mtbf"]) if spec.get("mtbf") else None
         self.ck: Optional[Any] = None
 
@@ -239,11 +290,20 @@ class LayerSaver(NoSaver):
             if not self.interval.due(step):
                 return False
             self.interval.saved(self.ck.save(step, loss=loss))
+            self.last = step
             return True
         if not self.due(step):
             return False
         self.ck.save(step, loss=loss)
+        self.last = step
         return True
+
+    def preempted(self, step: int) -> Optional[bool]:
+        from layerckpt import store
+
+        if not self.ck.preempted(step):
+            return None
+        return self.last != step and os.path.exists(store.manifest_path(self.node, step))
 
     def close(self) -> None:
         if self.ck is not None:
@@ -293,20 +353,29 @@ def _lightning(spec: Dict[str, Any], progress: Progress) -> None:
                         num_sanity_val_steps=0, enable_checkpointing=len(callbacks) > 1, callbacks=callbacks,
                         default_root_dir=spec["node"])
     trainer.fit(Job(), ckpt_path="last" if len(callbacks) > 1 else None)
+    if any(getattr(c, "preempted", False) for c in callbacks):  # LayerCheckpoint stopped the fit on a notice
+        import layerckpt
+
+        raise SystemExit(layerckpt.EXIT_PREEMPTED)
 
 
 def _lightning_checkpoint(spec: Dict[str, Any]) -> list:
     """The contender's checkpoint callback: ModelCheckpoint's cheapest resumable form (one ``last.ckpt``,
-    replaced whole at each save), or LayerCheckpoint with both tiers."""
+    replaced whole at each save), or LayerCheckpoint with both tiers.  Under the preemption kind ModelCheckpoint
+    also saves on the exception Lightning's SIGTERM handler raises (``save_on_exception``), and LayerCheckpoint,
+    which saves on SIGTERM by default, is told the grace (``grace_s``)."""
+    notice = spec.get("grace") is not None
     if spec["kind"] == "ModelCheckpoint":
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         return [ModelCheckpoint(dirpath=spec["remote"], every_n_train_steps=spec["every"], save_top_k=0,
-                                save_last=True, enable_version_counter=False)]
+                                save_last=True, enable_version_counter=False, save_on_exception=notice)]
     if spec["kind"] == "LayerCheckpoint":
         from lightning_layerckpt import LayerCheckpoint
 
         trigger = {"mtbf": spec["mtbf"]} if spec.get("mtbf") else {"every_n_train_steps": spec["every"]}
+        if notice:
+            trigger["grace_s"] = spec["grace"]
         return [LayerCheckpoint(dirpath=os.path.join(spec["node"], "layerckpt"), memory_tier=True,
                                 remote="file://" + os.path.abspath(spec["remote"]), **trigger)]
     return []

@@ -9,10 +9,20 @@ from .goodput_account import PARTS, TAIL, optimum, save_noise_s, step_spread, wi
 # the issue's targets: layerckpt's lost time against the contenders' at their best cadence, its final loss
 # against theirs, its goodput against the optimum its own measured costs allow
 LOST_VS = {"plain": ("dcp.async_save", 1 / 2), "lightning": ("ModelCheckpoint", 1 / 3)}
+#: where a failure kind's target differs: under a notice, LayerCheckpoint's lost time against ModelCheckpoint's
+LOST_VS_KIND = {"preempt": {"lightning": ("ModelCheckpoint", 1 / 4)}}
 LOSS_REL, OPTIMUM_POINTS = 0.005, 2.0
 OURS = ("layerckpt", "LayerCheckpoint")
 KINDS = {"crash": "SIGKILL; the local store and the memory tier survive",
-         "node": "SIGKILL, then the local store and /dev/shm are deleted; layerckpt restores from its file:// remote"}
+         "node": "SIGKILL, then the local store and /dev/shm are deleted; layerckpt restores from its file:// remote",
+         "preempt": "a notice, SIGTERM, then SIGKILL {grace:g} s later where the process is still there; a restart "
+                    "once it is gone; the local store and the memory tier survive"}
+#: how each contender handles the notice (the preempt kind)
+NOTICES = ("layerckpt: Config(preemption=True, grace_s) and ck.preempted(step) after each step, exit 75; "
+           "LayerCheckpoint: its default (SIGTERM), grace_s; ModelCheckpoint: Lightning's SIGTERM handling "
+           "(SIGTERMException at the batch end) with save_on_exception=True; torch.save and dcp.async_save: a handler "
+           "written by hand (a flag set on SIGTERM, checked after each step: the step saved, the save waited for, "
+           "exit 0)")
 LOOPS = {"plain": "plain loop", "lightning": "Lightning Trainer"}
 HEADS = {"checkpoint": "ckpt"}
 RESTARTS = {"fresh": "restarts in a new interpreter",
@@ -48,6 +58,8 @@ def _head(res: Dict[str, Any]) -> List[str]:
                      f"{res['steps']} steps in {f['wall_s']:.1f} s (imports {b['imports']:.1f} s, "
                      f"setup {b['setup']:.1f} s, first step {b['warmup'] + f['base_step_s']:.2f} s), "
                      f"goodput {f['goodput'] * 100:.1f}%")
+    if "preempt" in res["runs"]:
+        lines.append(f"preempt: the notice handled as each contender's users would: {NOTICES}")
     lines += ["goodput: compute / wall; lost: wall beyond the failure-free run's, less imports and restarts "
               "(checkpoints, setups and loads, warm-ups, redone work); C: a save's cost to training (blocking and "
               "slower steps); ~0+-x: a C measured below zero, within the noise (x: the steps' spread between runs, "
@@ -125,8 +137,8 @@ def format_table(res: Dict[str, Any]) -> str:
     spread = spreads(res)
     for kind, rows in res["runs"].items():
         best = {id(r) for r in _best(rows).values()}
-        lines += ["", f"{kind}: {_kind(kind)}; goodput and optimum in %, the buckets in s (they sum to the wall time)",
-                  cols]
+        lines += ["", f"{kind}: {_kind(kind, res)}; goodput and optimum in %, the buckets in s (they sum to the wall "
+                      f"time)", cols]
         modes = res.get("restarts", ["fresh"])
         for loop in LOOPS:
             for mode in modes:
@@ -137,12 +149,25 @@ def format_table(res: Dict[str, Any]) -> str:
         if shared:
             lines.append(f"  ^ the {' and '.join(shared)} run's row: its files survive a node loss, which is a crash "
                          f"to it, so it ran once")
+        if kind == "preempt":
+            lines += _redone(rows)
         lines += targets(kind, rows, res["free"], spread)
     return "\n".join(lines)
 
 
-def _kind(kind: str) -> str:
-    return KINDS.get(kind, kind)
+def _kind(kind: str, res: Optional[Dict[str, Any]] = None) -> str:
+    return KINDS.get(kind, kind).format(grace=(res or {}).get("grace_s", 0.0))
+
+
+def _redone(rows: List[Dict[str, Any]]) -> List[str]:
+    """Each contender's steps done again under the notices, per loop."""
+    out = []
+    for loop in LOOPS:
+        mine = [r for r in _ran(rows) if r["loop"] == loop]
+        if mine:
+            out.append(f"  steps redone, {LOOPS[loop]}: " + ", ".join(
+                f"{r['name']} {'mtbf' if r['mtbf'] else r['every']}: {r['redone_steps']}" for r in mine))
+    return out
 
 
 def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any],
@@ -157,7 +182,9 @@ def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any],
       is above that spread;
     * the loss: layerckpt's rows within the target of every other row's and the failure-free run's, above or below;
     * goodput: within the target of the optimum, below or above it (above: the optimum's model of the costs is
-      off); not judged where C is within noise (no optimum)."""
+      off); not judged where C is within noise (no optimum);
+    * under a notice (the preempt kind): no step of layerckpt's redone and no time lost to redone work, each row;
+      the lost time against ModelCheckpoint's under Lightning is :data:`LOST_VS_KIND`'s."""
     best = _best(rows)
     if spread is None:
         spread = {loop: step_spread([r for r in _ran(rows) if r["loop"] == loop], f) for loop, f in free.items()}
@@ -165,7 +192,14 @@ def targets(kind: str, rows: List[Dict[str, Any]], free: Dict[str, Any],
     out += [f"  {r['name']} {'mtbf=' if r['mtbf'] else 'every ' + str(r['every'])} ({LOOPS[r['loop']]}): its run "
             f"FAILED, so no target holds for it: {_why(r)}" for r in rows if r.get("failed") and r["name"] in OURS]
     rows = _ran(rows)
-    for (loop, (them, most)), mode in ((x, m) for x in LOST_VS.items() for m in sorted({_mode(r) for r in rows})):
+    if kind == "preempt":
+        for r in (x for x in rows if x["name"] in OURS):
+            redone = r["buckets"]["redone"]
+            out.append(f"  redone: {r['name']} {'mtbf=' if r['mtbf'] else 'every ' + str(r['every'])} "
+                       f"({LOOPS[r['loop']]}): {r['redone_steps']} step(s), {redone:.1f} s over {r['kills']} "
+                       f"notice(s) (target 0): {'met' if r['redone_steps'] == 0 and redone == 0 else 'not met'}")
+    lost_vs = {**LOST_VS, **LOST_VS_KIND.get(kind, {})}
+    for (loop, (them, most)), mode in ((x, m) for x in lost_vs.items() for m in sorted({_mode(r) for r in rows})):
         tail = "" if mode == "fresh" else f":{mode}"
         theirs = best.get(f"{loop}:{them}{tail}")
         for r in (x for x in rows if x["loop"] == loop and x["name"] in OURS and _mode(x) == mode and (
@@ -262,13 +296,14 @@ def format_summary(res: Dict[str, Any]) -> str:
                  "failure-free run's, less imports and restarts, = ckpt (steps slowed or blocked by saves) + start "
                  "(setups, loads, first steps) + redone (work done again); optimum: goodput at the Young/Daly "
                  "interval sqrt(2 C MTBF) of the save cost C (s); ~0+-x: C below zero, noise (x: the steps' spread "
-                 f"a save), no optimum; Y/D n: it in steps; loss: mean of the last {TAIL} steps",
+                 f"a save), no optimum; Y/D n: it in steps; loss: mean of the last {TAIL} steps"
+                 + (f"; preempt: {NOTICES}" if "preempt" in res["runs"] else ""),
                  116, break_on_hyphens=False)]
     spread = spreads(res)
     cols = (f"    {'contender':<16}{'every':>6}{'goodput':>9}{'optimum':>9}{'lost s':>8}{'ckpt':>7}{'start':>7}"
             f"{'redone':>7}{'kills':>6}{'C s':>9}{'Y/D n':>6}{'loss':>8}")
     for kind, rows in res["runs"].items():
-        lines += ["", f"{kind}: {_kind(kind)}", cols]
+        lines += ["", f"{kind}: {_kind(kind, res)}", cols]
         modes = res.get("restarts", ["fresh"])
         for loop in LOOPS:
             free = res["free"][loop]
@@ -291,5 +326,7 @@ def format_summary(res: Dict[str, Any]) -> str:
                         f"{_num(r.get('tail_loss') or r['final_loss'], '.4f', 8)}")
         if any(r.get("ran_under", kind) != kind for r in rows):
             lines.append("    ^ ran once, in the crash kind: its files survive a node loss")
+        if kind == "preempt":
+            lines += ["  " + t for t in _redone(rows)]
         lines += ["  " + t for t in targets(kind, rows, res["free"], spread)]
     return "\n".join(lines)

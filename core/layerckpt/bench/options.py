@@ -26,7 +26,7 @@ USES: Dict[str, Tuple[str, ...]] = {
     "restore": ("sizes", "cache", "reps"),
     "steps": ("size", "steps_n", "steps_every", "steps_rounds"),
     "cpu": ("cpu_models", "cpu_saves"),
-    "goodput": ("size", "mtbf", "goodput_steps", "failure", "seed", "cadences", "restarts"),
+    "goodput": ("size", "mtbf", "goodput_steps", "failure", "seed", "cadences", "restarts", "grace"),
     "lossy": ("workloads",),
     "nodes": ("size", "reps", "nproc", "steps_n", "steps_every", "steps_rounds"),
 }
@@ -36,7 +36,7 @@ DEFAULTS = {"preset": "gpt2-small", "reps": 3, "size": "gpt2-small", "nproc": 2,
             "steps_rounds": 2,
             "sizes": "10MB,50MB,200MB,gpt2-small", "cache": "warm,files,cold", "cpu_models": "main,gpt2-small",
             "mtbf": "60", "through": "core", "goodput_steps": 300, "failure": "crash,node", "seed": 0, "cadences": "10,25,50",
-            "restarts": "fresh"}
+            "restarts": "fresh", "grace": "10"}
 #: where a mode's default differs from DEFAULTS'
 MODE_DEFAULTS = {"goodput": {"size": "gpt2-mini"},
                  "nodes": {"size": "gpt2-mini", "nproc": 1, "steps_n": 12, "steps_every": 4, "steps_rounds": 2}}
@@ -137,8 +137,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--mtbf",
                    help="with --goodput: the mean time between failures, seconds or e.g. 90s, 2m (default: 60)")
     a.add_argument("--goodput-steps", type=_positive, help="with --goodput: the job's steps (default: 300)")
-    a.add_argument("--failure", help="with --goodput: comma-separated failure kinds, crash (the process) and/or node "
-                                     "(the local store and /dev/shm lost too) (default: crash,node)")
+    a.add_argument("--failure", help="with --goodput: comma-separated failure kinds, crash (the process), node "
+                                     "(the local store and /dev/shm lost too) and/or preempt (a notice, SIGTERM, then "
+                                     "SIGKILL after --grace) (default: crash,node)")
+    a.add_argument("--grace", help="with --goodput --failure preempt: seconds from the notice to the SIGKILL, or e.g. "
+                                   "30s, 1m (default: 10)")
     a.add_argument("--seed", type=int, help="with --goodput: the seed of the failure times (default: 0)")
     a.add_argument("--cadences", help="with --goodput: comma-separated fixed intervals in steps for the contenders "
                                       "that save every N steps; each one's best is marked (default: 10,25,50)")
@@ -232,9 +235,11 @@ def _check_goodput(args) -> None:
     from ..interval import parse_duration
 
     parse_duration(args.mtbf, "--mtbf")
+    parse_duration(args.grace, "--grace")
     kinds = [k.strip() for k in args.failure.split(",")]
-    if not kinds or any(k not in ("crash", "node") for k in kinds) or len(set(kinds)) < len(kinds):
-        raise CheckpointError(f"--failure {args.failure}: give crash, node or crash,node")
+    if not kinds or any(k not in ("crash", "node", "preempt") for k in kinds) or len(set(kinds)) < len(kinds):
+        raise CheckpointError(f"--failure {args.failure}: give crash, node and/or preempt, comma-separated (e.g. "
+                              f"crash,node)")
     try:
         cadences = [int(x) for x in args.cadences.split(",")]
     except ValueError:
