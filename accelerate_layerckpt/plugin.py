@@ -12,11 +12,12 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
-from layerckpt import Checkpointer, Config, LayerSpec, PendingSave, RestoreReport, restore, store
+from layerckpt import EXIT_PREEMPTED, Checkpointer, Config, LayerSpec, PendingSave, RestoreReport, restore, store
 from layerckpt.adapters import (SelectionLoss, StepCounter, as_config, close_all, close_quietly, default_of, hold,
-                                pair_optimizers)
+                                pair_optimizers, with_preemption)
 from layerckpt.errors import CheckpointError, CheckpointMismatchError, ConfigError
 from layerckpt.metrics import SaveMetrics
+from layerckpt.preempt import Notice, open_notice, wait_until
 
 from . import folders, remote
 
@@ -175,11 +176,24 @@ class LayerCheckpointPlugin:
     folder ``load_state`` asks for (or, with automatic naming, any loadable folder) is missing locally, it
     is fetched from the remote, newest first, and the models restore from the remote tier.  One store per
     remote: save the folders of one run into one parent directory.
+
+    A notice of preemption (``Config.preemption``: SIGTERM unless set otherwise, ``False`` for none; the
+    handlers are installed at :meth:`register`, so a notice before the first ``save_state`` counts too) is
+    agreed on by every rank at an optimizer step (each ``backward`` that syncs gradients is a step's boundary),
+    and acted on where the next step starts: at ``accelerator.accumulate()`` or a prepared model's forward,
+    once the script's bookkeeping of the agreed step (scheduler, counters, its own ``save_state``) is done.
+    There the plugin calls ``save_state()``, as the script would (automatic checkpoint naming gives the folder;
+    without it nothing is saved, and the log says so), unless the script saved that step already or the save
+    cannot be durable before the deadline (``Config.grace_s``; the log says why), waits for the saves in
+    flight, and stops the script: accelerate has no way to break its loop, so the plugin raises
+    ``SystemExit(layerckpt.EXIT_PREEMPTED)`` (75) on every rank at once, ``preempted`` being True.  A restart's
+    ``load_state()`` resumes at the agreed step.  A loop that steps several optimizers one after the other
+    with forwards between them (a GAN) may reach that forward inside its iteration: turn preemption off there.
     """
 
     def __init__(self, config: Optional[Config] = None, *, layers: LayerSpec = None, log_stats: bool = True,
                  wait_below: int = WAIT_BELOW):
-        self.config = as_config(config, env=ENV_CONFIG, only_config=True)
+        self.config = with_preemption(as_config(config, env=ENV_CONFIG, only_config=True))
         refuse_keep_last(self.config)
         if isinstance(wait_below, bool) or not isinstance(wait_below, int) or wait_below < 0:
             raise ConfigError(f"LayerCheckpointPlugin(wait_below={wait_below!r}): a byte count >= 0 "
@@ -205,6 +219,12 @@ class LayerCheckpointPlugin:
         self._pointer: Optional[folders.Pointer] = None
         self._paired: Optional[tuple] = None  # (identity of models and optimizers, their pairing)
         self._target: Optional[Tuple[str, _Store]] = None  # (folder, store) of the save_state in progress
+        #: whether the script was stopped on a notice of preemption (see the class's docstring)
+        self.preempted = False
+        self._notice: Optional[Notice] = None  # from register(), with Config.preemption on
+        self._due: Optional[float] = None  # the deadline of a notice agreed on, acted on at the next step's start
+        self._saved_at = -1  # the optimizer step of the newest save_state
+        self._hooked: Dict[int, Any] = {}  # id of a prepared model -> its forward pre-hook's handle
 
     @classmethod
     def from_yaml(cls, path: Union[str, os.PathLike], **kwargs: Any) -> "LayerCheckpointPlugin":
@@ -249,14 +269,15 @@ class LayerCheckpointPlugin:
         # backward to keep the loss, which sets the scale of layerckpt's selection (Config.fidelity), and
         # clip_grad_norm_ to put it in the unit of the clipped gradients; and end_training to finish every save
         # first, as accelerate's own save_state is done when it returns (the script may then remove
-        # project_dir, and no thread is left behind).
+        # project_dir, and no thread is left behind); accumulate as a step's start (a notice's save).
         for name, route in (("save_state", self._save_state), ("load_state", self._load_state),
                             ("backward", self._backward), ("clip_grad_norm_", self._clip_grad_norm),
-                            ("end_training", self._end_training)):
+                            ("end_training", self._end_training), ("accumulate", self._accumulate)):
             self._orig[name] = getattr(accelerator, name)
             setattr(accelerator, name, _routed(self._orig[name], route))
         self._handles = [accelerator.register_save_state_pre_hook(self._save_hook),
                          accelerator.register_load_state_pre_hook(self._load_hook)]
+        self._notice = self._open_notice()
         return self
 
     def wait(self) -> None:
@@ -275,9 +296,12 @@ class LayerCheckpointPlugin:
             for st in self._stores.values():
                 st.close()
             self._stores.clear()
-            for h in self._handles:
+            for h in self._handles + list(self._hooked.values()):
                 h.remove()
-            self._handles = []
+            self._handles, self._hooked = [], {}
+            notice, self._notice, self._due = self._notice, None, None
+            if notice is not None:  # the signal handlers found are put back
+                notice.close()
             acc = self.accelerator
             if acc is not None:
                 for name in self._orig:
@@ -323,7 +347,10 @@ class LayerCheckpointPlugin:
         if self._synced:
             self._optimizer_steps += 1
         self._log_finished()
-        return self._orig["backward"](loss, **kwargs)
+        out = self._orig["backward"](loss, **kwargs)
+        if self._synced and self._notice is not None:  # after it: a forward it recomputes is not a step's start
+            self._boundary()
+        return out
 
     def _clip_grad_norm(self, parameters: Any, max_norm: Any, *args: Any, **kwargs: Any):
         """The script's ``accelerator.clip_grad_norm_``: the norm it returns (before clipping) is recorded for
@@ -395,6 +422,7 @@ class LayerCheckpointPlugin:
         self._log_finished()
         loss = self._selection_loss()
         self.last_saves = [ck.save(step, extra=extra, loss=loss) for ck in st.checkpointers]
+        self._saved_at = self._optimizer_steps
         self._metrics.add(self.last_saves, step=self._optimizer_steps)
         if acc.is_main_process:
             st.live[folders.write_pointer(folder, st.root, step, token, st.optimizers)] = step
@@ -431,7 +459,9 @@ class LayerCheckpointPlugin:
 
     def _open(self, root: str, folders_dir: str, pairs) -> _Store:
         """The store's Checkpointers; collective under torch.distributed, as save_state is called on every rank."""
-        cfg = self.config.replace(keep_last=0)  # retention follows the folders: see folders.prune
+        # retention follows the folders (see folders.prune); notices reach the plugin's own handlers, the
+        # Checkpointers keep theirs by call only, for can_save_by()
+        cfg = self.config.replace(keep_last=0, preemption=[] if self._notice is not None else False)
         if cfg.remote is not None and self._stores:
             raise CheckpointError(
                 f"save_state({os.path.dirname(folders_dir)!r}...) would open a second layerckpt store, {root}, on "
@@ -472,6 +502,74 @@ class LayerCheckpointPlugin:
             close_quietly(st.checkpointers, what="a save_state")
             if st.uploads is not None:
                 st.uploads.close()
+
+    # ------------------------------------------------------------ preemption
+
+    def _open_notice(self) -> Optional[Notice]:
+        """``Config.preemption``: the signal handlers and (several ranks) the group the ranks agree over, the
+        plugin's own from ``register()`` on: its stores' Checkpointers open only at their first save_state."""
+        return open_notice(self.config.preemption, self.config.grace_s)
+
+    def _boundary(self) -> None:
+        """A backward that synced gradients, on every rank alike: a step's boundary, where the ranks exchange
+        what they were told (without blocking); a notice agreed on is acted on where the next step starts, once
+        this one's optimizer step and the script's bookkeeping are done (:meth:`_step_start`)."""
+        for model in self.accelerator._models:  # prepared since the last boundary
+            if id(model) not in self._hooked:
+                self._hooked[id(model)] = model.register_forward_pre_hook(self._forward_pre)
+        deadline = self._notice.boundary(self._optimizer_steps)
+        if deadline is not None:
+            self._due = deadline
+
+    def _accumulate(self, *models: Any):
+        self._step_start()  # before accelerate counts the micro-batch (accelerator.step is saved)
+        return self._orig["accumulate"](*models)
+
+    def _forward_pre(self, module: Any, args: Any) -> None:
+        self._step_start()
+
+    def _step_start(self) -> None:
+        if self._due is not None:
+            deadline, self._due = self._due, None
+            self._stop_on_notice(deadline)
+
+    def _stop_on_notice(self, deadline: float) -> None:
+        """Every rank agreed on a notice, and the next step starts: save the agreed step as the script's
+        ``save_state()`` would (unless it saved that step already) where it can be durable in time, wait for
+        the saves in flight until the deadline, and stop the script on every rank at once."""
+        acc = self.accelerator
+        self.preempted = True
+        if self._saved_at != self._optimizer_steps and self._can_save_by(deadline):
+            acc.save_state()
+        for st in list(self._stores.values()):
+            for ck in st.checkpointers:
+                ck.durable_by(deadline)
+            ended, error = wait_until(st.wait, deadline)  # and the folders' copies to the remote tier
+            if error is not None or not ended:
+                log.warning("layerckpt: preemption: the saves into %s did not all end before the deadline%s",
+                            st.root, f": {error}" if error is not None else "")
+        self._log_finished()
+        notice, self._notice = self._notice, None
+        notice.close()  # the handlers found are put back; its group goes before the interpreter's exit
+        if acc.num_processes > 1:
+            acc.wait_for_everyone()  # leave together: a rank tearing gloo down while a peer still talks aborts it
+        raise SystemExit(EXIT_PREEMPTED)
+
+    def _can_save_by(self, deadline: float) -> bool:
+        """Whether ``save_state()`` saves at a notice (every rank: collective): each of its store's Checkpointers
+        says whether its newest save's time fits the time left (and logs why not); before the first save there
+        is nothing to go by, and it is tried."""
+        if self._auto_dir() is None:
+            if self.accelerator.is_main_process:
+                log.warning("layerckpt: preemption: save_state() has no folder to save into without "
+                            "ProjectConfiguration(automatic_checkpoint_naming=True): the step of the notice is not "
+                            "saved; a restart resumes from the newest folder the script saved")
+            return False
+        st = self._stores.get(folders.auto_store(self.accelerator.project_dir))
+        if st is None:
+            return True
+        step = st.steps.step()
+        return all([ck.can_save_by(deadline, step) for ck in st.checkpointers])  # a list: every one asked
 
     # ------------------------------------------------------------ load
 

@@ -32,8 +32,9 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 from transformers import Trainer, TrainerCallback
 
 from layerckpt import Config, LayerSpec
-from layerckpt.adapters import as_config, config_overrides, default_of, with_config_fields
+from layerckpt.adapters import as_config, config_overrides, default_of, with_config_fields, with_preemption
 from layerckpt.errors import CheckpointError, ConfigError
+from layerckpt.preempt import signal_names
 
 from .session import Attached
 
@@ -80,10 +81,15 @@ def attach(trainer: Any, config: Union[Config, str, "os.PathLike[str]", Dict[str
     ``$LAYERCKPT_CONFIG`` names, else the defaults); Config fields as keyword arguments override it.
     ``layers`` groups parameters into layers as in :class:`layerckpt.Checkpointer`.  ``TRANSFORMERS_LAYERCKPT=0``
     or ``LAYERCKPT_ENABLED=0`` leaves the Trainer as it is (the returned handle says ``enabled=False``).
-    Returns the handle: ``wait()``, ``last_save``, ``last_restore``, ``store``."""
+
+    A notice of preemption (``Config.preemption``: SIGTERM unless set otherwise, ``False`` for none) is acted on
+    at the end of an optimizer step that every rank agrees on: Trainer saves that step as any checkpoint folder,
+    where it can be durable before the deadline (``Config.grace_s``), and stops; ``resume_from_checkpoint=True``
+    then resumes at that step.  The handle's ``preempted`` says so, for ``sys.exit(layerckpt.EXIT_PREEMPTED)``.
+    Returns the handle: ``wait()``, ``last_save``, ``last_restore``, ``store``, ``preempted``."""
     cfg = as_config(config, env=ENV_CONFIG)
     overrides = config_overrides(config_fields, "attach")
-    cfg = cfg.replace(**overrides) if overrides else cfg
+    cfg = with_preemption(cfg.replace(**overrides) if overrides else cfg)
     _check_keep_last(cfg)
     _check_trainer(trainer)
     if not enabled_by_env():
@@ -93,6 +99,9 @@ def attach(trainer: Any, config: Union[Config, str, "os.PathLike[str]", Dict[str
     if trainer in _attached:
         raise CheckpointError("attach(): this Trainer is already attached to layerckpt; attach it once")
     _check_methods(trainer)
+    if getattr(trainer.args, "enable_jit_checkpoint", False) and "SIGTERM" in (signal_names(cfg.preemption) or ()):
+        log.warning("layerckpt: SIGTERM is a notice of preemption (Config.preemption), whose handler stands in for "
+                    "the one of enable_jit_checkpoint from train() on; set one of the two off")
     if getattr(trainer.args, "push_to_hub", False):
         log.warning("layerckpt: push_to_hub pushes checkpoint folders without weights while attached (they are in "
                     "the store); the final trainer.save_model() and push_to_hub() are Trainer's own")
@@ -265,10 +274,21 @@ def _load_best_model(orig: Callable[..., Any], att: Attached) -> Callable[..., A
 
 class _StepEnd(TrainerCallback):
     """Trainer's public callback: the end of an optimizer step adds its loss and gradient clipping to those the
-    next save is scaled by."""
+    next save is scaled by, and is the step boundary at which the ranks agree on a notice of preemption (added
+    last, it sets ``control`` after Trainer's own flow callback)."""
 
     def __init__(self, att: Attached):
         self.att = att
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.att.begin()
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.att.step_done()
+        self.att.step_boundary(control)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.att.saved()
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.att.epoch_end(control)

@@ -19,6 +19,7 @@ from layerckpt import Checkpointer, Config, LayerSpec, PendingSave, RestoreRepor
 from layerckpt.adapters import SelectionLoss, close_quietly, hold
 from layerckpt.errors import CheckpointError
 from layerckpt.interop import peft_extra
+from layerckpt.preempt import signal_names
 
 from . import folders
 
@@ -30,7 +31,9 @@ TRAINING_ARGS_NAME = "training_args.bin"  # transformers.trainer.TRAINING_ARGS_N
 
 class Attached:
     """The layerckpt side of one Trainer: its store's Checkpointer, the loss of the last step, the last save
-    and restore.  ``attach()`` returns it; ``enabled`` is False when the environment turned layerckpt off."""
+    and restore.  ``attach()`` returns it; ``enabled`` is False when the environment turned layerckpt off.
+    ``preempted``: the last ``train()`` stopped on a notice of preemption (``Config.preemption``), its step
+    saved where it could be durable in time; a script may then ``sys.exit(layerckpt.EXIT_PREEMPTED)``."""
 
     def __init__(self, trainer: Any, config: Config, layers: LayerSpec = None, enabled: bool = True):
         self.trainer = trainer
@@ -46,6 +49,8 @@ class Attached:
         self._run_id: Optional[str] = None
         self._folder: Optional[str] = None  # the checkpoint folder being saved
         self._pruner = folders.Pruner()
+        self.preempted = False
+        self._deadline: Optional[float] = None  # of the notice whose checkpoint Trainer is saving
 
     # ------------------------------------------------------------ public
 
@@ -97,6 +102,50 @@ class Attached:
         norms Trainer's clipping (``max_grad_norm``) kept (:class:`layerckpt.adapters.SelectionLoss`).  Without
         a step since the last save: the last save's."""
         return self._interval.take()
+
+    # ------------------------------------------------------------ preemption
+
+    def begin(self) -> None:
+        """Training starts (every rank): with ``Config.preemption`` on, the Checkpointer opens now rather than at
+        the first save, so that its signal handlers and the ranks' agreement on a notice are there from the
+        first step (a notice before the first checkpoint is saved too)."""
+        self.preempted, self._deadline = False, None
+        if signal_names(self.config.preemption) is not None:
+            self._checkpointer(self.store)
+
+    def step_boundary(self, control: Any) -> None:
+        """An optimizer step ended, on every rank (``on_step_end``): where every rank agreed on a notice at this
+        step, Trainer saves it as any checkpoint (``should_save``: folder, trainer state, RNG) where it can be
+        durable before the deadline, and stops (``should_training_stop``); without the time for it, no save
+        starts (the log says why) and a restart resumes from the newest committed checkpoint."""
+        ck = self._ck
+        if ck is None:
+            return
+        step = self.trainer.state.global_step
+        deadline = ck.notice(step)
+        if deadline is None:
+            return
+        self.preempted = True
+        control.should_training_stop = True
+        control.should_evaluate = False  # the time left goes to the save
+        control.should_save = ck.can_save_by(deadline, step)
+        if control.should_save:
+            self._deadline = deadline  # waited for once Trainer saved it: on_save
+        else:
+            ck.durable_by(deadline)  # the saves in flight
+
+    def saved(self) -> None:
+        """Trainer saved a checkpoint (``on_save``): the one of a notice is waited for, with the tiers' copies,
+        until the deadline."""
+        deadline, self._deadline = self._deadline, None
+        if deadline is not None and self._ck is not None:
+            self._ck.durable_by(deadline)
+
+    def epoch_end(self, control: Any) -> None:
+        """The epoch ends (``on_epoch_end``): after a notice, no second save of the step, no evaluation."""
+        if self.preempted:
+            control.should_save = False
+            control.should_evaluate = False
 
     # ------------------------------------------------------------ save
 

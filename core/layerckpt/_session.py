@@ -167,13 +167,9 @@ def open_replicas(dirpath: str, config: Config, placement: _dist.Placement, rete
 def open_notice(config: Config, group: _dist.Group) -> Optional[Any]:
     """``Config.preemption``: the signal handlers, and (several ranks) the gloo group of its own over which every
     rank posts what it was told at each step boundary (formed by every rank, in the same order)."""
-    from .preempt import Notice, signal_names
+    from .preempt import open_notice as open_it
 
-    signals = signal_names(config.preemption)
-    if signals is None:
-        return None
-    notice_group = _dist.Group(ranks=list(range(group.world))) if group.world > 1 else None
-    return Notice(signals, config.grace_s, group=notice_group)
+    return open_it(config.preemption, config.grace_s, group.world)
 
 
 def shutdown(flusher: Flusher, backend, pool: BufferPool, writer: Optional[_store.WriterLock],

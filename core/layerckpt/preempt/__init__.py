@@ -189,6 +189,20 @@ class Notice:
         return bool(t.item())
 
 
+def open_notice(preemption: Union[None, bool, str, Sequence[str]], grace_s: Optional[float],
+                world: Optional[int] = None) -> Optional[Notice]:
+    """A :class:`Notice` for ``Config.preemption`` (None where it is off): the signal handlers, and with several
+    ranks the gloo group of every rank it agrees over, formed now (every rank must call this, in the same order).
+    ``world``: the ranks taking part (default: torch.distributed's world, 1 outside it)."""
+    from .. import _dist
+
+    signals = signal_names(preemption)
+    if signals is None:
+        return None
+    world = _dist.world_size() if world is None else world
+    return Notice(signals, grace_s, group=_dist.Group(ranks=list(range(world))) if world > 1 else None)
+
+
 def estimate_s(saves: List[Any]) -> Optional[float]:
     """What the next save needs from ``save()`` to its commit: the newest committed one's time (None: no save
     committed yet, nothing to go by)."""
