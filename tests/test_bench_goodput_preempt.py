@@ -135,13 +135,13 @@ def test_the_json_and_the_tables_show_the_preempt_kind(monkeypatch):
 @pytest.mark.parametrize("name", ["LayerCheckpoint", "ModelCheckpoint"])
 def test_under_lightning_the_notice_is_handled_by_the_callbacks(name, tmp_path, monkeypatch):
     """LayerCheckpoint (SIGTERM on by default, the script exiting 75 where it stopped on a notice) and
-    ModelCheckpoint (Lightning's SIGTERMException, save_on_exception) each save the step the notice lands in; the
-    restart resumes there."""
+    ModelCheckpoint (Lightning's SIGTERMException, with its opt-in save_on_exception) each save the step the notice
+    lands in; the restart resumes there."""
     _notice_at_step(monkeypatch, AT)
     failures = goodput.Failures(60, 0)
     failures.times = [0.0, 1e9]
     spec = {"model": goodput.model_config("tiny"), "batch": 2, "lr": 3e-4, "seed": 0, "mtbf": None, "threads": 1,
-            "steps": STEPS, "grace": 20.0}
+            "steps": STEPS, "grace": 20.0, "save_on_exception": True}
     work = tmp_path / "work"
     os.mkdir(work)
     attempts = goodput.supervise(goodput.Contender(name, "lightning", 50), spec, str(work), STEPS, failures, False)

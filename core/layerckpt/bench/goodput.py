@@ -358,7 +358,7 @@ def _one(c: Contender, spec: Dict[str, Any], root: str, steps: int, base: Option
 
 def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("crash", "node"), seed: int = 0,
         cadences=(10, 25, 50), dirpath: Optional[str] = None, say=lambda line: None,
-        restarts=("fresh",), grace: float = GRACE_S) -> Dict[str, Any]:
+        restarts=("fresh",), grace: float = GRACE_S, save_on_exception: bool = False) -> Dict[str, Any]:
     cfg = model_config(size)
     spec = {"model": cfg, "steps": steps, "batch": BATCH, "lr": LR, "seed": seed, "mtbf": None,
             "threads": THREADS}
@@ -369,6 +369,7 @@ def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("c
                            "runs": {}}
     if "preempt" in kinds:
         res["grace_s"] = grace
+        res["save_on_exception"] = save_on_exception  # ModelCheckpoint's, on Lightning's SIGTERMException
     if dirpath:
         os.makedirs(dirpath, exist_ok=True)
     root = tempfile.mkdtemp(prefix="layerckpt-bench-goodput-", dir=dirpath)
@@ -390,7 +391,8 @@ def run(size: str = "gpt2-mini", steps: int = 300, mtbf: float = 60.0, kinds=("c
                 free = res["free"][c.loop]
                 try:
                     r = _one(c, {**spec, "mtbf": mtbf if c.mtbf else None,
-                                 "grace": grace if kind == "preempt" else None}, root, steps, free["base_step_s"],
+                                 "grace": grace if kind == "preempt" else None,
+                                 "save_on_exception": save_on_exception}, root, steps, free["base_step_s"],
                              failures, kind == "node", mode)
                 except Exception as e:  # a contender that cannot finish: its row says why, the others still run
                     rows.append(failed_row(c, mode, kind, e))
@@ -438,7 +440,7 @@ def main(args) -> int:
 
     restarts = [m.strip() for m in args.restarts.split(",") if m.strip()]
     res = run(args.size, args.goodput_steps, parse_duration(args.mtbf, "--mtbf"), kinds, args.seed, cadences,
-              args.dir, say, restarts, parse_duration(args.grace, "--grace"))
+              args.dir, say, restarts, parse_duration(args.grace, "--grace"), bool(args.save_on_exception))
     print(json.dumps(res) if args.json else format_table(res), flush=True)
     return 0
 

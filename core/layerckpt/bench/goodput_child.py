@@ -13,8 +13,8 @@ Under the preemption kind (the spec's ``grace``: seconds from the notice, SIGTER
 handles the notice as its users would: layerckpt's plain loop with ``Config(preemption=True, grace_s=grace)`` and
 ``ck.preempted(step)`` after each step, exiting with ``layerckpt.EXIT_PREEMPTED``; LayerCheckpoint at its
 default (SIGTERM saved on) with ``grace_s``, the script exiting with ``EXIT_PREEMPTED`` where it stopped on a
-notice; ModelCheckpoint with Lightning's own handling (its SIGTERM handler, ``SIGTERMException`` at the batch end)
-and ``save_on_exception=True``; torch.save and ``dcp.async_save`` with a handler written by hand: SIGTERM sets a
+notice; ModelCheckpoint with Lightning's own handling (its SIGTERM handler, ``SIGTERMException`` at the batch end),
+saving on it only with ``--save-on-exception`` (``save_on_exception=True``, Lightning's opt-in); torch.save and ``dcp.async_save`` with a handler written by hand: SIGTERM sets a
 flag, checked after each step: that step saved where it was not, the save waited for, exit 0.
 
 Where each contender's files live: layerckpt writes its local store in ``node`` (lost with the node; its
@@ -362,14 +362,16 @@ def _lightning(spec: Dict[str, Any], progress: Progress) -> None:
 def _lightning_checkpoint(spec: Dict[str, Any]) -> list:
     """The contender's checkpoint callback: ModelCheckpoint's cheapest resumable form (one ``last.ckpt``,
     replaced whole at each save), or LayerCheckpoint with both tiers.  Under the preemption kind ModelCheckpoint
-    also saves on the exception Lightning's SIGTERM handler raises (``save_on_exception``), and LayerCheckpoint,
+    keeps Lightning's default (no save on the exception Lightning's SIGTERM handler raises) unless the spec's
+    ``save_on_exception`` asks for Lightning's opt-in, and LayerCheckpoint,
     which saves on SIGTERM by default, is told the grace (``grace_s``)."""
     notice = spec.get("grace") is not None
     if spec["kind"] == "ModelCheckpoint":
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         return [ModelCheckpoint(dirpath=spec["remote"], every_n_train_steps=spec["every"], save_top_k=0,
-                                save_last=True, enable_version_counter=False, save_on_exception=notice)]
+                                save_last=True, enable_version_counter=False,
+                                save_on_exception=notice and spec.get("save_on_exception", False))]
     if spec["kind"] == "LayerCheckpoint":
         from lightning_layerckpt import LayerCheckpoint
 

@@ -20,10 +20,17 @@ KINDS = {"crash": "SIGKILL; the local store and the memory tier survive",
 #: how each contender handles the notice (the preempt kind)
 NOTICES = ("layerckpt: Config(preemption=True, grace_s) and ck.preempted(step) after each step, exit 75; "
            "LayerCheckpoint: its default (SIGTERM), grace_s; ModelCheckpoint: Lightning's SIGTERM handling "
-           "(SIGTERMException at the batch end) with save_on_exception=True; torch.save and dcp.async_save: a handler "
+           "(SIGTERMException at the batch end) {soe}; torch.save and dcp.async_save: a handler "
            "written by hand (a flag set on SIGTERM, checked after each step: the step saved, the save waited for, "
            "exit 0)")
 LOOPS = {"plain": "plain loop", "lightning": "Lightning Trainer"}
+
+
+def _notices(res: Dict[str, Any]) -> str:
+    """NOTICES for a run: ModelCheckpoint saved on the exception only where the run asked (runs that predate the
+    choice always did)."""
+    soe = res.get("save_on_exception", True)
+    return NOTICES.format(soe="with save_on_exception=True" if soe else "at its default (no save on it)")
 HEADS = {"checkpoint": "ckpt"}
 RESTARTS = {"fresh": "restarts in a new interpreter",
             "standby": "restarts from a warm standby (layerckpt launch: a fork of a process that imported the job's "
@@ -59,7 +66,7 @@ def _head(res: Dict[str, Any]) -> List[str]:
                      f"setup {b['setup']:.1f} s, first step {b['warmup'] + f['base_step_s']:.2f} s), "
                      f"goodput {f['goodput'] * 100:.1f}%")
     if "preempt" in res["runs"]:
-        lines.append(f"preempt: the notice handled as each contender's users would: {NOTICES}")
+        lines.append(f"preempt: the notice handled as each contender's users would: {_notices(res)}")
     lines += ["goodput: compute / wall; lost: wall beyond the failure-free run's, less imports and restarts "
               "(checkpoints, setups and loads, warm-ups, redone work); C: a save's cost to training (blocking and "
               "slower steps); ~0+-x: a C measured below zero, within the noise (x: the steps' spread between runs, "
@@ -297,7 +304,7 @@ def format_summary(res: Dict[str, Any]) -> str:
                  "(setups, loads, first steps) + redone (work done again); optimum: goodput at the Young/Daly "
                  "interval sqrt(2 C MTBF) of the save cost C (s); ~0+-x: C below zero, noise (x: the steps' spread "
                  f"a save), no optimum; Y/D n: it in steps; loss: mean of the last {TAIL} steps"
-                 + (f"; preempt: {NOTICES}" if "preempt" in res["runs"] else ""),
+                 + (f"; preempt: {_notices(res)}" if "preempt" in res["runs"] else ""),
                  116, break_on_hyphens=False)]
     spread = spreads(res)
     cols = (f"    {'contender':<16}{'every':>6}{'goodput':>9}{'optimum':>9}{'lost s':>8}{'ckpt':>7}{'start':>7}"

@@ -26,7 +26,8 @@ USES: Dict[str, Tuple[str, ...]] = {
     "restore": ("sizes", "cache", "reps"),
     "steps": ("size", "steps_n", "steps_every", "steps_rounds"),
     "cpu": ("cpu_models", "cpu_saves"),
-    "goodput": ("size", "mtbf", "goodput_steps", "failure", "seed", "cadences", "restarts", "grace"),
+    "goodput": ("size", "mtbf", "goodput_steps", "failure", "seed", "cadences", "restarts", "grace",
+                "save_on_exception"),
     "lossy": ("workloads",),
     "nodes": ("size", "reps", "nproc", "steps_n", "steps_every", "steps_rounds"),
 }
@@ -36,7 +37,7 @@ DEFAULTS = {"preset": "gpt2-small", "reps": 3, "size": "gpt2-small", "nproc": 2,
             "steps_rounds": 2,
             "sizes": "10MB,50MB,200MB,gpt2-small", "cache": "warm,files,cold", "cpu_models": "main,gpt2-small",
             "mtbf": "60", "through": "core", "goodput_steps": 300, "failure": "crash,node", "seed": 0, "cadences": "10,25,50",
-            "restarts": "fresh", "grace": "10"}
+            "restarts": "fresh", "grace": "10", "save_on_exception": False}
 #: where a mode's default differs from DEFAULTS'
 MODE_DEFAULTS = {"goodput": {"size": "gpt2-mini"},
                  "nodes": {"size": "gpt2-mini", "nproc": 1, "steps_n": 12, "steps_every": 4, "steps_rounds": 2}}
@@ -142,6 +143,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                      "SIGKILL after --grace) (default: crash,node)")
     a.add_argument("--grace", help="with --goodput --failure preempt: seconds from the notice to the SIGKILL, or e.g. "
                                    "30s, 1m (default: 10)")
+    a.add_argument("--save-on-exception", action="store_const", const=True,
+                   help="with --goodput --failure preempt: ModelCheckpoint also saves on the SIGTERMException of "
+                        "Lightning's handler (save_on_exception=True, Lightning's opt-in; default: its default, no "
+                        "save)")
     a.add_argument("--seed", type=int, help="with --goodput: the seed of the failure times (default: 0)")
     a.add_argument("--cadences", help="with --goodput: comma-separated fixed intervals in steps for the contenders "
                                       "that save every N steps; each one's best is marked (default: 10,25,50)")
