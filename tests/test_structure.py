@@ -265,3 +265,19 @@ def test_what_the_test_extra_installs_is_imported_never_skipped():
                     if mod.split(".")[0].lower() in extra:
                         skips.append(f"tests/{name}:{n}: importorskip({mod!r})")
     assert not skips, "import these plainly (the [test] extra installs them):\n" + "\n".join(skips)
+
+
+def test_every_package_folder_is_in_the_distribution():
+    """A package folder pyproject.toml does not list is missing from every install but an editable one."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = set()
+    for pkg, base in PACKAGES.items():
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if not d.startswith((".", "__"))]
+            if "__init__.py" in filenames:
+                rel = os.path.relpath(dirpath, base)
+                found.add(pkg if rel == "." else pkg + "." + rel.replace(os.sep, "."))
+    assert found <= listed, sorted(found - listed)
