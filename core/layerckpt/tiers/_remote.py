@@ -208,11 +208,18 @@ class FsspecStore:
         return int(self.fs.size(self._path(sub, name)))
 
     def put_file(self, src: str, sub: str, name: str) -> None:
-        dst = self._path(sub, name)
+        """Upload ``src`` whole.  Where a put is not atomic (a ``file://`` folder: the file is truncated, then
+        written) it goes to a name of this writer's own and is moved into place: a kill midway through
+        uploading a file the remote already holds (a node's catch-up after a restart) must not leave it torn
+        under a committed manifest."""
+        final = self._path(sub, name)
+        dst = final if self.atomic_put else self._path(sub, f".{name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
         if self.bucket is None:
             self.fs.put_file(src, dst, **self._put_kw)
         else:
             self._put_capped(src, dst)
+        if dst != final:
+            self.fs.mv(dst, final)
         want, got = os.path.getsize(src), self.size(sub, name)
         if got != want:
             raise OSError(errno.EIO, f"uploaded {got} of {want} bytes", self.where(sub, name))
