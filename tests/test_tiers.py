@@ -626,3 +626,25 @@ def test_remote_gets_base_composites_only(s3, tmp_path):
     m = stack()
     assert layerckpt.restore(url, m, config=cfg).step == 7
     assert_same_state(at(7), m)
+
+
+def test_a_torn_reupload_to_a_file_remote_leaves_the_remote_file_whole(tmp_path, monkeypatch):
+    """file:// puts truncate, then write: a put killed midway through a file the remote already holds (a node's
+    catch-up after a restart) must leave the committed copy whole, so a put goes to a name of its own first."""
+    from layerckpt.tiers._remote import FsspecStore
+
+    os.makedirs(tmp_path / "remote" / "data")  # as the tier's opening makes it
+    store = FsspecStore(f"file://{tmp_path / 'remote'}")
+    src = tmp_path / "f.safetensors"
+    src.write_bytes(b"x" * 4096)
+    store.put_file(str(src), "data", "f.safetensors")
+    before = (tmp_path / "remote" / "data" / "f.safetensors").read_bytes()
+
+    def torn(a, b, **kw):  # the put dies after truncating its destination
+        open(b, "wb").close()
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(store.fs, "put_file", torn)
+    with pytest.raises(KeyboardInterrupt):
+        store.put_file(str(src), "data", "f.safetensors")
+    assert (tmp_path / "remote" / "data" / "f.safetensors").read_bytes() == before
