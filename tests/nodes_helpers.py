@@ -35,8 +35,9 @@ and its identity ``LAYERCKPT_NODE`` (``node<K>``), both set by the launcher's en
         a replica, its own files are on the remote, and rank 0's node has committed the remote's manifest),
         appends S to BASE/committed.rank<R>.  The harness kills it
 
-``train`` and ``resume`` also write BASE/saved.step<S>.rank<R>.pt ({"model", "optim"}) after each save().wait():
-the state that step saved, so that a restore of any step is checked bit for bit.
+``train`` and ``resume`` also write BASE/saved.step<S>.rank<R>.pt ({"model", "optim"}) before each save(): the
+state that step saves (a rank killed during the save, or in its upload, leaves it), so that a restore of any step
+is checked bit for bit.
 
 The launcher's environment may add, per node:
 
@@ -212,8 +213,8 @@ def train(base: str, steps: int, every: int, replicas: int) -> None:
     for step in range(1, steps + 1):
         train_step(model, opt, step)
         if step % every == 0:
+            record(base, step, model, opt)  # before the save: a rank killed in it leaves its reference
             ck.save(step).wait()
-            record(base, step, model, opt)
             saved.append(step)
     ck.close()
     rank = dist.get_rank()
@@ -256,8 +257,8 @@ def resume(base: str, replicas: int, steps: int, every: int) -> None:
     for step in range(report.step + 1, report.step + steps + 1):
         loss = train_step(model, opt, step)
         if (step - report.step) % every == 0:
-            ck.save(step, loss=loss).wait()
             record(base, step, model, opt)
+            ck.save(step, loss=loss).wait()
             saved.append(step)
     ck.close()
     rank = dist.get_rank()
