@@ -100,7 +100,7 @@ def test_frozen_tensors_are_held_by_reference_not_written(tmp_path):
     frozen_bytes = sum(model.state_dict()[k[len("model/"):]].nbytes for k in FROZEN)
     for step in (1, 2):
         m = _manifest(root, step)
-        assert set(m["pretrained"]) == set(FROZEN) and m["version"] == 7
+        assert set(m["pretrained"]) == set(FROZEN) and m["version"] == 8
         assert not set(FROZEN) & set(m["tensors"])
         assert {m["pretrained"][k]["name"] for k in FROZEN} == {k[len("model/"):] for k in FROZEN}
     written, size = _own_file_keys(root, 1)
@@ -379,3 +379,37 @@ def test_close_ends_the_background_fingerprinting(tmp_path, monkeypatch):
     threading.Timer(0.2, go.set).start()
     ck.close()
     assert not ck.selector.pretrained._warming.is_alive() and len(seen) == 1
+
+
+def test_a_reference_of_the_frozen_days_copied_over_the_trained_layer_is_refused(tmp_path):
+    """The backbone is unfrozen and trained at step 3; its references from step 1 (when it was frozen, the
+    pretrained bytes) copied back into step 3's manifest in place of its trained entries would restore the pretrained
+    bytes as step 3's: each reference is sealed to the step its layer records, so it is refused, naming it."""
+    root, model, opt, pre = _saved(tmp_path, steps=(1,))
+    for p in model.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with layerckpt.Checkpointer(root, model, opt, config=layerckpt.Config(pretrained=pre, full=True)) as ck:
+        _train(model, opt, 3)
+        ck.save(3).wait()
+    old, m = _manifest(root, 1), _manifest(root, 3)
+    assert not m.get("pretrained") and set(FROZEN) <= set(m["tensors"])
+    layer = next(n for n, e in m["layers"].items() if FROZEN[0] in e["tensors"])
+    assert m["layers"][layer]["step"] == 3
+    for k in FROZEN:  # the trained entries out, the frozen days' references in
+        del m["tensors"][k]
+    m["pretrained"] = {k: old["pretrained"][k] for k in FROZEN}
+    (root / "manifests" / "step-00000003.json").write_text(json.dumps(m))
+    needle = (f"tensor {FROZEN[0]!r} of layer {layer!r}, which the manifest records at step 3, is held by reference "
+              f"to the pretrained weights as proven at step 1")
+    with pytest.raises(CheckpointCorruptError, match="proven at step 1") as e:
+        layerckpt.restore(root, Net(0), step=3, config=layerckpt.Config(pretrained=pre))
+    assert "step-00000003.json" in str(e.value)
+    assert needle in str(e.value) or "proven at step 1" in str(e.value)
+    assert cli.main(["verify", str(root)]) == 1
+    for k in FROZEN:  # the reference's step edited to pass: its seal no longer matches
+        m["pretrained"][k]["step"] = 3
+    (root / "manifests" / "step-00000003.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointCorruptError, match="does not carry its own seal"):
+        layerckpt.restore(root, Net(0), step=3, config=layerckpt.Config(pretrained=pre))
+    assert cli.main(["verify", str(root)]) == 1  # verify checks the seals a restore checks

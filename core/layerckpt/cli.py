@@ -279,8 +279,12 @@ def _verify_one(root: str, name: str, m: Manifest, bar: _progress.Bar, failures:
     on other nodes) and decode what a restore decodes besides them (RNG states, extra); a failure goes to
     ``failures`` (and its data file, when named, to ``damaged``)."""
     try:
-        tensors = _read_tensors(root, m, list(m.tensors) if keys is None else keys, name, bar)
         where = os.path.join(root, _store.MANIFEST_DIR, name)
+        if m.pretrained:  # no bytes to read, but the seals a restore checks before it reads anything
+            from .read._pretrained import check_seals
+
+            check_seals(m, list(m.pretrained), checksum_function(m.checksum), where)
+        tensors = _read_tensors(root, m, list(m.tensors) if keys is None else keys, name, bar)
         if away:
             _check_part_state(m, tensors, where, away)
         else:

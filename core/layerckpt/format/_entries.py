@@ -19,14 +19,17 @@ FORMAT_NAME = "layerckpt"
 #: their entry's key and its file's step (``_places.STEPPED``), which a reader of 4 or less would take for damage;
 #: 6: second moments' bounded-loss codes told against their reference's (``_qblock.QSQREF``, block mode 7), a mode a
 #: reader of 5 or less does not know; 7: model tensors held by reference to the pretrained files the training
-#: started from (``Manifest.pretrained``), whose layers a reader of 6 or less would find without entries
-FORMAT_VERSION = 7
+#: started from (``Manifest.pretrained``), whose layers a reader of 6 or less would find without entries; 8: those
+#: references sealed to the step their layer records (``PretrainedEntry.step``), which a reader of 7 would take
+#: for damage
+FORMAT_VERSION = 8
 _BOXES_VERSION = 3  # the version a manifest with boxes is written as; without, 2 (4 once sealed, 5 once stepped)
 _SEALED_VERSION = 4
 _STEPPED_VERSION = 5
 _QSQREF_VERSION = 6
 _QSQREF_MODE = 7  # ``_qblock.QSQREF``
 _PRETRAINED_VERSION = 7
+_PRETRAINED_STEPPED_VERSION = 8
 #: the bytes each CRC pair of a fingerprint covers (``select/_exact``; ``PretrainedEntry.fp``)
 FINGERPRINT_CHUNK = 16 << 20
 
@@ -140,9 +143,13 @@ class PretrainedEntry:
     nbytes: int
     #: the fingerprint of its bytes (``select/_exact``): crc32c << 32 | crc32 of each ``_exact.CHUNK`` bytes
     fp: List[int]
-    #: the manifest's checksum over the entry's key, ``name`` and ``fp`` (``_places.pretrained_seal``): an entry
-    #: copied onto another key does not pass
+    #: the manifest's checksum over the entry's key, ``name``, ``fp`` and ``step`` (``_places.pretrained_seal``):
+    #: an entry copied onto another key, or from a composite where its layer was of another step, does not pass
     seal: int
+    #: the step of the save that proved it (the step its layer records): an entry of the layer's frozen days
+    #: copied into a composite where the layer was trained since is refused (``_validate._check_versions``);
+    #: None in entries written before format version 8, sealed without it
+    step: Optional[int] = None
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ._json import load_strict, loads_strict  # noqa: F401 - loads_strict: the JSON reader of every store file
 from ._places import SEALED, STEPPED
 from ._entries import (  # noqa: F401 - the entry types and key helpers, imported from here by the rest
-    BOX, Boxes, EXTRA, FORMAT_NAME, FORMAT_VERSION, FileEntry, LayerEntry, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, PretrainedEntry, RNG, ROWS, RowBlocks, TensorEntry, _BOX, _BOXES_VERSION, _PIECE, _PRETRAINED_VERSION, _QSQREF_MODE, _QSQREF_VERSION, _SEALED_VERSION, _STEPPED_VERSION, box_key, is_rng, model_key, model_name, param_of, piece_base, piece_key, rng_prefix, row_pieces, shard_pieces, split_piece)
+    BOX, Boxes, EXTRA, FORMAT_NAME, FORMAT_VERSION, FileEntry, LayerEntry, MODEL, MODEL_OTHER, OPTIM, OPTIM_GROUPS, PretrainedEntry, RNG, ROWS, RowBlocks, TensorEntry, _BOX, _BOXES_VERSION, _PIECE, _PRETRAINED_STEPPED_VERSION, _PRETRAINED_VERSION, _QSQREF_MODE, _QSQREF_VERSION, _SEALED_VERSION, _STEPPED_VERSION, box_key, is_rng, model_key, model_name, param_of, piece_base, piece_key, rng_prefix, row_pieces, shard_pieces, split_piece)
 from ._validate import _check_cover, validated  # noqa: F401 - _check_cover: for its tests
 
 @dataclass
@@ -157,6 +157,8 @@ class Manifest:
             d["version"] = max(d["version"], _QSQREF_VERSION)
         if "pretrained" in d:  # a reader that does not know them would find layers without their tensors
             d["version"] = max(d["version"], _PRETRAINED_VERSION)
+            if any(e.step is not None for e in d["pretrained"].values()):  # a reader of 7 would find their seals bad
+                d["version"] = max(d["version"], _PRETRAINED_STEPPED_VERSION)
         return d
 
     def to_dict(self) -> Dict[str, Any]:

@@ -64,13 +64,14 @@ def seal(check: Check, key: str, crc: int, step: Optional[int] = None) -> int:
     return SEALED | STEPPED | (check(step.to_bytes(8, "little"), sealed) & 0xFFFFFFFF)
 
 
-def pretrained_seal(check: Check, key: str, name: str, fp: List[int]) -> int:
+def pretrained_seal(check: Check, key: str, name: str, fp: List[int], step: Optional[int] = None) -> int:
     """The seal of a tensor held by reference to the pretrained files (``PretrainedEntry.seal``): the manifest's
-    checksum over the entry's key, the pretrained tensor's name and its fingerprint, so that an entry copied onto
-    another key (which would hand that key another tensor's bytes, each sound under its own fingerprint) is
-    refused."""
-    msg = f"{key}\0{name}\0{','.join(map(str, fp))}".encode("utf-8", "surrogatepass")
-    return check(msg, 0) & 0xFFFFFFFF
+    checksum over the entry's key, the pretrained tensor's name, its fingerprint and (entries written since format
+    version 8) the step its layer records, so that an entry copied onto another key (which would hand that key
+    another tensor's bytes, each sound under its own fingerprint), or from a composite where its layer was of
+    another step (the pretrained bytes restored where the layer has trained since), is refused."""
+    msg = f"{key}\0{name}\0{','.join(map(str, fp))}" + ("" if step is None else f"\0{step}")
+    return check(msg.encode("utf-8", "surrogatepass"), 0) & 0xFFFFFFFF
 
 
 def sealed_ok(check: Check, recorded: int, key: str, crc: int, step: int) -> bool:

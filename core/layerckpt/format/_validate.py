@@ -23,7 +23,7 @@ import dataclasses
 import math
 import os
 import re
-from typing import AbstractSet, Any, Dict, Optional, Sequence
+from typing import AbstractSet, Any, Dict, Mapping, Optional, Sequence
 
 from ._layout import CODES, ITEMSIZE
 from ._entries import (EXTRA, FINGERPRINT_CHUNK, FORMAT_NAME, FORMAT_VERSION, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG,
@@ -58,7 +58,7 @@ def validated(m: Any, path: str, other_fields: Sequence[str]) -> Dict[str, Any]:
             raise _corrupt(path, f"layer {name!r} lists tensor {lost!r}, which the manifest has no entry for",
                            tensor=lost)
     _check_versions(m["step"], files, tensors, layers, {**(rest.get("blocks") or {}), **(rest.get("boxes") or {})},
-                    path, set(rest.get("pretrained") or {}))
+                    path, rest.get("pretrained") or {})
     _check_other(rest, path, known)
     _check_model(m["model"], path, model_known)
     _check_all_places(rest, m["model"].get("other"), path)
@@ -82,6 +82,7 @@ MAX_DIMS = 64
 MAX_TENSOR_BYTES = 1 << 50
 _NAME_RE = re.compile(r"^step-(\d{8,})\.json$")
 _NUMBER = (int, float)
+_NONE: Mapping[str, PretrainedEntry] = {}  # no tensor held by reference
 
 
 def _corrupt(path: str, msg: str, tensor: Optional[str] = None) -> CheckpointCorruptError:
@@ -145,7 +146,7 @@ def _file_entry(name: str, e: Any, step: int, path: str) -> FileEntry:
 
 def _check_versions(step: int, files: Dict[str, FileEntry], tensors: Dict[str, TensorEntry],
                     layers: Dict[str, LayerEntry], stored: Dict[str, Any], path: str,
-                    by_reference: AbstractSet[str] = frozenset()) -> None:
+                    by_reference: Mapping[str, PretrainedEntry] = _NONE) -> None:
     """Each tensor's bytes are the version the manifest says it holds: a layer's tensors (each piece of one stored
     in row blocks or boxes) lie in data files of the step the layer records, every other tensor (RNG, extra,
     optimizer groups, non-tensor model state: written by every save) in files of the manifest's own step.  An
@@ -157,7 +158,13 @@ def _check_versions(step: int, files: Dict[str, FileEntry], tensors: Dict[str, T
     owned = set()
     for name, layer in layers.items():
         for k in layer.tensors:
-            if k in by_reference:  # in no file: its version is the pretrained one, proven at every read
+            ref = by_reference.get(k)
+            if ref is not None:  # in no file: its bytes the pretrained ones, proven at every read, its step sealed
+                if ref.step is not None and ref.step != layer.step:
+                    raise _corrupt(path, f"tensor {k!r} of layer {name!r}, which the manifest records at step "
+                                         f"{layer.step}, is held by reference to the pretrained weights as proven at "
+                                         f"step {ref.step}: the pretrained bytes are another version than the one "
+                                         f"the manifest reports", tensor=k)
                 continue
             rec = stored.get(k)
             for pk in [p for p, _, _ in shard_pieces(rec, k)] if rec is not None else [k]:
@@ -283,7 +290,7 @@ _LAYER_TYPES = {"step": int, "file": (str, type(None)), "tensors": list, "nbytes
 
 #: the longest name of a pretrained tensor a manifest may record
 MAX_NAME = 4096
-_PRETRAINED_FIELDS = ("name", "dtype", "shape", "nbytes", "fp", "seal")
+_PRETRAINED_FIELDS = ("name", "dtype", "shape", "nbytes", "fp", "seal", "step")
 
 
 def _read_pretrained(pre: Any, known: AbstractSet[str], path: str) -> Dict[str, PretrainedEntry]:
@@ -294,14 +301,16 @@ def _read_pretrained(pre: Any, known: AbstractSet[str], path: str) -> Dict[str, 
         raise _corrupt(path, f"field 'pretrained' is {_short(pre)}, not an object")
     out: Dict[str, PretrainedEntry] = {}
     for key, e in pre.items():
-        name, dtype, shape, nbytes, fp, sealed = (e.get(f) if isinstance(e, dict) else None for f in _PRETRAINED_FIELDS)
-        if not (model_name(key) is not None and piece_base(key)[1] == "" and isinstance(name, str)
+        name, dtype, shape, nbytes, fp, sealed, step = (e.get(f) if isinstance(e, dict) else None
+                                                        for f in _PRETRAINED_FIELDS)
+        if not ((step is None or _is_int(step)) and model_name(key) is not None and piece_base(key)[1] == "" and isinstance(name, str)
                 and 0 < len(name) <= MAX_NAME and _is_shape(shape, dtype) and _is_int(nbytes)
                 and _is_int(sealed, 0, 0xFFFFFFFF) and isinstance(fp, list)
                 and len(fp) <= MAX_TENSOR_BYTES // FINGERPRINT_CHUNK + 1 and all(_is_int(x, 0, (1 << 64) - 1) for x in fp)):
             raise _corrupt(path, f"entry for tensor {key!r} in 'pretrained' is malformed (a whole model tensor; name: "
                                  f"a string of 1 to {MAX_NAME} characters, dtype and shape as a tensor's, nbytes: an "
-                                 f"integer, fp: a list of 64-bit integers, seal: a 32-bit integer)", tensor=key)
+                                 f"integer, fp: a list of 64-bit integers, seal: a 32-bit integer, step: an integer "
+                                 f"or absent)", tensor=key)
         if nbytes != math.prod(shape) * ITEMSIZE[dtype]:
             raise _corrupt(path, f"tensor {key!r} in 'pretrained' has shape {_short(shape)} and dtype {dtype} but "
                                  f"{nbytes} bytes", tensor=key)
@@ -311,7 +320,7 @@ def _read_pretrained(pre: Any, known: AbstractSet[str], path: str) -> Dict[str, 
                                  f"{nbytes} bytes make {parts}", tensor=key)
         if key in known:
             raise _corrupt(path, f"tensor {key!r} has an entry of its own and one in 'pretrained'", tensor=key)
-        out[key] = PretrainedEntry(name, dtype, list(shape), nbytes, list(fp), sealed)
+        out[key] = PretrainedEntry(name, dtype, list(shape), nbytes, list(fp), sealed, step)
     return out
 
 
