@@ -125,7 +125,8 @@ def _pointer(d: Any, path: str) -> Pointer:
     root = pointer_store(d, path, POINTER_FORMAT, POINTER_VERSION, "accelerate_layerckpt",
                          "this checkpoint's models and optimizers",
                          lambda d: isinstance(d.get("models"), list) and bool(d["models"]) and all(
-                             isinstance(m, dict) and isinstance(m.get("optimizer"), bool) for m in d["models"]))
+                             isinstance(m, dict) and isinstance(m.get("optimizer"), bool) for m in d["models"]),
+                         up=2)  # the store of automatic naming is beside checkpoints/, two folders up (layout())
     return Pointer(path=path, store=root, step=d["step"], token=d["token"],
                    optimizers=[m["optimizer"] for m in d["models"]])
 

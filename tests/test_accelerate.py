@@ -486,12 +486,13 @@ def test_export_fsyncs_every_file_before_the_rename(tmp_path, runs, monkeypatch)
                         lambda tmp, out: (helper.append((tmp, out)), real_helper(tmp, out))[1])
     out = str(tmp_path / "plain")
     assert export_folder(folder, out) == out
-    assert helper == [(out + ".tmp", out)]
-    assert not os.path.exists(out + ".tmp")
+    [(tmp, done)] = helper  # staged under a fresh name of its own beside the output, then renamed
+    assert done == out and os.path.dirname(tmp) == str(tmp_path) and os.path.basename(tmp).startswith(".plain.")
+    assert not os.path.exists(tmp)
     exported = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
     assert {"pytorch_model.bin", "optimizer.bin"} <= set(exported)
-    assert {os.path.join(out + ".tmp", f) for f in exported} <= set(synced)  # each file, under its tmp name
-    assert synced.index(out + ".tmp") > max(synced.index(os.path.join(out + ".tmp", f)) for f in exported)
+    assert {os.path.join(tmp, f) for f in exported} <= set(synced)  # each file, under its staging name
+    assert synced.index(tmp) > max(synced.index(os.path.join(tmp, f)) for f in exported)
     assert synced[-1] == str(tmp_path)  # the rename made durable last
 
 

@@ -4,7 +4,9 @@ The attached folder holds Trainer's own files and a ``layerckpt.json`` pointer t
 optimizer in the store beside it.  :func:`export_folder` copies the folder (the pointer left out) and writes the
 composite as Trainer would have: the weights as ``model.safetensors`` (a tensor tied to others under one name
 only, the first in the state dict, as ``save_pretrained`` does; with the folder's ``config.json`` that is also
-what ``from_pretrained`` reads) and the optimizer's state as ``optimizer.pt``.  The copy is made durable (every
+what ``from_pretrained`` reads) and the optimizer's state as ``optimizer.pt``.  Only the folder's own regular
+files and folders are copied (a symbolic link, FIFO or device in it is refused, as is a pointer naming a store
+anywhere but beside the folders), staged under a fresh name beside the output.  The copy is made durable (every
 file fsynced, then renamed into place).  ``layerckpt export FOLDER --transformers -o OUT`` runs the same.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 import layerckpt
-from layerckpt.adapters import export_done, export_paths, export_staging
+from layerckpt.adapters import check_store_inside, export_done, export_paths, export_staging
 from layerckpt.errors import CheckpointError
 from layerckpt.interop import pretrained_config
 
@@ -36,14 +38,15 @@ def export_folder(folder: Union[str, os.PathLike], output: Union[str, os.PathLik
     if ptr is None:
         raise CheckpointError(f"{folder} has no {folders.POINTER}: it was not written through "
                               f"transformers_layerckpt (plain Trainer resumes from it as it is)")
+    check_store_inside(ptr.path, ptr.store)  # before anything of the store is read
     loaded = layerckpt.read_checkpoint(folders.check_committed(ptr), config=pretrained_config(pretrained))
-    tmp = export_staging(folder, output, folders.POINTER)
-    save_file(untied(loaded.model), os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
-    if ptr.optimizer:
-        if loaded.optimizer is None:
-            raise CheckpointError(f"the composite of {folder} lacks the optimizer state its pointer promises")
-        torch.save(loaded.optimizer, os.path.join(tmp, OPTIMIZER))
-    return export_done(tmp, output)
+    if ptr.optimizer and loaded.optimizer is None:
+        raise CheckpointError(f"the composite of {folder} lacks the optimizer state its pointer promises")
+    with export_staging(folder, output, folders.POINTER) as tmp:
+        save_file(untied(loaded.model), os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+        if ptr.optimizer:
+            torch.save(loaded.optimizer, os.path.join(tmp, OPTIMIZER))
+        return export_done(tmp, output)
 
 
 def untied(model: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -10,18 +10,24 @@
 - which adapter object holds a store in this process, so that a newer one takes it over: :func:`hold`;
 - which model an optimizer belongs to: :func:`owners`, :func:`pair_optimizers`;
 - writing a file or folder durably under its final name: :func:`replace_durably`;
+- a framework folder's pointer file and the store it names (beside the folders only): :func:`pointer_store`,
+  :func:`check_store_inside`; exporting such a folder, its own regular files only, staged under a fresh name:
+  :func:`export_paths`, :func:`export_staging`, :func:`export_done`;
 - the loss a save's selection is scaled by, in the unit of clipped gradients: :class:`SelectionLoss`.
 """
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
 import os
+import stat
 import typing
-from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Set, Tuple, TypeVar, Union
+from typing import (Any, Callable, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence, Set, Tuple,
+                    TypeVar, Union)
 
 import torch
 
@@ -313,11 +319,12 @@ def read_folder_pointer(folder: str, name: str, parse: Callable[[Any, str], T]) 
 
 
 def pointer_store(d: Any, path: str, fmt: str, version: int, reader: str, holds: str,
-                  valid: Callable[[Dict[str, Any]], bool]) -> str:
+                  valid: Callable[[Dict[str, Any]], bool], up: int = 1) -> str:
     """Check what every adapter's pointer file holds (``format``, ``version``, ``store`` relative to its folder,
     ``step``, ``token``) and ``valid(d)`` for the adapter's own fields; the store's root.  A malformed one is a
     CheckpointCorruptError saying the folder cannot be loaded (``holds``: what the composite holds); a newer
-    version one naming ``reader`` to upgrade."""
+    version one naming ``reader`` to upgrade; a ``store`` anywhere but where the adapter writes it (one folder
+    name, one to ``up`` folders above the checkpoint folder: see :func:`pointed_store`) one saying so."""
     from .errors import CheckpointCorruptError
 
     ok = (isinstance(d, dict) and d.get("format") == fmt and isinstance(d.get("version"), int)
@@ -330,7 +337,41 @@ def pointer_store(d: Any, path: str, fmt: str, version: int, reader: str, holds:
     if d["version"] > version:
         raise CheckpointCorruptError(f"{path} has pointer version {d['version']}, newer than this {reader} reads "
                                      f"({version}); upgrade layerckpt", path=path)
-    return os.path.normpath(os.path.join(os.path.dirname(path), d["store"]))
+    return pointed_store(path, d["store"], up)
+
+
+def pointed_store(path: str, rel: str, up: int) -> str:
+    """The store root that the pointer file ``path`` names as ``rel``, which must be where the adapters write it:
+    ``..`` one to ``up`` times, then one folder name (``../layerckpt`` beside the checkpoint folders,
+    ``../../layerckpt`` beside their ``checkpoints/``).  A folder may come from elsewhere (a download, a copy of
+    someone's run), and its pointer decides what a load or ``layerckpt export`` reads: an absolute path, one
+    climbing further up or going down elsewhere would read whatever store lies there.  Checked on the text alone
+    (a remote folder's pointer is a URL); :func:`check_store_inside` checks the links of a local one."""
+    from .errors import CheckpointCorruptError
+
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    ups = next((i for i, p in enumerate(parts) if p != ".."), len(parts))
+    if os.path.isabs(rel) or "\0" in rel or not 1 <= ups <= up or len(parts) != ups + 1:
+        what = ("is an absolute path" if os.path.isabs(rel) else
+                f"climbs {ups} folders up" if ups > up else "is not a folder beside the checkpoint folder")
+        beside = " or ".join("/".join([".."] * n + ["<store>"]) for n in range(1, up + 1))
+        raise CheckpointCorruptError(
+            f"{path} names the layerckpt store {rel!r}, which {what}; layerckpt writes it beside the checkpoint "
+            f"folders ({beside}), so the pointer was edited and the folder is not loaded: restore its "
+            f"{os.path.basename(path)} as layerckpt wrote it, with the store in its place", path=path)
+    return os.path.normpath(os.path.join(os.path.dirname(path), rel))
+
+
+def check_store_inside(pointer: str, root: str) -> None:
+    """Refuse the store ``root`` that the local pointer file ``pointer`` names (see :func:`pointed_store`) when it
+    resolves outside the folder it lies in: a symbolic link in its place leading elsewhere would have an export
+    read (and copy out) whatever store that is.  A store linked within that folder is followed."""
+    real, base = os.path.realpath(root), os.path.realpath(os.path.dirname(root))
+    if not real.startswith(base.rstrip(os.sep) + os.sep):
+        raise CheckpointError(
+            f"{pointer} names the layerckpt store {root}, which is a symbolic link to {real}, outside {base}; an "
+            f"export reads only a store beside the checkpoint folders: put the store itself there (not a link to "
+            f"it) and export again")
 
 
 def pointed_manifest(root: str, step: int, token: Any, folder: str, token_at: Callable[[str], Any],
@@ -364,15 +405,25 @@ def export_paths(folder: Union[str, "os.PathLike[str]"], output: Union[str, "os.
     return folder, output
 
 
-def export_staging(folder: str, output: str, pointer: str) -> str:
-    """The staging folder of an export into ``output`` (see :func:`export_paths`): ``output.tmp``, afresh, holding
-    a copy of the framework's checkpoint ``folder`` without its pointer file ``pointer``."""
+@contextlib.contextmanager
+def export_staging(folder: str, output: str, pointer: str) -> Iterator[str]:
+    """The staging folder of an export into ``output`` (see :func:`export_paths`), holding a copy of the
+    framework's checkpoint ``folder`` without its pointer file ``pointer``; the caller writes the rest into it
+    and ends with :func:`export_done`.  Its name is a fresh one beside ``output`` (``.<name>.<random>.tmp``): a
+    path that was there before, whatever its name, is never touched.  Everything the copy would take is checked
+    before anything is written (:func:`_export_entries`); on a failure the staging folder goes, nothing else."""
     import shutil
+    import tempfile
 
-    tmp = output + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(pointer))
-    return tmp
+    entries = _export_entries(folder, pointer)
+    parent, name = os.path.split(output)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.", suffix=".tmp")
+    try:
+        _copy_entries(folder, tmp, entries)
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def export_done(tmp: str, output: str) -> str:
@@ -381,3 +432,89 @@ def export_done(tmp: str, output: str) -> str:
         os.rmdir(output)
     return replace_durably(tmp, output)
 
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_KINDS = ((stat.S_ISLNK, "is a symbolic link"), (stat.S_ISFIFO, "is a FIFO"), (stat.S_ISCHR, "is a character device"),
+          (stat.S_ISBLK, "is a block device"), (stat.S_ISSOCK, "is a socket"))
+
+
+def _not_copied(path: str, mode: int) -> CheckpointError:
+    what = next((name for test, name in _KINDS if test(mode)), "changed while the export read it")
+    return CheckpointError(
+        f"{path} {what}; an export copies only the regular files and folders inside the checkpoint folder, never "
+        f"what a link or special file leads to: replace it with the file itself, or remove it, and export again")
+
+
+def _export_entries(folder: str, skip: str) -> List[Tuple[str, bool]]:
+    """(path relative to ``folder``, whether a folder) of everything an export copies, each folder before what it
+    holds; ``skip``, the pointer file, left out.  A checkpoint folder may come from elsewhere: a symbolic link
+    (to a file or a folder), FIFO, device or socket in it is refused, naming it, instead of copying a file from
+    outside the folder into the output, reading /dev/zero until the disk is full or waiting on a FIFO forever."""
+    out: List[Tuple[str, bool]] = []
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        with os.scandir(os.path.join(folder, rel) if rel else folder) as it:
+            for e in it:
+                sub = os.path.join(rel, e.name)
+                if rel or e.name != skip:
+                    mode = e.stat(follow_symlinks=False).st_mode
+                    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                        raise _not_copied(os.path.join(folder, sub), mode)
+                    out.append((sub, stat.S_ISDIR(mode)))
+                    if stat.S_ISDIR(mode):
+                        todo.append(sub)
+    return out
+
+
+def _copy_entries(folder: str, tmp: str, entries: List[Tuple[str, bool]]) -> None:
+    """Copy ``entries`` (:func:`_export_entries`) of ``folder`` into ``tmp``, each file with its mode and times
+    (as ``shutil.copy2``), ``tmp`` with the folder's mode (its owner may always write: the export goes on)."""
+    import shutil
+
+    root = os.open(folder, _DIR)
+    try:
+        for rel, is_dir in entries:
+            if is_dir:
+                os.mkdir(os.path.join(tmp, rel))
+                continue
+            fd, st = _open_below(root, folder, rel)
+            with os.fdopen(fd, "rb") as src, open(os.path.join(tmp, rel), "xb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            os.chmod(os.path.join(tmp, rel), stat.S_IMODE(st.st_mode))
+            os.utime(os.path.join(tmp, rel), ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.chmod(tmp, stat.S_IMODE(os.fstat(root).st_mode) | stat.S_IRWXU)
+    finally:
+        os.close(root)
+
+
+def _open_below(root: int, folder: str, rel: str) -> Tuple[int, os.stat_result]:
+    """The file ``rel`` of the folder open as ``root``, opened for reading with no component of ``rel`` followed
+    through a link and without waiting (a FIFO would wait for a writer), and what it is; anything but a regular
+    file, or a link in place of a folder above it (put there since :func:`_export_entries` listed the folder),
+    refused as there."""
+    import errno
+
+    parts, at = rel.split(os.sep), folder
+    fd = os.dup(root)
+    try:
+        for i, p in enumerate(parts):
+            at = os.path.join(at, p)
+            flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) if i == len(parts) - 1 else _DIR
+            fd, above = os.open(p, flags | _NOFOLLOW, dir_fd=fd), fd
+            os.close(above)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR, errno.ENXIO):  # ENXIO: a socket
+            raise
+        try:
+            mode = os.lstat(at).st_mode
+        except OSError:
+            mode = stat.S_IFLNK
+        raise _not_copied(at, mode) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _not_copied(at, st.st_mode)
+    return fd, st
