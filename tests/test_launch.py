@@ -1,6 +1,7 @@
 """``layerckpt launch``: a job killed with SIGKILL restarts from the warm standby (a fork of a process that has
 imported torch), resumes from its checkpoint and ends bit for bit as an uninterrupted run; the restarts, their
-limit, exit statuses, signals and the fallback to a new interpreter are what the command line says."""
+limit, exit statuses, signals and the fallback to a new interpreter are what the command line says; an attempt dies
+with its launcher, however the launcher dies."""
 import json
 import os
 import signal
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standby_job.py")
@@ -118,40 +120,102 @@ def test_sigterm_reaches_the_attempt_and_stops_the_restarts(tmp_path):
     assert "restart" not in err
 
 
+def _alive(pid):
+    """Whether ``pid`` runs: a zombie (dead, not yet reaped by the process it was reparented to) does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _ppid(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _gone_within(pid, seconds):
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not _alive(pid)
+
+
+def _await(path, p, seconds=120):
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.01)
+    assert path.exists(), f"nothing at {path}: the launcher exited with status {p.poll()}"
+    return path.read_text()
+
+
+SLEEPER = """import os, sys, time
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(f"{os.getpid()} {'torch' in sys.modules}")
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("standby", [True, False], ids=["forked", "new_interpreter"])
+def test_a_launcher_killed_with_sigkill_takes_its_attempt_with_it(tmp_path, standby):
+    """The attempt, a fork of the launcher or a new interpreter, dies with its launcher: no orphan trains on (the
+    launcher is the standby itself, so the attempt is the one process it started)."""
+    script, told = tmp_path / "job.py", tmp_path / "pid"
+    script.write_text(SLEEPER)
+    with open(tmp_path / "launch.log", "wb") as log:
+        p = subprocess.Popen([sys.executable, "-m", "layerckpt.cli", "launch", *([] if standby else ["--no-standby"]),
+                              str(script), str(told)], stdout=log, stderr=subprocess.STDOUT)
+    pid = None
+    try:
+        text = _await(told, p)
+        pid, preloaded = int(text.split()[0]), text.split()[1] == "True"
+        assert preloaded == standby and _ppid(pid) == p.pid  # a fork, or a new interpreter; the launcher's child
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        assert _gone_within(pid, 5), "the attempt outlived its launcher"
+    finally:
+        for q in (p.pid, pid):
+            if q is not None and _alive(q):
+                os.kill(q, signal.SIGKILL)
+        p.wait()
+
+
 HARNESS = """
 import os, sys, time
 import layerckpt.launch as L
 
-real_fork, ready = os.fork, sys.argv[1]
+ready, tie = sys.argv[1], L._die_with
 
-def fork():  # the attempt is held right after the fork until its launcher is gone, as a slow machine may hold it
-    pid = real_fork()
-    if pid == 0:
-        parent = os.getppid()
-        open(ready, "w").close()
-        while os.getppid() == parent:
-            time.sleep(0.005)
-    return pid
+def held(launcher):  # the attempt held between its fork and its tie to the launcher, as a slow machine may hold it
+    with open(ready + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(ready + ".tmp", ready)
+    while os.getppid() == launcher:
+        time.sleep(0.005)
+    tie(launcher)
 
-os.fork = fork
-sys.exit(L.launch(sys.argv[2:], max_restarts=0))
+L._die_with = held
+sys.exit(L.launch(sys.argv[3:], max_restarts=0, standby=sys.argv[2] == "standby"))
 """
 
 
-def test_an_attempt_forked_as_its_launcher_dies_is_told_the_launchers_pid(tmp_path):
-    """The attempt learns the launcher's pid from the launcher, not from ``os.getppid()`` after the fork: where the
-    launcher was killed first, that is already another process's pid, and an attempt checking whether it was
-    orphaned (the goodput bench's standby attempts waiting for their start) would wait forever."""
-    script, told, ready = tmp_path / "job.py", tmp_path / "told", tmp_path / "ready"
-    script.write_text("import os, sys\nopen(sys.argv[1] + '.tmp', 'w').write(os.environ['LAYERCKPT_LAUNCHER_PID'])\n"
-                      "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n")
-    p = subprocess.Popen([sys.executable, "-c", HARNESS, str(ready), str(script), str(told)])
-    deadline = time.time() + 120
-    while not ready.exists() and time.time() < deadline and p.poll() is None:
-        time.sleep(0.01)
-    assert ready.exists(), "the launcher never forked its attempt"
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    while not told.exists() and time.time() < deadline:
-        time.sleep(0.01)
-    assert told.read_text() == str(p.pid)
+@pytest.mark.parametrize("standby", [True, False], ids=["forked", "new_interpreter"])
+def test_an_attempt_started_as_its_launcher_dies_never_runs(tmp_path, standby):
+    """An attempt whose launcher died between its fork and its tie to the launcher (when the kernel has no death
+    left to tell it of) finds its parent changed and dies before its script's first line."""
+    script, ran, ready = tmp_path / "job.py", tmp_path / "ran", tmp_path / "ready"
+    script.write_text("import sys\nopen(sys.argv[1], 'w').close()\n")
+    p = subprocess.Popen([sys.executable, "-c", HARNESS, str(ready), "standby" if standby else "fresh", str(script),
+                          str(ran)])
+    pid = None
+    try:
+        pid = int(_await(ready, p))
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        assert _gone_within(pid, 5), "the attempt outlived its launcher"
+        assert not ran.exists()
+    finally:
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        p.wait()

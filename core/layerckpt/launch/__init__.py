@@ -18,9 +18,20 @@ Exit status: the script's, once it exits 0 or the restarts run out (a death by s
 An attempt that exits with ``layerckpt.EXIT_PREEMPTED`` (75: it stopped on a notice of preemption, its checkpoint
 handled) is not restarted either: the machine is going away, and the job resumes wherever it is started next.
 ``SIGUSR1`` and ``SIGUSR2`` (SLURM's ``--signal``) are passed to the running attempt as they come.
+
+An attempt dies with its launcher, however the launcher dies: the kernel SIGKILLs it then (Linux's parent-death
+signal, set in the attempt between its fork and its script's first line, or its ``exec``; an attempt whose launcher
+died before that finds its parent changed and dies at once).  SIGKILL, not SIGTERM: a launcher killed with SIGKILL
+was given no grace by whoever killed it, who is done waiting (a stop with grace is a SIGTERM, which the launcher
+passes on and the attempt's preemption handler saves on), and who may start the job again at once: an attempt still
+saving would write the checkpoints the new one restores from.  The job resumes from its newest committed checkpoint,
+as after any crash.  The launcher is itself the warm standby, so the attempt is the one process it starts; what the
+script starts is the script's (torch's data loader workers end once orphaned).  Off Linux every attempt is a new
+interpreter (the launcher's threads cannot be counted there) and nothing ties it: it outlives a SIGKILLed launcher.
 """
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import signal
@@ -37,6 +48,35 @@ from ..preempt import EXIT_PREEMPTED
 RESTART_COUNT = "LAYERCKPT_RESTART_COUNT"
 #: and the launcher's pid (an attempt that outlived it can tell: its parent is another process by then)
 LAUNCHER_PID = "LAYERCKPT_LAUNCHER_PID"
+
+
+#: prctl(2)'s option: the signal the kernel sends a process when the thread that started it dies
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    """libc's ``prctl``, or None off Linux; taken before any fork, so that an attempt only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()
+
+
+def _die_with(launcher: int) -> None:
+    """In an attempt, first thing after its fork (a ``preexec_fn`` for a new interpreter: it holds across the
+    ``exec``): have the kernel SIGKILL it when the launcher dies.  The signal comes at the death of the thread that
+    forked, the launcher's main thread (``launch`` blocks in it while the attempt runs); a launcher dead before this
+    call has no death left to tell, so the attempt checks its parent is still ``launcher`` after it."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0),
+               ctypes.c_ulong(0))
+    if os.getppid() != launcher:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _native_threads() -> int:
@@ -182,16 +222,10 @@ def launch(target: List[str], max_restarts: int = 3, preload: Optional[List[str]
             if why and standby and not told:
                 _say(f"every attempt starts a new interpreter: {why}")
                 told = True
-            sys.stdout.flush()
-            sys.stderr.flush()
-            if not why:
-                launcher = os.getpid()
-                pid = os.fork()
-                if pid == 0:
-                    return _attempt_in_fork(target, restart, launcher)
-            else:
-                cmd = [sys.executable] + target
-                pid = subprocess.Popen(cmd, env=dict(os.environ, **{RESTART_COUNT: str(restart)})).pid
+            launcher = os.getpid()
+            pid = _start(target, restart, launcher, fork=not why)
+            if pid == 0:
+                return _attempt_in_fork(target, restart, launcher)
             running[:] = [pid]
             code = _status(_wait(pid, stopping))
             running.clear()
@@ -208,6 +242,20 @@ def launch(target: List[str], max_restarts: int = 3, preload: Optional[List[str]
     finally:  # in the launcher, and in an attempt once its script ended
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _start(target: List[str], restart: int, launcher: int, fork: bool) -> int:
+    """Start attempt ``restart`` of ``target``, a fork of this process or a new interpreter, tied to ``launcher``
+    (this process); its pid (0 in the fork, as ``os.fork`` returns)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if fork:
+        pid = os.fork()
+        if pid == 0:
+            _die_with(launcher)
+        return pid
+    return subprocess.Popen([sys.executable] + target, env=dict(os.environ, **{RESTART_COUNT: str(restart)}),
+                            preexec_fn=lambda: _die_with(launcher)).pid
 
 
 def _wait(pid: int, stopping: List[int]) -> int:
