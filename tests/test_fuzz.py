@@ -3,15 +3,19 @@ nesting, special files, truncation, flipped bytes, another store's files) and re
 within a timeout, in a result or one of the library's errors (a CheckpointError); a result holds exactly
 the bytes the step it reports saved; ``layerckpt verify`` never crashes, exits 1 where a read refuses the
 store as damaged and 0 where every checkpoint reads back as saved.  The same cases run over the store read as a
-``file://`` remote tier.  The short runs are part of the suite; ``-m slow`` runs the long ones
-(``LAYERCKPT_FUZZ_CASES`` cases each)."""
+``file://`` remote tier (read in place), and put under a ``memory://`` and an S3 URL (a loopback moto server):
+read through the download path, a temporary folder the composite is copied into, with the size checks of
+the copy.  Read as a URL, every error about the store names it by its URL, never a temporary folder.  The
+short runs are part of the suite; ``-m slow`` runs the long ones (``LAYERCKPT_FUZZ_CASES`` cases each)."""
 import contextlib
 import io
 import json
 import os
 import random
 import shutil
+import stat
 import threading
+import uuid
 
 import pytest
 import torch
@@ -225,10 +229,10 @@ def _bounded(fn, *args):
     return box.get("out"), box.get("err")
 
 
-def _verify(root):
+def _verify(root, *opts):
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        return cli.main(["verify", str(root)]), out.getvalue()
+        return cli.main(["verify", str(root), *opts]), out.getvalue()
 
 
 def _check_result(loaded, ours, where: str) -> None:
@@ -241,18 +245,27 @@ def _check_result(loaded, ours, where: str) -> None:
         assert _raw(v) == want[k], f"{where}: tensor {k!r} of step {loaded.step} restored with other bytes"
 
 
-def _read_lenient(root, step: int):
-    return layerckpt.read_checkpoint(root, step, strict=False)
+class _Restored:
+    """A restore's outcome as :func:`_check_result` judges it: the step it reports, the model's state."""
+
+    def __init__(self, step, model):
+        self.step, self.model = step, model
 
 
-def _expected_verify(root, err, ours, where: str) -> int:
+def _read_lenient(root, step: int, config=None):
+    return layerckpt.read_checkpoint(root, step, strict=False, config=config)
+
+
+def _expected_verify(root, err, ours, where: str, via=None) -> int:
     """What ``layerckpt verify`` must exit with, from reading the newest checkpoint (``err``) and each step the
     store saved (strict=False: staleness is the caller's bound, not damage): 1 where a read refused the store as
     damaged; 0 where every read gave back exactly the saved bytes (a step whose manifest is gone is no
     checkpoint, not damage)."""
     damaged = isinstance(err, CheckpointCorruptError)
     for step in ours:
-        loaded, e = _bounded(_read_lenient, root, step)
+        loaded, e = _bounded(_read_lenient, root, step, via.config if via else None)
+        if via is not None:
+            via.names(e, f"{where}: step {step}")
         if e is None:
             _check_result(loaded, ours, f"{where}: step {step}")
         elif isinstance(e, CheckpointCorruptError):
@@ -262,32 +275,158 @@ def _expected_verify(root, err, ours, where: str) -> int:
     return 1 if damaged else 0
 
 
-def _target(root, remote: bool):
-    """What a read is given: the store's directory, or the same directory as a ``file://`` remote tier (read
-    through fsspec into a local view, as any URL)."""
-    return "file://" + str(root) if remote else root
+#: what no message of a read of a URL holds: the temporary folders a remote composite is copied into
+TEMPORARY = ("layerckpt-fetch-", "layerckpt-view-")
+#: the bytes a remote copy of a link to a device holds (an object store has no links): more than any file of
+#: the small stores ``special_file`` damages, so the copy's size checks refuse it
+LINKED_BYTES = 64 << 10
 
 
-def run_case(seed, stores, tmp_path, remote: bool = False):
+class Via:
+    """How a case's mutated store is read: ``local``, its directory; ``file``, the same directory as a ``file://``
+    remote tier (read in place); ``memory`` or ``s3``, every file of it put under a ``memory://`` or S3 URL
+    (read through a download into a temporary folder)."""
+
+    def __init__(self, kind: str = "local", s3=None):
+        self.kind, self.s3 = kind, s3
+        self.url = None
+        self.config = None
+        self.opts = []
+
+    @property
+    def tag(self) -> str:
+        return "" if self.kind == "local" else ", remote" if self.kind == "file" else f", {self.kind}"
+
+    def target(self, root, name: str):
+        """What a read is given for the store at ``root``: ``name`` makes a case's URL its own."""
+        if self.kind == "local":
+            return root
+        if self.kind == "file":
+            self.url = "file://" + str(root)
+            return self.url
+        import fsspec
+
+        options = self.s3.options if self.kind == "s3" else {}
+        bucket = self.s3.bucket() if self.kind == "s3" else f"fuzz-{uuid.uuid4().hex[:12]}"
+        self.url = f"{self.kind}://{bucket}/{name}"
+        fs, base = fsspec.core.url_to_fs(self.url, **options)
+        fs.pipe(_as_objects(root, base))
+        if options:
+            self.config = layerckpt.Config(remote=self.url, remote_options=options)
+            self.opts = ["--remote-options", json.dumps(options)]
+        return self.url
+
+    def names(self, err, where: str) -> None:
+        """Read as a URL, an error names no temporary folder (``file://``: the folder only inside its URL), and
+        one about the store (damage, nothing committed) names the store by its URL."""
+        if err is None or self.url is None:
+            return
+        self.text_names(str(err), where)
+        if isinstance(err, (CheckpointCorruptError, CheckpointNotFoundError)):
+            assert self.url in str(err), f"{where}: {type(err).__name__} does not name {self.url}: {err}"
+        path = getattr(err, "path", None)
+        if isinstance(path, str):
+            self.text_names(path, where)
+
+    def text_names(self, text: str, where: str) -> None:
+        if self.url is None:
+            return
+        for t in TEMPORARY:
+            assert t not in text, f"{where}: names a temporary folder: {text}"
+        if self.kind == "file":
+            folder = self.url[len("file://"):]
+            assert text.count(folder) == text.count(self.url), f"{where}: names {folder}, not its URL: {text}"
+
+    def done(self) -> None:
+        """The case's memory:// copy removed (the file system is this process's memory)."""
+        if self.kind == "memory" and self.url:
+            import fsspec
+
+            fs, base = fsspec.core.url_to_fs(self.url)
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(base, recursive=True)
+
+
+def _as_objects(root, base: str) -> dict:
+    """Every file of the store at ``root`` as the objects of a copy of it under ``base``: a regular file its
+    bytes, a link what reading it gives (a device's: ``LINKED_BYTES`` of it), an empty folder an object
+    inside it; a FIFO (or socket) has no copy."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(dirpath, name)
+            key = base + "/" + os.path.relpath(p, root).replace(os.sep, "/")
+            st = os.lstat(p)
+            if name == ".writer.lock":
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                target = os.stat(p).st_mode if os.path.exists(p) else 0
+                if stat.S_ISREG(target) or stat.S_ISCHR(target):
+                    with open(p, "rb") as f:
+                        out[key] = f.read(LINKED_BYTES)
+            elif stat.S_ISREG(st.st_mode):
+                with open(p, "rb") as f:
+                    out[key] = f.read()
+            elif stat.S_ISDIR(st.st_mode) and not os.listdir(p):
+                out[key + "/.keep"] = b""
+    return out
+
+
+def _via(remote) -> Via:
+    return remote if isinstance(remote, Via) else Via("file" if remote else "local")
+
+
+def run_case(seed, stores, tmp_path, remote=False):
+    """One case; ``remote``: False (the directory), True (as a file:// remote) or a :class:`Via`."""
+    via = _via(remote)
     ours_src, ours, other, _ = stores
     rng = random.Random(seed)
     root = tmp_path / f"case{seed}"
     shutil.copytree(ours_src, root, symlinks=True, ignore=shutil.ignore_patterns(".writer.lock"))
     mutation = MUTATIONS[seed % len(MUTATIONS)]
     mutation(rng, root, other)
-    where = f"seed {seed} ({mutation.__name__}{', remote' if remote else ''})"
-    target = _target(root, remote)
-    loaded, err = _bounded(layerckpt.read_checkpoint, target)
+    where = f"seed {seed} ({mutation.__name__}{via.tag})"
+    try:
+        target = via.target(root, f"case{seed}")
+        _judge(target, via, ours, where, _model_and_optimizer)
+    finally:
+        via.done()
+
+
+def _model_and_optimizer():
+    """What the store was saved from: a restore of it reads every tensor (the optimizer's by the names of its
+    model's parameters)."""
+    model = tiny()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _judge(target, via: Via, ours, where: str, model_and_optimizer) -> None:
+    """The oracle of every case: each read ends in a result of the genuine bytes or a library error (naming the
+    store by its URL, read as one), verify in the exit code those reads imply, never a traceback."""
+    def read_checkpoint():
+        return layerckpt.read_checkpoint(target, config=via.config)
+
+    loaded, err = _bounded(read_checkpoint)
     assert err is None or isinstance(err, CheckpointError), f"{where}: {type(err).__name__}: {err}"
+    via.names(err, where)
     if err is None:
         _check_result(loaded, ours, where)
-    _, rerr = _bounded(lambda: layerckpt.restore(target, tiny(), torch.optim.SGD(tiny().parameters(), lr=0.1)))
+    def restore():
+        model, opt = model_and_optimizer()
+        return layerckpt.restore(target, model, opt, config=via.config), model
+
+    restored, rerr = _bounded(restore)
     assert rerr is None or isinstance(rerr, CheckpointError), f"{where}: restore: {type(rerr).__name__}: {rerr}"
-    out, verr = _bounded(_verify, target)
+    via.names(rerr, f"{where}: restore")
+    if rerr is None:  # the model holds exactly the bytes the step it reports saved
+        report, model = restored
+        _check_result(_Restored(report.step, model.state_dict()), ours, f"{where}: restore")
+    out, verr = _bounded(_verify, target, *via.opts)
     assert verr is None, f"{where}: verify raised {type(verr).__name__}: {verr}"
     rc, text = out
     assert "Traceback" not in text, f"{where}:\n{text}"
-    want = _expected_verify(target, err, ours, where)
+    via.text_names(text, f"{where}: verify")
+    want = _expected_verify(target, err, ours, where, via)
     assert rc == want, f"{where}: verify exited {rc}, expected {want} (newest read: {err!r}):\n{text}"
 
 
@@ -404,9 +543,10 @@ def _linked_copy(src, dst) -> None:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".writer.lock"), copy_function=copy)
 
 
-def run_piece_case(seed, piece_stores, tmp_path, remote: bool = False):
+def run_piece_case(seed, piece_stores, tmp_path, remote=False):
     import hostile_stores as hs
 
+    via = _via(remote)
     rng = random.Random(seed)
     store, mutation = PIECE_MUTATIONS[seed % len(PIECE_MUTATIONS)]
     src, ours = piece_stores[store]
@@ -416,20 +556,11 @@ def run_piece_case(seed, piece_stores, tmp_path, remote: bool = False):
     d = json.loads(p.read_text())
     mutation(rng, d)
     p.write_text(json.dumps(d))
-    where = f"seed {seed} ({store}, {mutation.__name__} of {p.name}{', remote' if remote else ''})"
-    target = _target(root, remote)
-    loaded, err = _bounded(layerckpt.read_checkpoint, target)
-    assert err is None or isinstance(err, CheckpointError), f"{where}: {type(err).__name__}: {err}"
-    if err is None:
-        _check_result(loaded, ours, where)
-    _, rerr = _bounded(lambda: layerckpt.restore(target, *hs.model_and_optimizer()))
-    assert rerr is None or isinstance(rerr, CheckpointError), f"{where}: restore: {type(rerr).__name__}: {rerr}"
-    out, verr = _bounded(_verify, target)
-    assert verr is None, f"{where}: verify raised {type(verr).__name__}: {verr}"
-    rc, text = out
-    assert "Traceback" not in text, f"{where}:\n{text}"
-    want = _expected_verify(target, err, ours, where)
-    assert rc == want, f"{where}: verify exited {rc}, expected {want} (newest read: {err!r}):\n{text}"
+    where = f"seed {seed} ({store}, {mutation.__name__} of {p.name}{via.tag})"
+    try:
+        _judge(via.target(root, f"pieces{seed}"), via, ours, where, hs.model_and_optimizer)
+    finally:
+        via.done()
 
 
 def test_fuzz_enc_and_boxes_short(piece_stores, tmp_path):
@@ -473,4 +604,61 @@ def test_fuzz_remote_long(stores, tmp_path):
 def test_fuzz_enc_and_boxes_remote_long(piece_stores, tmp_path):
     for seed in range(REMOTE_SEEDS + PIECE_REMOTE_SHORT, REMOTE_SEEDS + PIECE_REMOTE_SHORT + LONG):
         run_piece_case(seed, piece_stores, tmp_path, remote=True)
+        shutil.rmtree(tmp_path / f"pieces{seed}", ignore_errors=True)
+
+
+# -- the same through the download path: each mutated store put under a memory:// and an S3 URL ----------------
+
+#: seeds of the memory:// and S3 runs; their short runs take each mutation three times (memory://) or twice
+#: (S3, whose requests take longer)
+MEMORY_SEEDS, S3_SEEDS = 2000, 3000
+MEMORY_SHORT, PIECE_MEMORY_SHORT = 3 * len(MUTATIONS), 3 * len(PIECE_MUTATIONS)
+S3_SHORT, PIECE_S3_SHORT = 2 * len(MUTATIONS), 2 * len(PIECE_MUTATIONS)
+
+
+def test_fuzz_memory_short(stores, tmp_path):
+    for seed in range(MEMORY_SEEDS, MEMORY_SEEDS + MEMORY_SHORT):
+        run_case(seed, stores, tmp_path, Via("memory"))
+
+
+def test_fuzz_enc_and_boxes_memory_short(piece_stores, tmp_path):
+    for seed in range(MEMORY_SEEDS, MEMORY_SEEDS + PIECE_MEMORY_SHORT):
+        run_piece_case(seed, piece_stores, tmp_path, Via("memory"))
+
+
+def test_fuzz_s3_short(stores, tmp_path, s3):
+    for seed in range(S3_SEEDS, S3_SEEDS + S3_SHORT):
+        run_case(seed, stores, tmp_path, Via("s3", s3))
+
+
+def test_fuzz_enc_and_boxes_s3_short(piece_stores, tmp_path, s3):
+    for seed in range(S3_SEEDS, S3_SEEDS + PIECE_S3_SHORT):
+        run_piece_case(seed, piece_stores, tmp_path, Via("s3", s3))
+
+
+@pytest.mark.slow
+def test_fuzz_memory_long(stores, tmp_path):
+    for seed in range(MEMORY_SEEDS + MEMORY_SHORT, MEMORY_SEEDS + MEMORY_SHORT + LONG):
+        run_case(seed, stores, tmp_path, Via("memory"))
+        shutil.rmtree(tmp_path / f"case{seed}", ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_fuzz_enc_and_boxes_memory_long(piece_stores, tmp_path):
+    for seed in range(MEMORY_SEEDS + PIECE_MEMORY_SHORT, MEMORY_SEEDS + PIECE_MEMORY_SHORT + LONG):
+        run_piece_case(seed, piece_stores, tmp_path, Via("memory"))
+        shutil.rmtree(tmp_path / f"pieces{seed}", ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_fuzz_s3_long(stores, tmp_path, s3):
+    for seed in range(S3_SEEDS + S3_SHORT, S3_SEEDS + S3_SHORT + LONG):
+        run_case(seed, stores, tmp_path, Via("s3", s3))
+        shutil.rmtree(tmp_path / f"case{seed}", ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_fuzz_enc_and_boxes_s3_long(piece_stores, tmp_path, s3):
+    for seed in range(S3_SEEDS + PIECE_S3_SHORT, S3_SEEDS + PIECE_S3_SHORT + LONG):
+        run_piece_case(seed, piece_stores, tmp_path, Via("s3", s3))
         shutil.rmtree(tmp_path / f"pieces{seed}", ignore_errors=True)

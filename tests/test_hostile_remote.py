@@ -400,3 +400,13 @@ def test_s3_requests_have_a_time_bound(s3):
     mine = dict(s3.options, config_kwargs={"read_timeout": 120})
     tier = FsspecStore(f"s3://{s3.bucket()}/run", mine)
     assert (tier.fs.config_kwargs["connect_timeout"], tier.fs.config_kwargs["read_timeout"]) == (5, 120)
+
+
+def test_s3_an_empty_manifest_is_damage_not_an_unreachable_remote(s3, s3_store):
+    url, cfg, fs, path = s3_store
+    fs.pipe_file(f"{path}/manifests/{STEP2}", b"")  # found by test_fuzz's S3 run (seed 3066)
+    for call in (lambda: in_time(layerckpt.restore, url, tiny(), config=cfg),
+                 lambda: in_time(layerckpt.restore, url, tiny(), config=cfg, step=2)):
+        refused(call, f"{url}/manifests/{STEP2}", "truncated or malformed")
+    rc, text = verify(url, "--remote-options", json.dumps(s3.options))
+    assert rc == 1 and f"{url}/manifests/{STEP2}" in text and "Traceback" not in text, text

@@ -33,7 +33,7 @@ import torch
 from . import _dist, _faults, _registry, _session
 from .config import Config
 from .errors import CheckpointError, ConfigError
-from .format import _store
+from .format import _sign, _store
 from .format._codec import Entries
 from .format._layout import LayoutCache
 from .format._manifest import Manifest, RowBlocks, load_manifest
@@ -216,7 +216,8 @@ class Checkpointer:
         root, step = _store.locate(path)
         if os.path.abspath(root) != self.dirpath:
             raise CheckpointError(f"adopt(): {path} belongs to {root}, not to this Checkpointer's {self.dirpath}")
-        m = load_manifest(_store.resolve(root, step))
+        mpath, key = _store.resolve(root, step), _sign.key_of(self.config)
+        m = load_manifest(mpath) if key is None else _sign.load_signed(root, mpath, key, files=False)
         with self._lock:
             self._check_replaced("adopt()")
             if self._pending or self.selector.composite is not None:

@@ -14,13 +14,14 @@ import torch
 
 from . import _progress
 from .format import _store
+from .format import _sign
 from .io._backend import checksum_function, make_backend
 from ._cli_run import Parser, figure_path, run
 from .read._fetch import unreadable_in
 from .format._manifest import MODEL, OPTIM, Manifest, load_manifest, model_name, piece_base
 from .format._store import PART, read_part
 from .config import Config
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .restore import check_state, read_tensors
 
 
@@ -276,10 +277,14 @@ def cmd_shm(args) -> int:
 def _verify_one(root: str, name: str, m: Manifest, bar: _progress.Bar, failures: List[str], damaged: set,
                 keys: Optional[List[str]] = None, away: AbstractSet[str] = frozenset()) -> bool:
     """Read every tensor of one committed checkpoint (``keys``: those a node's part holds, ``away``: the files
-    on other nodes) and decode what a restore decodes besides them (RNG states, extra); a failure goes to
+    on other nodes), decode what a restore decodes besides them (RNG states, extra) and check what a restore checks
+    besides (the pretrained references' seals, the optimizer state against its parameters); a failure goes to
     ``failures`` (and its data file, when named, to ``damaged``)."""
     try:
         where = os.path.join(root, _store.MANIFEST_DIR, name)
+        key = _sign.key_of()
+        if key is not None:  # a signed store's (with $LAYERCKPT_SIGN_KEY): as a restore with the key checks it
+            _sign.load_signed(root, where, key)
         if m.pretrained:  # no bytes to read, but the seals a restore checks before it reads anything
             from .read._pretrained import check_seals
 
@@ -289,6 +294,7 @@ def _verify_one(root: str, name: str, m: Manifest, bar: _progress.Bar, failures:
             _check_part_state(m, tensors, where, away)
         else:
             check_state(m, tensors, where)
+        _check_optimizer_state(m, where)  # after the reads: where the data is damaged too, that is what is named
         return True
     except CheckpointError as e:
         failures.append(f"{name}: {e}")
@@ -297,6 +303,42 @@ def _verify_one(root: str, name: str, m: Manifest, bar: _progress.Bar, failures:
     except _UNREADABLE as e:  # whatever else a damaged store provokes is a failure of that checkpoint too
         failures.append(f"{name}: cannot be read ({type(e).__name__}: {e})")
     return False
+
+
+def _check_optimizer_state(m: Manifest, where: str) -> None:
+    """What a restore into the model and optimizer that saved ``m`` checks of the optimizer state before it reads
+    anything (``restore._state_problem``, ``restore._optimizer_keys``), with each parameter as the manifest itself
+    records it (its model entry's dtype and shape): every state entry of the parameter's dtype and shape (or a
+    scalar where one belongs), and every parameter with state listed in a param group."""
+    from .format._layout import CODES
+    from .format._manifest import model_key
+    from .restore import _PARAM_SHAPED, _malformed, _state_problem
+
+    saved = m.optimizer
+    if not saved:
+        return
+    with _malformed(where, "the optimizer state"):
+        mine = saved.get("class")
+        known = mine is not None and mine in {f"{c.__module__}.{c.__qualname__}" for c in _PARAM_SHAPED}
+        grouped = {n for g in saved["param_groups"] for n in g["params"]}
+        bad = []
+        for name, st in saved["state"].items():
+            if name not in grouped:
+                bad.append(f"optimizer.state[{name}]: the state of a parameter no param group lists")
+                continue
+            d = m.describe(model_key(m.aliases.get(name, name)))
+            if d is None or d[0] not in CODES or not isinstance(st, dict):
+                continue  # a parameter the model's entries do not hold: a restore matches it with the model
+            p = torch.empty(d[1], dtype=CODES[d[0]], device="meta")
+            for key, v in st.items():
+                problem = _state_problem(key, v, p, m, known)
+                if problem:
+                    bad.append(f"optimizer.state[{name}][{key!r}]: {problem}")
+    if bad:
+        raise CheckpointCorruptError(
+            f"manifest {where}: the optimizer state does not match the parameters it is the state of, as the "
+            f"manifest records them (a restore into the model and optimizer that saved it refuses it): "
+            f"{'; '.join(bad)}; the manifest was edited or damaged: restore another step", path=where)
 
 
 def _check_part_state(m: Manifest, tensors: Dict[str, torch.Tensor], where: str, away: AbstractSet[str]) -> None:

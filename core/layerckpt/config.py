@@ -101,6 +101,14 @@ class Config:
     restore_rng: bool = True
     """Restore the python/numpy/torch RNG states saved with the checkpoint.  The Accelerate plugin turns it
     off for its loads: accelerate restores RNG from its own files."""
+    sign_key: Optional[str] = field(default=None, repr=False)
+    """A secret (at least 16 characters) that signs every checkpoint this Config saves and that a restore with it
+    requires (docs/failure-semantics.md, "Signed checkpoints"): each data file's SHA-256 digest is taken as it is
+    written, each manifest carries an HMAC-SHA256 over itself (every entry, seal and digest) and the store's
+    identity; a restore or ``verify`` with the key refuses a checkpoint not signed by it, one copied from another
+    store, and a data file whose bytes differ from its digest.  None: the environment's ``LAYERCKPT_SIGN_KEY``,
+    else unsigned.  Never written to the store, never shown (repr, ``recorded``).  Remote copies are the local
+    files byte for byte (no encoded copy: its bytes would need a digest of their own)."""
     budget_bytes: Optional[int] = None
     """Optional cap on the bytes one checkpoint writes: drifted layers go most-drifted first; forced ones
     always.  Applies to the fidelity and threshold rules; refused with ``full=True`` (a capped save is not
@@ -230,6 +238,10 @@ class Config:
         self._check_io()
         self._check_tiers()
         _flags(self, "verify_checksums", "restore_rng")
+        if self.sign_key is not None:
+            from .format._sign import check_key
+
+            check_key(self.sign_key)
         self._check_preemption()
 
     def _check_preemption(self) -> None:
@@ -389,12 +401,15 @@ class Config:
     __str__ = __repr__
 
     def to_dict(self) -> Dict[str, Any]:
-        return _plain(dataclasses.asdict(self))
+        """Every field, but ``sign_key`` (a secret: a dict ends up in JSON reports and logs)."""
+        return _plain(dataclasses.asdict(dataclasses.replace(self, sign_key=None)))
 
     def recorded(self) -> Dict[str, Any]:
-        """What a manifest records: every field but ``remote_options`` (it may hold credentials) and ``pretrained``
+        """What a manifest records: every field but ``remote_options`` (it may hold credentials), ``sign_key``
+        (the secret) and ``pretrained``
         (a manifest names no path to open; which tensors it holds by reference, ``Manifest.pretrained`` says)."""
-        return _plain(dataclasses.asdict(dataclasses.replace(self, remote_options={}, pretrained=None)))
+        return _plain(dataclasses.asdict(dataclasses.replace(self, remote_options={}, pretrained=None,
+                                                             sign_key=None)))
 
     def replace(self, **changes: Any) -> "Config":
         """A validated copy with ``changes``.  On a full Config, a new ``threshold`` or ``budget_bytes``
@@ -413,7 +428,7 @@ GROUPS: Dict[str, Tuple[str, ...]] = {
     "io": ("staging_bytes", "chunk_bytes", "queue_depth", "max_inflight", "lazy_staging", "backend", "direct_io",
            "encoding", "delta_chain", "encode_threads", "lossy_quantum", "lossy_bits"),
     "tiers": ("keep_last", "memory_tier", "remote", "remote_options", "remote_every", "remote_bandwidth", "replicas"),
-    "restore": ("verify_checksums", "restore_rng"),
+    "restore": ("verify_checksums", "restore_rng", "sign_key"),
     "preemption": ("preemption", "grace_s"),
 }
 """Every Config field, once, by what it governs (docs/configuration.md's Config table follows it)."""

@@ -9,7 +9,9 @@ have.  Nothing else runs meanwhile (the training waits), so the difference is th
 Contenders: ``torch.save`` of the model's and optimizer's state dicts (as Lightning's ModelCheckpoint
 writes them: no fsync), layerckpt's default ``Config`` (selective, ``encoding='auto'``), the same with
 ``encoding='delta'`` and ``'off'`` forced, and each of the three in full mode (every layer at every save);
-``encoding='lossy'`` in full mode (the opt-in bounded-loss codes: what they cost the machine).
+``encoding='lossy'`` in full mode (the opt-in bounded-loss codes: what they cost the machine).  On request
+(``--cpu-contenders``), the full ones signed (``Config.sign_key``: each file's SHA-256 taken as it is written,
+each manifest's HMAC): what signing costs the machine and the time to durable, against the same unsigned.
 Beside them, the machine's floor for a checkpoint of the state: one copy and one CRC32C of every byte
 (``memcpy + crc32c``), and what one training step costs (``step``) for scale.
 """
@@ -34,6 +36,8 @@ MODELS = ("main", "gpt2-small")
 PAUSE_S = 0.05
 CONTENDERS = ("torch.save", "layerckpt", "layerckpt delta", "layerckpt off", "layerckpt full",
               "layerckpt full delta", "layerckpt full off", "layerckpt full lossy")
+SIGNED = ("layerckpt full signed", "layerckpt full off signed")  # on request: what signing costs
+KNOWN = CONTENDERS + SIGNED
 
 
 def _cpu() -> float:
@@ -43,7 +47,7 @@ def _cpu() -> float:
 
 #: layerckpt's threads by the part of a save they do, from their names (an encoder pool's numbers dropped)
 PARTS = {"layerckpt-stager": "stager", "layerckpt-flusher": "flusher", "layerckpt-encode": "encoders",
-         "layerckpt-fingerprint": "fingerprints"}
+         "layerckpt-fingerprint": "fingerprints", "layerckpt-digest": "digests"}
 
 
 def _threads() -> Optional[Dict[str, float]]:
@@ -110,11 +114,16 @@ def _model(name: str) -> Tuple[torch.nn.Module, torch.optim.Optimizer, Callable[
     return model, opt, step, 1, 6
 
 
-def _layerckpt(root: str, model, opt, full: bool, encoding: str) -> Tuple[Callable[[int, Any], int], Callable]:
+def _layerckpt(root: str, model, opt, full: bool, encoding: str, signed: bool = False
+               ) -> Tuple[Callable[[int, Any], int], Callable]:
+    import secrets
+
     from ..checkpointer import Checkpointer
     from ..config import Config
 
     cfg = Config(full=True, encoding=encoding) if full else Config(encoding=encoding)
+    if signed:
+        cfg = cfg.replace(sign_key=secrets.token_hex(32))
     ck = Checkpointer(root, model, opt, cfg)
 
     def save(step: int, loss: Any) -> int:
@@ -186,8 +195,8 @@ def run_model(name: str, dirpath: Optional[str], contenders=CONTENDERS, saves: O
             else:
                 parts = who.split()
                 full = "full" in parts
-                enc = parts[-1] if parts[-1] in ("delta", "off", "lossy") else "auto"
-                save, close = _layerckpt(root, model, opt, full, enc)
+                enc = next((p for p in parts if p in ("delta", "off", "lossy")), "auto")
+                save, close = _layerckpt(root, model, opt, full, enc, "signed" in parts)
             cpu, wall, nbytes, parts = [], [], [], []
             for s in range(n * every):
                 loss = step(s)
@@ -228,7 +237,7 @@ def run(models=MODELS, dirpath: Optional[str] = None, contenders=CONTENDERS, sav
             "models": [run_model(m, dirpath, contenders, saves) for m in models]}
 
 
-_PART_ORDER = ("call", "stager", "flusher", "encoders", "fingerprints", "io_uring", "other")
+_PART_ORDER = ("call", "stager", "flusher", "encoders", "fingerprints", "digests", "io_uring", "other")
 
 
 def format_table(res: Dict[str, Any]) -> str:
@@ -271,6 +280,12 @@ def main(args) -> int:
         raise SystemExit(f"--cpu-models: no model named {', '.join(unknown) or 'at all'}; "
                          f"give {' and/or '.join(MODELS)}, comma-separated")
     saves = getattr(args, "cpu_saves", None)
-    res = run(models, args.dir, saves=None if saves is None else saves + 2)  # the first 2 are not timed
+    given = getattr(args, "cpu_contenders", None)
+    contenders = tuple(c.strip() for c in given.split(",") if c.strip()) if given else CONTENDERS
+    unknown = [c for c in contenders if c not in KNOWN]
+    if unknown or not contenders:
+        raise SystemExit(f"--cpu-contenders: no contender named {', '.join(unknown) or 'at all'}; give some of "
+                         f"{', '.join(KNOWN)}, comma-separated")
+    res = run(models, args.dir, contenders, saves=None if saves is None else saves + 2)  # the first 2 untimed
     print(json.dumps(res) if args.json else format_table(res))
     return 0

@@ -25,7 +25,7 @@ USES: Dict[str, Tuple[str, ...]] = {
     "lightning_io": ("size", "reps"),
     "restore": ("sizes", "cache", "reps"),
     "steps": ("size", "steps_n", "steps_every", "steps_rounds"),
-    "cpu": ("cpu_models", "cpu_saves"),
+    "cpu": ("cpu_models", "cpu_saves", "cpu_contenders"),
     "goodput": ("size", "mtbf", "goodput_steps", "failure", "seed", "cadences", "restarts", "grace",
                 "save_on_exception"),
     "lossy": ("workloads",),
@@ -118,6 +118,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--cpu-saves", type=_positive,
                    help="with --cpu: checkpoints timed per contender, after 2 untimed ones (default: each model's "
                         "own, 22 of the main job's model, 4 of GPT-2 small)")
+    a.add_argument("--cpu-contenders",
+                   help="with --cpu: comma-separated contenders (default: torch.save and layerckpt's unsigned "
+                        "ones; 'layerckpt full signed' and 'layerckpt full off signed' on request)")
     a.add_argument("--steps-every", type=_positive,
                    help="with --steps: a full checkpoint every N steps instead, the default Config against "
                         "encoding delta and off forced (default: 1); with --nodes: the step-time runs' save "

@@ -157,6 +157,9 @@ class FileEntry:
     step: int
     rank: int
     size: int
+    #: a signed store's (``_sign``): the SHA-256 digests of the file's consecutive parts, ``[[bytes, hex], ...]``;
+    #: None (and not written) in an unsigned one
+    digest: Optional[List[List[Any]]] = None
 
 
 @dataclass

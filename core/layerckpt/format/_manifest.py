@@ -62,6 +62,8 @@ class Manifest:
     #: model tensors held by reference to the pretrained files the training started from, by key, instead of
     #: in a data file (``Config(pretrained=...)``, ``read/_pretrained``); a layer lists them among its tensors
     pretrained: Optional[Dict[str, PretrainedEntry]] = None
+    #: a signed store's identity (``_sign``: a signed manifest belongs to the store it names); None unsigned
+    store: Optional[str] = None
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -140,6 +142,8 @@ class Manifest:
             del d["coding"]
         if d["pretrained"] is None:
             del d["pretrained"]
+        if d["store"] is None:
+            del d["store"]
         d["version"] = min(d["version"], _QSQREF_VERSION - 1)  # 6 only where its blocks are there (below)
         if d["boxes"] is None:  # readable by the layerckpt that wrote version 2
             del d["boxes"]
@@ -208,6 +212,8 @@ _OTHER_FIELDS = [f.name for f in dataclasses.fields(Manifest)
 
 def fields_of(obj: Any) -> Dict[str, Any]:
     """A dataclass instance's fields by name, shallow (also the ``default`` of ``json.dumps``)."""
+    if type(obj) is FileEntry and obj.digest is None:  # an unsigned store's file entry, as it was always written
+        return {"step": obj.step, "rank": obj.rank, "size": obj.size}
     names = _NAMES.get(type(obj))
     if names is None:
         if not dataclasses.is_dataclass(obj) or isinstance(obj, type):

@@ -141,6 +141,47 @@ def check_regions(tensors: Dict[str, Any], path: str) -> None:
                 reach = span
 
 
+def check_own_files(step: int, files: Dict[str, Any], tensors: Dict[str, Any], path: str) -> None:
+    """The data files a save wrote hold its tensors and nothing else: a raw file image is a header, then its
+    tensors back to back to the end (``_layout``), and the save's manifest lists every one of them.  So in a file
+    of the manifest's own step (the only one of its step and rank: a second save at one step may carry layers
+    from the first's file), written raw, the entries' regions start on an ``ALIGN`` boundary and run without a
+    gap to the file's end.  A gap is a tensor the manifest no longer lists there: a layer's entries replaced by an
+    older step's (with the layer's record) would restore the older bytes as if the save had not written it."""
+    own: Dict[Tuple[int, int], List[str]] = {}
+    for name, f in files.items():
+        if f.step == step:
+            own.setdefault((f.step, f.rank), []).append(name)
+    only = {names[0] for names in own.values() if len(names) == 1}
+    spans: Dict[str, List[Tuple[int, int, str]]] = {name: [] for name in only}
+    for key, e in tensors.items():
+        if e.file in spans:
+            if e.enc is not None:  # an encoded file's blocks are laid out by the encoder: not checked here
+                spans.pop(e.file)
+            elif e.nbytes:
+                spans[e.file].append((e.offset, e.offset + e.nbytes, key))
+    for name, got in spans.items():
+        gap = _gap(sorted(got), files[name].size)
+        if gap is not None:
+            raise _corrupt(path, f"file {name!r}, written by this save, holds {gap} that no tensor entry accounts "
+                                 f"for: the save wrote a tensor there that the manifest no longer lists (its entry "
+                                 f"replaced by another step's?)", None)
+
+
+def _gap(spans: List[Tuple[int, int, str]], size: int) -> Optional[str]:
+    """The first bytes of a raw file image (its header, then ``spans`` back to back to ``size``) no span covers."""
+    if not spans:
+        return None
+    if spans[0][0] % ALIGN:  # the header ends on an ALIGN boundary, the first tensor right after it
+        return f"bytes before {spans[0][0]}"
+    at = spans[0][0]
+    for a, z, _ in spans:
+        if a != at:
+            return f"bytes {at}..{a}"
+        at = z
+    return None if at == size else f"bytes {at}..{size}"
+
+
 def _corrupt(path: str, msg: str, tensor: Optional[str]) -> CheckpointCorruptError:
     return CheckpointCorruptError(f"manifest {path}: {msg}; the manifest was edited or damaged: restore another "
                                   f"step", path=path, tensor=tensor)

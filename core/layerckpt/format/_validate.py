@@ -29,7 +29,7 @@ from ._layout import CODES, ITEMSIZE
 from ._entries import (EXTRA, FINGERPRINT_CHUNK, FORMAT_NAME, FORMAT_VERSION, MODEL_OTHER, OPTIM, OPTIM_GROUPS, RNG,
                        Boxes, FileEntry, LayerEntry, PretrainedEntry, RowBlocks, TensorEntry, model_key, model_name,
                        piece_base, row_pieces, shard_pieces)
-from ._places import CRC_MAX, check_block_order, check_regions, check_seal_kinds, max_blocks
+from ._places import CRC_MAX, check_block_order, check_own_files, check_regions, check_seal_kinds, max_blocks
 from ..errors import CheckpointCorruptError
 
 
@@ -59,6 +59,7 @@ def validated(m: Any, path: str, other_fields: Sequence[str]) -> Dict[str, Any]:
                            tensor=lost)
     _check_versions(m["step"], files, tensors, layers, {**(rest.get("blocks") or {}), **(rest.get("boxes") or {})},
                     path, rest.get("pretrained") or {})
+    check_own_files(m["step"], files, tensors, path)
     _check_other(rest, path, known)
     _check_model(m["model"], path, model_known)
     _check_all_places(rest, m["model"].get("other"), path)
@@ -83,6 +84,8 @@ MAX_TENSOR_BYTES = 1 << 50
 _NAME_RE = re.compile(r"^step-(\d{8,})\.json$")
 _NUMBER = (int, float)
 _NONE: Mapping[str, PretrainedEntry] = {}  # no tensor held by reference
+CHECKSUMS = ("crc32c", "crc32")  # the checksums a manifest may name (``io._backend.checksum_function``)
+HEX = re.compile(r"^[0-9a-f]{64}$")  # a SHA-256 digest part of a signed store's file (``_sign``)
 
 
 def _corrupt(path: str, msg: str, tensor: Optional[str] = None) -> CheckpointCorruptError:
@@ -141,7 +144,24 @@ def _file_entry(name: str, e: Any, step: int, path: str) -> FileEntry:
             and e.get("rank", 0) < MAX_WORLD):
         raise _corrupt(path, f"entry for file {name!r} is malformed (step, rank and size must be non-negative "
                              f"integers)")
-    return FileEntry(step=e.get("step", step), rank=e.get("rank", 0), size=e.get("size", 0))
+    digest = e.get("digest")
+    if digest is not None and not _is_digest(digest, e.get("size", 0)):
+        raise _corrupt(path, f"entry for file {name!r} has a malformed digest (a list of [bytes, 64 hex "
+                             f"characters] parts whose bytes add up to the file's size)")
+    return FileEntry(step=e.get("step", step), rank=e.get("rank", 0), size=e.get("size", 0), digest=digest)
+
+
+def _is_digest(parts: Any, size: int) -> bool:
+    """A file's digest (``_sign``): consecutive parts, each [bytes, SHA-256 hex], adding up to its size."""
+    if not isinstance(parts, list) or len(parts) > size // 512 + 2:  # a bound on the work, far above the writers
+        return False
+    total = 0
+    for p in parts:
+        if not (isinstance(p, list) and len(p) == 2 and _is_int(p[0], 1) and isinstance(p[1], str)
+                and HEX.match(p[1])):
+            return False
+        total += p[0]
+    return total == size
 
 
 def _check_versions(step: int, files: Dict[str, FileEntry], tensors: Dict[str, TensorEntry],
@@ -157,6 +177,10 @@ def _check_versions(step: int, files: Dict[str, FileEntry], tensors: Dict[str, T
     thing: its reference, ``enc.ref``, names the older file; the entry's own file is of its layer's step.)"""
     owned = set()
     for name, layer in layers.items():
+        if layer.age == 0 and layer.step != step:  # persisted by this save: age 0; carried: at least 1
+            raise _corrupt(path, f"layer {name!r} is recorded at step {layer.step} with an age of {layer.age} "
+                                 f"checkpoint(s) in the composite of step {step}: a layer persisted by an earlier "
+                                 f"save is at least one checkpoint old")
         for k in layer.tensors:
             ref = by_reference.get(k)
             if ref is not None:  # in no file: its bytes the pretrained ones, proven at every read, its step sealed
@@ -354,7 +378,7 @@ _OTHER_TYPES = {"seq": int, "chain": int, "created": _NUMBER, "config": dict, "o
                 "rng": (dict, type(None)), "rng_ranks": (dict, type(None)), "checksum": str,
                 "cost": _NUMBER + (type(None),), "progress": _NUMBER + (type(None),),
                 "loss": _NUMBER + (type(None),), "name": (str, type(None)), "format": str, "version": int,
-                "coding": (dict, type(None))}
+                "coding": (dict, type(None)), "store": (str, type(None))}
 
 
 def _is_cost(v: Any) -> bool:
@@ -373,6 +397,9 @@ def _check_other(rest: Dict[str, Any], path: str, known: set) -> None:
     for k, kind in _OTHER_TYPES.items():
         if k in rest and not _typed(rest[k], kind):
             raise _corrupt(path, f"field {k!r} is {_short(rest[k])}, not of the type a manifest records")
+    if rest.get("checksum", "crc32c") not in CHECKSUMS:
+        raise _corrupt(path, f"field 'checksum' is {_short(rest['checksum'])}; this layerckpt knows "
+                             f"{' and '.join(CHECKSUMS)}")
     for k in ("seq", "chain"):
         if k in rest and not _is_int(rest[k]):
             raise _corrupt(path, f"field {k!r} is {_short(rest[k])}, outside 0..{MAX_STEP}")

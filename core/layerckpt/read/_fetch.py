@@ -9,7 +9,8 @@ then reads that folder once, as it reads any local directory.  Freshness is
 commit order (``seq``, which a Checkpointer continues past what its tiers
 hold), then the commit time (two runs that forked from one remote composite),
 so an older tier never shadows a newer one; copies of one composite tie, and
-the faster tier is read.
+the faster tier is read.  An error about what a remote's view holds names the
+remote's file by its URL (:func:`named_as`), never the temporary copy.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -175,11 +178,13 @@ class Source:
             return
         if getattr(self.store, "local", False):
             self._not_bigger()
-            yield View(self.store.root, self.m.step, self.store.where(MANIFESTS, self.name), t0, self.kind)
+            with named_as(self.store.url, *in_place(self.store)):  # its own folder, named by its URL
+                yield View(self.store.root, self.m.step, self.store.where(MANIFESTS, self.name), t0, self.kind)
             return
         with tempfile.TemporaryDirectory(prefix="layerckpt-fetch-") as tmp:
-            self._download(tmp)
-            yield View(tmp, self.m.step, self.store.where(MANIFESTS, self.name), t0, self.kind)
+            self._download(tmp)  # what goes wrong writing the copy names the copy: the local disk failed
+            with named_as(self.store.url, tmp):  # what is wrong with what it holds names the tier's file
+                yield View(tmp, self.m.step, self.store.where(MANIFESTS, self.name), t0, self.kind)
 
     def _not_bigger(self) -> None:
         """A tier's data file larger than its manifest records is not the one recorded: refused, as a download
@@ -259,7 +264,8 @@ def _url_source(path: str, step: Optional[int], config: Optional[Config]) -> Sou
         raise CheckpointError(f"{path} is the checkpoint of step {located}, but step={step} was asked for")
     try:
         store = remote_store(url, config)
-        return Source("remote", store, *pick(store, located if step is None else step))
+        with named_as(store.url, *in_place(store)):
+            return Source("remote", store, *pick(store, located if step is None else step))
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - fsspec implementations raise their own types
@@ -316,7 +322,8 @@ def _remote_candidate(url: Optional[str], root: str, step: Optional[int], config
         return
     try:
         store = remote_store(url, config)
-        name, rm = pick(store, step)
+        with named_as(store.url, *in_place(store)):
+            name, rm = pick(store, step)
     except CheckpointNotFoundError:
         return
     except Exception as e:  # noqa: BLE001 - an unreachable remote must not hide a local checkpoint
@@ -341,8 +348,10 @@ def local_view(url: str, options: Optional[Mapping[str, Any]], step: Optional[in
     plus the data of the composite the command reads (``'one'``), or of every composite (``'all'``)."""
     base, located = split_url(url)
     store = FsspecStore(base, options)
-    good, bad = read_all(store)
-    with tempfile.TemporaryDirectory(prefix="layerckpt-view-") as tmp:
+    local = in_place(store)  # a file:// tier's own folder: named by its URL, as the copy is
+    with named_as(store.url, *local) as rename:
+        good, bad = read_all(store)
+    with tempfile.TemporaryDirectory(prefix="layerckpt-view-") as tmp, named_as(store.url, *local):
         download(store, good, tmp, data=what == "all", strict=False)
         unreadable: Dict[str, str] = {}
         for n in bad:  # for the command to report; one that cannot even be read (a FIFO, too big) raises here,
@@ -353,8 +362,8 @@ def local_view(url: str, options: Optional[Mapping[str, Any]], step: Optional[in
             except (CheckpointError, OSError) as e:
                 if what != "all":
                     raise
-                unreadable[n] = str(e) if isinstance(e, CheckpointError) else \
-                    f"manifest {store.where(MANIFESTS, n)} cannot be read ({type(e).__name__}: {e})"
+                unreadable[n] = rename(str(e)) if isinstance(e, CheckpointError) else \
+                    rename(f"manifest {store.where(MANIFESTS, n)} cannot be read ({type(e).__name__}: {e})")
                 continue
             with os.fdopen(_store.create(os.path.join(tmp, _store.MANIFEST_DIR, n)), "wb") as f:
                 f.write(raw)
@@ -363,9 +372,89 @@ def local_view(url: str, options: Optional[Mapping[str, Any]], step: Optional[in
             download(store, {name: m}, tmp)
         _UNREADABLE[os.path.realpath(tmp)] = unreadable
         try:
-            yield tmp if located is None else os.path.join(tmp, _store.MANIFEST_DIR, _store.manifest_name(located))
+            # the command's output and its error name the tier's files (``store.where``), never the copy
+            with named_as(store.url, tmp, *local) as named, _renamed_output(named):
+                yield tmp if located is None else os.path.join(tmp, _store.MANIFEST_DIR, _store.manifest_name(located))
         finally:
             _UNREADABLE.pop(os.path.realpath(tmp), None)
+
+
+# -- a local view's files named as the tier's: a downloaded copy is temporary (and gone when the error is read),
+# and the URL is what the user gave; a ``file://`` remote read in place is named by its URL too.  The memory
+# tier's folder is read in place and is a real location: its paths stand.
+
+def in_place(store) -> Tuple[str, ...]:
+    """The local folder a ``file://`` tier is read in place from (named by its URL), if it is one."""
+    root = getattr(store, "root", None)
+    return (root,) if getattr(store, "local", False) and isinstance(store, FsspecStore) and root else ()
+
+
+def renamer(url: str, *roots: str):
+    """A function of a text that names each file under one of ``roots`` (a local view's folder) as the tier's
+    file at ``url``: ``<root>/manifests/x.json`` -> ``<url>/manifests/x.json`` (``store.where``), ``<root>`` ->
+    ``<url>``.  Only whole path components match: a longer name that starts alike, or a root inside a URL
+    (``file:///<root>``), is left alone."""
+    found = {r.rstrip(os.sep) for root in roots if root for r in (os.path.abspath(root), os.path.realpath(root))}
+    found.discard("")
+    if not found:
+        return lambda text: text
+    alt = "|".join(re.escape(r) for r in sorted(found, key=len, reverse=True))
+    pattern = re.compile(r"(?<![\w./-])(?:" + alt + r")(?![\w.-])")
+    base = url.rstrip("/")
+
+    def rename(text: str) -> str:
+        return pattern.sub(lambda _: base, text) if isinstance(text, str) else text
+
+    return rename
+
+
+def rename_error(e: BaseException, rename) -> None:
+    """``e``'s message and the paths it carries (``path``, ``filename``, ...) renamed in place (``renamer``); the
+    error keeps its type, traceback and cause."""
+    e.args = tuple(rename(a) if isinstance(a, str) else a for a in e.args)
+    for k, v in list(vars(e).items()):
+        if isinstance(v, str):
+            setattr(e, k, rename(v))
+    if isinstance(e, OSError):  # CheckpointNotFoundError, CheckpointWriteError: str() may read these
+        for k in ("strerror", "filename", "filename2"):
+            v = getattr(e, k, None)
+            if isinstance(v, str):
+                setattr(e, k, rename(v))
+
+
+@contextlib.contextmanager
+def named_as(url: str, *roots: str):
+    """A library error raised inside names the local view ``roots``' files as the tier's at ``url`` (see
+    :func:`renamer`, which it yields)."""
+    rename = renamer(url, *roots)
+    try:
+        yield rename
+    except CheckpointError as e:
+        rename_error(e, rename)
+        raise
+
+
+class _RenamingStream:
+    """A text stream that writes to ``out`` what it is given, renamed."""
+
+    def __init__(self, out, rename):
+        self._out, self._rename = out, rename
+
+    def write(self, text: str) -> int:
+        self._out.write(self._rename(text))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, fileno, encoding, ...: the stream's own
+        return getattr(self._out, name)
+
+
+@contextlib.contextmanager
+def _renamed_output(rename) -> Iterator[None]:
+    """The command's stdout and stderr written renamed (a CLI command over a :func:`local_view`)."""
+    out, err = sys.stdout, sys.stderr
+    with contextlib.redirect_stdout(_RenamingStream(out, rename)), \
+            contextlib.redirect_stderr(_RenamingStream(err, rename)):
+        yield
 
 
 #: local view (its real path) -> the tier's manifests it could not copy, by name: why each cannot be read

@@ -29,6 +29,7 @@ from ..write._flush import wait_for_saves
 from ..write._gather import layout_boxes, shard_rows, shards_dim
 from ..format._json import _kind
 from ..format._layout import CODES
+from ..format import _sign
 from ..format._manifest import Manifest, load_manifest
 from ..format._encode import reads_ref
 from ._encread import read_encoded, span
@@ -93,13 +94,14 @@ class Reader:
 
     def __init__(self, root: str, mpath: str, config: Optional[Config]):
         self.root, self.mpath = root, mpath
-        try:
-            self.m = load_manifest(mpath)
+        self.cfg = config or Config()
+        key = _sign.key_of(self.cfg)
+        try:  # a signed store's manifest (with a key): its signature, its store and its files' digests first
+            self.m = load_manifest(mpath) if key is None else _sign.load_signed(root, mpath, key)
         except CheckpointNotFoundError:  # it was there when the composite was picked
             raise CheckpointGoneError(f"the checkpoint {mpath} was deleted while it was being read",
                                       path=mpath) from None
         _faults.point("read.manifest-loaded")  # the composite is picked and its manifest held, nothing read yet
-        self.cfg = config or Config()
         self.check = checksum_function(self.m.checksum) if self.cfg.verify_checksums else None
         self.bytes_read = 0
         self.backend = _LazyBackend(self.cfg)  # made at its first use

@@ -30,7 +30,7 @@ from typing import AbstractSet, Any, Callable, Dict, List, NamedTuple, Optional,
 
 from .. import _faults, _registry
 from ..write import _commit, _retain
-from ..format import _store
+from ..format import _sign, _store
 from ..format._json import loads_strict
 from ..format._manifest import Manifest, head_first
 from ._memtier import base_hint, make_private, memory_path, record_origin
@@ -238,13 +238,15 @@ class Part(NamedTuple):
 
 def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: AbstractSet[str],
          transcoder=None, bases_only: bool = False, sources: Optional[Sources] = None,
-         placed: Optional[Dict[str, Tuple[str, Any]]] = None, part: Optional[Part] = None) -> Tuple[int, int, int]:
+         placed: Optional[Dict[str, Tuple[str, Any]]] = None, part: Optional[Part] = None,
+         key: Optional[bytes] = None) -> Tuple[int, int, int]:
     """Copy the composite ``m`` (committed in ``root`` as ``name``) to the tier, commit it there, apply the
     tier's retention.  ``transcoder`` (``_transcode.Transcoder``): a file whose tensors encoding pays for on
     this tier goes as an encoded copy (``bases_only``: no deltas).  ``sources``: copies of a local file in
     memory to take it from instead of the disk (see :meth:`Tiers.sources`); ``placed`` (the memory tier's):
-    kept up to date, as each lands, with where every file of ``m`` is on the tier.  Returns (files copied,
-    files the tier already held, bytes uploaded)."""
+    kept up to date, as each lands, with where every file of ``m`` is on the tier.  ``key``: a signed store's,
+    which signs the tier's manifest (its files the local ones byte for byte, their digests carried).  Returns
+    (files copied, files the tier already held, bytes uploaded)."""
     good, bad = read_all(store)
     listed = store.names(DATA)
     if transcoder is not None:  # what the tier's retention removed is no reference, nor a copy to reuse, any more
@@ -329,6 +331,8 @@ def push(store, root: str, name: str, m: Manifest, keep_last: int, pinned: Abstr
                                         f"hold ({', '.join(lacking[:3])}); nothing of it was committed there",
                           store.where(DATA, lacking[0]))
         body = json.dumps(head_first(d), separators=(",", ":"), allow_nan=True).encode()
+        if key is not None:
+            body = _sign.sign(body, key)
         # validated before it is committed: a manifest the tier would refuse is never written
         committed = Manifest.from_dict(d, store.where(MANIFESTS, name))
         store.put_bytes(MANIFESTS, name, body)  # the tier's commit point: every file it names is whole
@@ -536,7 +540,8 @@ class Tier:
                 pinned = self._tiers.pinned() if self.pins else frozenset()
                 copied, reused, sent = push(self.store, self.root, name, m, self.keep_last, pinned, self.transcoder,
                                             bases_only=self.every == REMOTE_BASES, sources=self.sources,
-                                            placed=self.placed if self.kind == "memory" else None, part=self.part)
+                                            placed=self.placed if self.kind == "memory" else None, part=self.part,
+                                            key=_sign.key_of(self._tiers.config))
                 self.files_copied += copied
                 self.files_reused += reused
                 self.bytes_sent += sent
@@ -682,7 +687,9 @@ class Tiers:
         from ..write._transcode import Transcoder
 
         for t in self.tiers:
-            if t.kind == "remote" and t.part is None:  # node-local directories: each node uploads its files raw
+            # node-local directories: each node uploads its files raw; a signed store too (an encoded copy's
+            # bytes would need a digest of their own)
+            if t.kind == "remote" and t.part is None and _sign.key_of(self.config) is None:
                 t.transcoder = Transcoder(cost, Sink("remote", cap=self.config.remote_bandwidth), charge,
                                           self.config.delta_chain)
 

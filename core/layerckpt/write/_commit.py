@@ -19,6 +19,7 @@ from ..format._layout import DTYPES, Layout
 from ..format._json import loads_strict
 from ..format._manifest import FileEntry, Manifest, TensorEntry, plain
 from ..format._places import seal
+from ..format._sign import sign
 from ..format._store import LATEST, MANIFEST_DIR, before_commit, manifest_name, write_atomic
 from ..errors import CheckpointWriteError
 
@@ -46,22 +47,26 @@ class RankResult:
     error: Optional[RankFailure] = None
     tensors: Dict[str, TensorEntry] = field(default_factory=dict)  # none when it failed
     coding: Optional[Dict[str, Any]] = None  # how its tensors were written, by kind, and why (``_cost``)
+    digest: Optional[List[List[Any]]] = None  # a signed store's: the file's digest (``_sign``)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"rank": self.rank, "fname": self.fname, "size": self.size, "rng": self.rng,
                 "error": None if self.error is None else list(self.error),
-                "tensors": {k: plain(e) for k, e in self.tensors.items()}, "coding": self.coding}
+                "tensors": {k: plain(e) for k, e in self.tensors.items()}, "coding": self.coding,
+                "digest": self.digest}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "RankResult":
         return cls(rank=d["rank"], fname=d["fname"], size=d["size"], rng=d["rng"],
                    error=None if d["error"] is None else RankFailure(*d["error"]),
-                   tensors={k: TensorEntry(**e) for k, e in d["tensors"].items()}, coding=d.get("coding"))
+                   tensors={k: TensorEntry(**e) for k, e in d["tensors"].items()}, coding=d.get("coding"),
+                   digest=d.get("digest"))
 
 
 def rank_result(rank: int, fname: str, layout: Layout, crcs: Sequence[int], rng: Any,
                 failed: Optional[BaseException], path: str, tensors: Optional[Dict[str, TensorEntry]] = None,
-                size: Optional[int] = None, coding: Optional[Dict[str, Any]] = None) -> RankResult:
+                size: Optional[int] = None, coding: Optional[Dict[str, Any]] = None,
+                digest: Optional[List[List[Any]]] = None) -> RankResult:
     """What this rank tells the others about its file: where each tensor landed, or its error.  ``tensors``
     and ``size``: the file's entries and size when it was written encoded (else the layout's); ``coding``:
     the cost model's decisions for its tensors, by kind."""
@@ -70,11 +75,12 @@ def rank_result(rank: int, fname: str, layout: Layout, crcs: Sequence[int], rng:
                             str(failed))
         return RankResult(rank, fname, layout.size, rng, error)
     if tensors is not None:
-        return RankResult(rank, fname, layout.size if size is None else size, rng, tensors=tensors, coding=coding)
+        return RankResult(rank, fname, layout.size if size is None else size, rng, tensors=tensors, coding=coding,
+                          digest=digest)
     tensors = {it.key: TensorEntry(file=fname, dtype=DTYPES[it.tensor.dtype], shape=list(it.tensor.shape),
                                    offset=it.offset, nbytes=it.nbytes, crc=crcs[i])
                for i, it in enumerate(layout.items)}  # plain CRCs: merge seals them to key and step (``_places``)
-    return RankResult(rank, fname, layout.size, rng, tensors=tensors, coding=coding)
+    return RankResult(rank, fname, layout.size, rng, tensors=tensors, coding=coding, digest=digest)
 
 
 def agree(group: Group, mine: RankResult, failed: Optional[BaseException], path: str) -> List[RankResult]:
@@ -96,18 +102,19 @@ def agree(group: Group, mine: RankResult, failed: Optional[BaseException], path:
     raise CheckpointWriteError(bad[0].error.errno, bad[0].error.path, detail=f"{detail}; nothing was committed")
 
 
-def publish(group: Group, root: str, m: Manifest, committers: AbstractSet[int] = frozenset({0})
-            ) -> Tuple[str, Manifest]:
+def publish(group: Group, root: str, m: Manifest, committers: AbstractSet[int] = frozenset({0}),
+            key: Optional[bytes] = None) -> Tuple[str, Manifest]:
     """Each store's owner (``committers``: rank 0, or each node's owner on node-local directories) commits the
     one manifest into its store; every rank learns whether each did.  Returns the manifest path and the
     manifest committed: rank 0's, which every node's store receives byte for byte (each rank's own ``m``
-    differs in what only rank 0 records, such as the extra state it wrote)."""
+    differs in what only rank 0 records, such as the extra state it wrote).  ``key``: a signed store's
+    (``_sign``), which rank 0 signs the manifest with."""
     status = None
     path = os.path.join(root, MANIFEST_DIR, manifest_name(m.step))
-    body: Optional[bytes] = None
+    body: Optional[bytes] = sign(m.to_json(), key) if key is not None and group.rank == 0 else None
     split = group.world > 1 and len(committers) > 1
     if split:
-        text = group.broadcast(m.to_json().decode() if group.rank == 0 else None,
+        text = group.broadcast((body or m.to_json()).decode() if group.rank == 0 else None,
                                what=f"sending the manifest of step {m.step} to every node")
         body = text.encode()
         if group.rank != 0:
@@ -147,7 +154,7 @@ def merge(m: Manifest, ranks: List[RankResult], checksum: str) -> None:
     fname = {}
     for r in ranks:
         fname[r.rank] = r.fname
-        m.files[r.fname] = FileEntry(step=m.step, rank=r.rank, size=r.size)
+        m.files[r.fname] = FileEntry(step=m.step, rank=r.rank, size=r.size, digest=r.digest)
         step = m.step  # a new entry each (entries are never changed once made), built directly: replace() costs 10x
         m.tensors.update({k: TensorEntry(e.file, e.dtype, e.shape, e.offset, e.nbytes, seal(check, k, e.crc, step),
                                          e.enc) for k, e in r.tensors.items()})

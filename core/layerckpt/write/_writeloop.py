@@ -73,6 +73,8 @@ class WriteLoop:
         self.tap: Optional[Callable[[int, memoryview, int], None]] = None
         #: the file is a spare written over (``_spare``): it is truncated to its size at the end, however long
         self.recycled = False
+        #: a signed store's (``_sign.Hasher``): each staged buffer's digest, taken while its write is in flight
+        self.hasher = None
 
     def run(self, fd: int, direct: bool, size: int, sync: Callable[[int], None] = os.fdatasync,
             phases: Optional[Dict[str, float]] = None) -> List[int]:
@@ -116,6 +118,8 @@ class WriteLoop:
         """A staged buffer: write it where it belongs."""
         if self.tap is not None:
             self.tap(s.base, s.chunk.view, s.fill)
+        if self.hasher is not None:  # the buffer is held until its digest is taken too
+            self.writes.hold(s.chunk, self.hasher.submit(s.base, s.chunk.view, s.fill))
         self._submit(fd, direct, s)
         if self._staged is not None and self._staged.is_set():  # the stall is over: checksum while writing
             self._checksum()
@@ -154,12 +158,26 @@ class Writes:
         self._owed: List[Any] = []  # (chunk, segs) in file order
         self._owed_ids: set = set()
         self._written: set = set()
+        self._held: Dict[int, Any] = {}  # chunk index -> the future of its digest (``_sign.Hasher``)
         self.checksum_s = 0.0  # time spent checksumming
         self.wait_s = 0.0  # time spent waiting for writes to complete
 
     @property
     def inflight(self) -> int:
         return len(self._writing)
+
+    def hold(self, chunk: Chunk, digest: Any) -> None:
+        """Keep ``chunk`` from the pool until ``digest`` (a future) is done, as well as its write."""
+        self._held[chunk.index] = digest
+
+    def _release(self, chunk: Chunk) -> None:
+        held = self._held.pop(chunk.index, None)
+        if held is not None:
+            try:
+                held.result()
+            except Exception:  # noqa: BLE001 - its error is the digest's to report (``Hasher.parts``)
+                pass
+        self.pool.release(chunk)
 
     def submit(self, fd: int, chunk: Chunk, base: int, n: int, segs, path: str) -> None:
         self._writing[chunk.index] = chunk
@@ -178,7 +196,7 @@ class Writes:
             if c.index in self._owed_ids:
                 self._written.add(c.index)
             else:
-                self.pool.release(c)
+                self._release(c)
 
     def checksum_all(self) -> None:
         _faults.point("flush.checksum")
@@ -189,7 +207,7 @@ class Writes:
             self._owed_ids.discard(chunk.index)
             if chunk.index in self._written:
                 self._written.discard(chunk.index)
-                self.pool.release(chunk)
+                self._release(chunk)
         self._owed.clear()
         self.checksum_s += time.perf_counter() - t
 
@@ -200,7 +218,7 @@ class Writes:
         except OSError:
             pass
         for c in list(self._writing.values()) + [c for c, _ in self._owed if c.index not in self._writing]:
-            self.pool.release(c)
+            self._release(c)
         self._writing.clear()
         self._owed.clear()
         self._owed_ids.clear()
