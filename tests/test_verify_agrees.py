@@ -11,7 +11,7 @@ and never print a traceback.
 
 The pretrained store's restores name the pretrained file (``Config(pretrained=...)``); ``verify`` takes no such
 path, so of a pretrained reference it checks what needs no file (its manifest entry and its seal): a reference's
-dtype or shape, which no seal covers, it cannot check (``UNSEALED``, xfail).  A composite a strict restore refuses
+dtype or shape, edited, it sees by the seal (``SEALED_SHAPE``).  A composite a strict restore refuses
 by its staleness policy alone (``POLICY``: no damage, as a composite written under a laxer policy) verifies."""
 from __future__ import annotations
 
@@ -608,10 +608,10 @@ VARIANTS: Dict[str, tuple] = {
     "a loss increase forged past the allowance": ("state", _manifest_edit(2, _loss_increase)),
 }
 
-#: variants whose damage no check without the pretrained file can see: a reference's dtype or shape is not sealed
-#: (``format._places.pretrained_seal`` covers its key, name, fingerprint and step), and an edit to as many bytes keeps
-#: its nbytes and fingerprint sound; a restore refuses it by the model's (or the pretrained file's) dtype and shape
-UNSEALED = {"pretrained dtype changed (as many bytes)", "pretrained shape changed (as many bytes)"}
+#: a reference's dtype or shape edited to as many bytes keeps its nbytes and fingerprint sound: verify, without the
+#: pretrained file, sees it by the seal alone (``format._places.pretrained_seal`` covers them since format version 8)
+SEALED_SHAPE = {"pretrained dtype changed (as many bytes)", "pretrained shape changed (as many bytes)"}
+assert SEALED_SHAPE <= set(VARIANTS)  # they are among the variants run
 
 #: variants a strict restore refuses by its staleness policy (StalenessError: layers older than the caller's
 #: max_staleness, or an estimated loss increase past the allowance), which a composite genuinely written under a
@@ -664,15 +664,7 @@ def _failed(text: str) -> set:
     return {m.group(1) for m in re.finditer(r"^FAIL (step-\d+\.json)", text, re.M)}
 
 
-def _case(name: str):
-    if name in UNSEALED:
-        return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=(
-            "a pretrained reference's dtype and shape are not sealed: verify cannot tell without the pretrained "
-            "file (format gap, reported)")))
-    return name
-
-
-@pytest.mark.parametrize("name", [_case(n) for n in VARIANTS if n not in POLICY])
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n not in POLICY])
 def test_verify_fails_exactly_what_restore_refuses(genuine, tmp_path, name):
     get, base = genuine
     store, variant = VARIANTS[name]

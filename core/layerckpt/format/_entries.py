@@ -143,8 +143,9 @@ class PretrainedEntry:
     nbytes: int
     #: the fingerprint of its bytes (``select/_exact``): crc32c << 32 | crc32 of each ``_exact.CHUNK`` bytes
     fp: List[int]
-    #: the manifest's checksum over the entry's key, ``name``, ``fp`` and ``step`` (``_places.pretrained_seal``):
-    #: an entry copied onto another key, or from a composite where its layer was of another step, does not pass
+    #: the manifest's checksum over the entry's key, ``name``, ``fp``, ``step``, ``dtype`` and ``shape``
+    #: (``_places.pretrained_seal``): an entry copied onto another key, or from a composite where its layer was of
+    #: another step, or given another dtype or shape, does not pass
     seal: int
     #: the step of the save that proved it (the step its layer records): an entry of the layer's frozen days
     #: copied into a composite where the layer was trained since is refused (``_validate._check_versions``);

@@ -64,13 +64,17 @@ def seal(check: Check, key: str, crc: int, step: Optional[int] = None) -> int:
     return SEALED | STEPPED | (check(step.to_bytes(8, "little"), sealed) & 0xFFFFFFFF)
 
 
-def pretrained_seal(check: Check, key: str, name: str, fp: List[int], step: Optional[int] = None) -> int:
+def pretrained_seal(check: Check, key: str, name: str, fp: List[int], step: Optional[int] = None,
+                    dtype: str = "", shape: Optional[List[int]] = None) -> int:
     """The seal of a tensor held by reference to the pretrained files (``PretrainedEntry.seal``): the manifest's
     checksum over the entry's key, the pretrained tensor's name, its fingerprint and (entries written since format
-    version 8) the step its layer records, so that an entry copied onto another key (which would hand that key
-    another tensor's bytes, each sound under its own fingerprint), or from a composite where its layer was of
-    another step (the pretrained bytes restored where the layer has trained since), is refused."""
-    msg = f"{key}\0{name}\0{','.join(map(str, fp))}" + ("" if step is None else f"\0{step}")
+    version 8) the step its layer records, its dtype and shape, so that an entry copied onto another key (which
+    would hand that key another tensor's bytes, each sound under its own fingerprint), from a composite where its
+    layer was of another step (the pretrained bytes restored where the layer has trained since), or given another
+    dtype or shape of as many bytes, is refused."""
+    msg = f"{key}\0{name}\0{','.join(map(str, fp))}"
+    if step is not None:
+        msg += f"\0{step}\0{dtype}\0{','.join(map(str, shape or []))}"
     return check(msg.encode("utf-8", "surrogatepass"), 0) & 0xFFFFFFFF
 
 

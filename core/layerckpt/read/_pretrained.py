@@ -326,10 +326,11 @@ class HeldBack:
 
 
 def check_seals(m: Manifest, keys: List[str], check: Check, where: str) -> None:
-    """Every named entry of ``m.pretrained`` carries the seal of its own key, name, fingerprint and step."""
+    """Every named entry of ``m.pretrained`` carries the seal of its own key, name, fingerprint, step, dtype and
+    shape (the last three where it was written sealed to them)."""
     for k in keys:
         e = m.pretrained[k]
-        if e.seal != pretrained_seal(check, k, e.name, e.fp, e.step):
+        if e.seal != pretrained_seal(check, k, e.name, e.fp, e.step, e.dtype, e.shape):
             raise CheckpointCorruptError(
                 f"manifest {where}: the entry of tensor {k!r} in 'pretrained' does not carry its own seal: it was "
                 f"copied from another tensor's or edited; restore another step", path=where, tensor=k)

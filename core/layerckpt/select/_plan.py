@@ -434,7 +434,8 @@ class Selector:
             dtype, shape = out.shapes[k]
             code, fp = DTYPES[dtype], list(refs[k][2])
             out.pretrained[k] = PretrainedEntry(name, code, list(shape), math.prod(shape) * ITEMSIZE[code], fp,
-                                                pretrained_seal(check, k, name, fp, out.step), out.step)
+                                                pretrained_seal(check, k, name, fp, out.step, code, list(shape)),
+                                                out.step)
         out.write = [(k, t) for k, t in out.write if k not in found]
 
     def _moves(self, snaps, weights, held, interval: int) -> Dict[str, float]:

@@ -61,7 +61,7 @@ def threads(n: int) -> int:
 
 
 class _Ref:
-    __slots__ = ("data", "esize", "where", "versions", "fails", "skip")
+    __slots__ = ("data", "esize", "where", "versions", "fails", "skip", "digest")
 
     def __init__(self, data: np.ndarray, esize: int, fails: int = 0, skip: int = 0):
         self.data = data
@@ -73,6 +73,7 @@ class _Ref:
         #: without the delta's encoding first, trying again after 2, 4, ... up to ``chain`` writes
         self.fails = fails
         self.skip = skip
+        self.digest: Optional[List[Any]] = None  # a signed store's: the digest of the file it lies in (``_sign``)
 
 
 class Refs:
@@ -153,6 +154,10 @@ class Refs:
                 out.news.append(None)
         return out
 
+    def digests(self) -> Dict[str, Any]:
+        """A signed store's digest of each file a reference lies in, by file name."""
+        return {r.where["file"]: r.digest for r in self._refs.values() if r.where is not None and r.digest}
+
     def committed(self, tensors: Dict[str, TensorEntry], files: Dict[str, FileEntry]) -> None:
         for key in self._used:
             r = self._refs.get(key)
@@ -169,6 +174,7 @@ class Refs:
             f = files[e.file]
             r.where = {"file": e.file, "step": f.step, "rank": f.rank, "size": f.size, "crc": e.crc,
                        "blocks": e.enc["blocks"]}
+            r.digest = f.digest
             self._refs[key] = r
         self._pending.clear()
         self._used.clear()
@@ -525,10 +531,12 @@ def _write_header(fd: int, header: bytes) -> None:
         buf.close()
 
 
-def merge_refs(tensors: Dict[str, TensorEntry], files: Dict[str, FileEntry]) -> None:
+def merge_refs(tensors: Dict[str, TensorEntry], files: Dict[str, FileEntry], refs: Optional["Refs"] = None) -> None:
     """Every file a tensor's reference lives in, listed with the files of the composite (retention and the
-    tiers keep and copy what ``files`` lists)."""
+    tiers keep and copy what ``files`` lists), with its digest in a signed store (``refs``: the writer's)."""
+    digests = refs.digests() if refs is not None else {}
     for e in tensors.values():
         ref = e.enc.get("ref") if e.enc else None
         if ref and ref["file"] not in files:
-            files[ref["file"]] = FileEntry(step=ref["step"], rank=ref["rank"], size=ref["size"])
+            files[ref["file"]] = FileEntry(step=ref["step"], rank=ref["rank"], size=ref["size"],
+                                           digest=digests.get(ref["file"]))

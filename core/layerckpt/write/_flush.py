@@ -311,7 +311,7 @@ class Flusher:
                                    tensors=job.encoded, size=job.size, coding=job.coding, digest=job.digest)
         ranks = _commit.agree(self.group, mine, failed, job.pending.path)
         _commit.merge(m, ranks, CHECKSUM)
-        _encwrite.merge_refs(m.tensors, m.files)
+        _encwrite.merge_refs(m.tensors, m.files, self.refs)
         t = time.perf_counter()
         if self.sign_key is not None:
             m.store = _store.store_id(self.root)
