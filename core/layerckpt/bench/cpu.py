@@ -249,15 +249,16 @@ def format_table(res: Dict[str, Any]) -> str:
         mb = r["state_bytes"] / 1e6
         floor = r["floor_cpu_s"]
         ts = r["runs"].get("torch.save")
+        w = max(24, 2 + max(len(who) for who in r["runs"]))  # the names' column (wider for the signed ones)
         lines += ["", f"{r['model']}: {mb:.1f} MB of state; the floor (one copy and one CRC32C of it) "
                       f"{floor * 1e3:.1f} ms of CPU; one training step {r['runs']['step']['cpu_s']['median'] * 1e3:.0f} "
                       f"ms of CPU; {_timed(r)}",
-                  f"{'checkpoint':<24}{'CPU ms':>24}{'vs floor':>10}{'vs torch.save':>15}{'wall ms':>10}{'MB written':>12}"]
+                  f"{'checkpoint':<{w}}{'CPU ms':>24}{'vs floor':>10}{'vs torch.save':>15}{'wall ms':>10}{'MB written':>12}"]
         for who, x in r["runs"].items():
             if who == "step":
                 continue
             c = x["cpu_s"]
-            lines.append(f"{who:<24}" + f"{c['median'] * 1e3:.1f} [{c['min'] * 1e3:.1f}-{c['max'] * 1e3:.1f}]".rjust(24)
+            lines.append(f"{who:<{w}}" + f"{c['median'] * 1e3:.1f} [{c['min'] * 1e3:.1f}-{c['max'] * 1e3:.1f}]".rjust(24)
                          + f"{c['median'] / floor:>9.1f}x"
                          + (f"{c['median'] / ts['cpu_s']['median']:>14.2f}x" if ts else " " * 15)
                          + f"{x['wall_s']['median'] * 1e3:>10.1f}{x['bytes'] / 1e6:>12.1f}")
@@ -266,8 +267,9 @@ def format_table(res: Dict[str, Any]) -> str:
             lines.append("where layerckpt's CPU went, ms (medians by thread): call = save() on the training thread, "
                          "stager = the copies and their CRC32C, flusher = writes, commit and retention, other = "
                          "torch's threads and threads that ended")
+            wp = max(22, 1 + max(len(who) for who, _ in split))
             for who, p in split:
-                lines.append(f"  {who:<22}" + "  ".join(f"{k} {p[k] * 1e3:.1f}" for k in _PART_ORDER if k in p)
+                lines.append(f"  {who:<{wp}}" + "  ".join(f"{k} {p[k] * 1e3:.1f}" for k in _PART_ORDER if k in p)
                              + "".join(f"  {k} {v * 1e3:.1f}" for k, v in p.items() if k not in _PART_ORDER))
     lines.append("torch.save: no fsync (as Lightning's ModelCheckpoint); layerckpt: durable (fdatasync) and committed")
     return "\n".join(lines)
