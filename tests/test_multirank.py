@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import layerckpt
@@ -50,11 +51,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(root, mode="ok", world=2):
+def _run(root, mode="ok", world=2, env=None):
     port = str(_free_port())
     here = os.path.dirname(__file__)
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(world), str(root), port, here, mode],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=None if env is None else {**os.environ, **env}) for r in range(world)]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=180)
@@ -96,3 +98,36 @@ def test_a_failing_rank_fails_the_save_everywhere(tmp_path):
     assert not (tmp_path / "manifests" / "step-00000002.json").exists()
     assert not any("00000002" in f for f in os.listdir(tmp_path / "data"))
     assert layerckpt.restore(tmp_path, small_model()).step == 1
+
+
+def test_two_ranks_sign_one_manifest_over_both_files(tmp_path):
+    """$LAYERCKPT_SIGN_KEY on every rank: each rank digests its own file as it writes it, rank 0 signs the manifest
+    over both digests; a restore with the key reads what two wrote bit for bit, and refuses a byte edited in rank 1's
+    file (its digest, checked before any tensor is read)."""
+    import hashlib
+
+    key = "multirank-signing-key-0123456789"
+    _run(tmp_path, env={"LAYERCKPT_SIGN_KEY": key})
+    m = json.loads((tmp_path / "manifests" / "step-00000001.json").read_text())
+    assert sorted(m["files"]) == ["step-00000001.rank0.safetensors", "step-00000001.rank1.safetensors"]
+    for name, e in m["files"].items():
+        data = (tmp_path / "data" / name).read_bytes()
+        at = 0
+        for n, hexd in e["digest"]:
+            assert hashlib.sha256(data[at:at + n]).hexdigest() == hexd, name
+            at += n
+        assert at == len(data) == e["size"]
+    cfg = layerckpt.Config(sign_key=key)
+    model, opt = trained(0)
+    fresh = small_model(9)
+    fopt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    layerckpt.restore(tmp_path, fresh, fopt, step=1, config=cfg)
+    assert_same_state(model, fresh)
+    assert_same_optimizer(opt, fopt)
+    layerckpt.restore(tmp_path, small_model(9), step=2, config=cfg)  # a composite carrying step 1's files
+    f = tmp_path / "data" / "step-00000001.rank1.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with pytest.raises(layerckpt.CheckpointCorruptError, match="do not match the digest"):
+        layerckpt.restore(tmp_path, small_model(9), step=1, config=cfg)
