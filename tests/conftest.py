@@ -218,3 +218,14 @@ def manifest_parses(monkeypatch):
 
     monkeypatch.setattr(_manifest.Manifest, "from_dict", classmethod(counted))
     return parsed
+
+
+@pytest.fixture(params=["s3", "memory", "file"])
+def remote(request, tmp_path):
+    """(url, fsspec options) of a fresh, empty remote of each kind: S3 (moto's server), memory://, file://."""
+    if request.param == "s3":
+        s3 = request.getfixturevalue("s3")
+        return f"s3://{s3.bucket()}/run", s3.options
+    if request.param == "memory":
+        return f"memory://ckpt-{uuid.uuid4().hex[:12]}/run", {}
+    return "file://" + str(tmp_path / "remote" / "run"), {}

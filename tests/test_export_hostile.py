@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -22,6 +21,9 @@ import torch
 import layerckpt
 from layerckpt import adapters
 from layerckpt.errors import CheckpointCorruptError, CheckpointError
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_hostile import in_time  # noqa: E402
 
 SECRET = b"a file outside the checkpoint folder: 4f1c9e0b7d"
 ENV = ("LAYERCKPT_ENABLED", "LAYERCKPT_CONFIG", "TRANSFORMERS_LAYERCKPT")
@@ -140,32 +142,12 @@ class Case:
             json.dump(dict(body, store=value), f)
 
 
-def bounded(fn, seconds: float = 60):
-    """``fn()``'s result or exception, failing the test when it takes longer than ``seconds`` (a FIFO opened
-    for reading waits for a writer forever; a link to /dev/zero is read until the disk is full)."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"the export still runs after {seconds} s"
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
-
-
 def assert_refused(case: Case, match: str, error=CheckpointError) -> None:
     """The export fails at once with ``error`` whose message matches ``match``; nothing was written beside the
     output (no output, no staging folder), and no byte of the secret lies anywhere but in its own file."""
     began = time.monotonic()
     with pytest.raises(error, match=match):
-        bounded(case.run)
+        in_time(case.run, timeout=60)  # a FIFO read waits forever, /dev/zero fills the disk
     assert time.monotonic() - began < 30
     assert os.listdir(case.exports) == []
     leaked = [p for p, data in tree(case.tmp).items() if SECRET in data and not p.startswith("outside" + os.sep)]

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import tempfile
-import uuid
 
 import pytest
 import torch
@@ -64,17 +63,6 @@ def upload(root, url: str, options: dict) -> None:
             if f != ".writer.lock":
                 p = os.path.join(d, f)
                 fs.pipe_file(base + "/" + os.path.relpath(p, root).replace(os.sep, "/"), open(p, "rb").read())
-
-
-@pytest.fixture(params=["file", "memory", "s3"])
-def remote(request, tmp_path):
-    """(url, fsspec options) of a fresh, empty remote of each kind."""
-    if request.param == "s3":
-        s3 = request.getfixturevalue("s3")
-        return f"s3://{s3.bucket()}/run", s3.options
-    if request.param == "memory":
-        return f"memory://names-{uuid.uuid4().hex[:12]}/run", {}
-    return "file://" + str(tmp_path / "remote" / "run"), {}
 
 
 def damaged_copy(saved, tmp_path, damage) -> "os.PathLike":

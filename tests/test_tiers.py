@@ -25,17 +25,6 @@ FULL = layerckpt.Config(threshold=0.0, keep_last=2)  # every layer at every save
 SELECTIVE = layerckpt.Config(threshold=0.05, keep_last=2)  # only the layer a step moved is written
 
 
-@pytest.fixture(params=["s3", "memory", "file"])
-def remote(request, tmp_path):
-    """(url, options) of a fresh remote of each kind."""
-    if request.param == "s3":
-        s3 = request.getfixturevalue("s3")
-        return f"s3://{s3.bucket()}/run", s3.options
-    if request.param == "memory":
-        return f"memory://ckpt-{uuid.uuid4().hex[:12]}/run", {}
-    return "file://" + str(tmp_path / "remote" / "run"), {}
-
-
 def _fs(url, options):
     import fsspec
 
