@@ -433,8 +433,6 @@ def export_done(tmp: str, output: str) -> str:
     return replace_durably(tmp, output)
 
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _KINDS = ((stat.S_ISLNK, "is a symbolic link"), (stat.S_ISFIFO, "is a FIFO"), (stat.S_ISCHR, "is a character device"),
           (stat.S_ISBLK, "is a block device"), (stat.S_ISSOCK, "is a socket"))
 
@@ -473,48 +471,33 @@ def _copy_entries(folder: str, tmp: str, entries: List[Tuple[str, bool]]) -> Non
     (as ``shutil.copy2``), ``tmp`` with the folder's mode (its owner may always write: the export goes on)."""
     import shutil
 
-    root = os.open(folder, _DIR)
-    try:
-        for rel, is_dir in entries:
-            if is_dir:
-                os.mkdir(os.path.join(tmp, rel))
-                continue
-            fd, st = _open_below(root, folder, rel)
-            with os.fdopen(fd, "rb") as src, open(os.path.join(tmp, rel), "xb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            os.chmod(os.path.join(tmp, rel), stat.S_IMODE(st.st_mode))
-            os.utime(os.path.join(tmp, rel), ns=(st.st_atime_ns, st.st_mtime_ns))
-        os.chmod(tmp, stat.S_IMODE(os.fstat(root).st_mode) | stat.S_IRWXU)
-    finally:
-        os.close(root)
+    for rel, is_dir in entries:
+        if is_dir:
+            os.mkdir(os.path.join(tmp, rel))
+            continue
+        fd, st = _open_below(folder, rel)
+        with os.fdopen(fd, "rb") as src, open(os.path.join(tmp, rel), "xb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.chmod(os.path.join(tmp, rel), stat.S_IMODE(st.st_mode))
+        os.utime(os.path.join(tmp, rel), ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.chmod(tmp, stat.S_IMODE(os.stat(folder).st_mode) | stat.S_IRWXU)
 
 
-def _open_below(root: int, folder: str, rel: str) -> Tuple[int, os.stat_result]:
-    """The file ``rel`` of the folder open as ``root``, opened for reading with no component of ``rel`` followed
-    through a link and without waiting (a FIFO would wait for a writer), and what it is; anything but a regular
+def _open_below(folder: str, rel: str) -> Tuple[int, os.stat_result]:
+    """The file ``rel`` of ``folder`` opened for reading as the store's own files are (``_json.open_regular``: no
+    component of ``rel`` followed through a link, a FIFO not waited on), and what it is; anything but a regular
     file, or a link in place of a folder above it (put there since :func:`_export_entries` listed the folder),
     refused as there."""
-    import errno
+    from .errors import CheckpointCorruptError
+    from .format._json import open_regular
 
-    parts, at = rel.split(os.sep), folder
-    fd = os.dup(root)
+    path = os.path.join(folder, rel)
     try:
-        for i, p in enumerate(parts):
-            at = os.path.join(at, p)
-            flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) if i == len(parts) - 1 else _DIR
-            fd, above = os.open(p, flags | _NOFOLLOW, dir_fd=fd), fd
-            os.close(above)
-    except OSError as e:
-        os.close(fd)
-        if e.errno not in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR, errno.ENXIO):  # ENXIO: a socket
-            raise
+        return open_regular(path, "file", follow=False, under=folder)
+    except CheckpointCorruptError as e:
+        at = e.path or path
         try:
             mode = os.lstat(at).st_mode
         except OSError:
             mode = stat.S_IFLNK
         raise _not_copied(at, mode) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise _not_copied(at, st.st_mode)
-    return fd, st
