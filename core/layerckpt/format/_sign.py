@@ -114,12 +114,7 @@ class Hasher:
         at, out = 0, []
         for base, n, fut in sorted(self._parts, key=lambda p: p[0]):
             hexd = fut.result()
-            if base != at:
-                return None
-            take = min(n, size - at)
-            if take <= 0:
-                return None
-            if take != n:  # a tail past the file's end (zeroes an aligned write adds are never staged)
+            if base != at or n <= 0 or at + n > size:  # a gap, an empty buffer or a tail past the end
                 return None
             out.append([n, hexd])
             at += n
@@ -130,23 +125,29 @@ def _hex(view: memoryview) -> str:
     return hashlib.sha256(view).hexdigest()
 
 
+def _next_part(f, n: int) -> Tuple[str, int]:
+    """(the SHA-256 of the next ``n`` bytes of the open file ``f``, how many it held: fewer at its end)."""
+    h, got = hashlib.sha256(), 0
+    while got < n:
+        b = f.read(min(8 << 20, n - got))
+        if not b:
+            break
+        h.update(b)
+        got += len(b)
+    return h.hexdigest(), got
+
+
 def file_parts(path: str, size: int, part: int = PART) -> List[List[Any]]:
     """The digest of the file at ``path`` (its first ``size`` bytes) read back, in parts of ``part`` bytes."""
     out: List[List[Any]] = []
     with open(path, "rb", buffering=0) as f:
-        left = size
-        while left > 0:
-            h, n = hashlib.sha256(), min(part, left)
-            got = 0
-            while got < n:
-                b = f.read(min(8 << 20, n - got))
-                if not b:
-                    raise CheckpointCorruptError(f"data file {path} is shorter than the {size} bytes its manifest "
-                                                 f"records", path=path)
-                h.update(b)
-                got += len(b)
-            out.append([n, h.hexdigest()])
-            left -= n
+        for at in range(0, size, part):
+            n = min(part, size - at)
+            hexd, got = _next_part(f, n)
+            if got < n:
+                raise CheckpointCorruptError(f"data file {path} is shorter than the {size} bytes its manifest "
+                                             f"records", path=path)
+            out.append([n, hexd])
     return out
 
 
@@ -156,21 +157,14 @@ def check_file(path: str, size: int, parts: Optional[List[List[Any]]], manifest:
         raise CheckpointCorruptError(
             f"manifest {manifest} records no digest of its data file {os.path.basename(path)}, and a signing key is "
             f"set: a signed store digests every file it writes; restore another step", path=manifest)
-    if os.path.getsize(path) != size:
-        raise CheckpointCorruptError(f"data file {path} holds {os.path.getsize(path)} bytes, not the {size} its "
-                                     f"signed manifest {manifest} records: it was replaced", path=path)
-    at = 0
-    fd, _ = open_regular(path, "data file", follow=False)
+    fd, st = open_regular(path, "data file", follow=False)
     with os.fdopen(fd, "rb", buffering=0) as f:
+        if st.st_size != size:
+            raise CheckpointCorruptError(f"data file {path} holds {st.st_size} bytes, not the {size} its signed "
+                                         f"manifest {manifest} records: it was replaced", path=path)
+        at = 0
         for n, want in parts:
-            h, got = hashlib.sha256(), 0
-            while got < n:
-                b = f.read(min(8 << 20, n - got))
-                if not b:
-                    break
-                h.update(b)
-                got += len(b)
-            if not hmac.compare_digest(h.hexdigest(), want):
+            if not hmac.compare_digest(_next_part(f, n)[0], want):
                 raise CheckpointCorruptError(
                     f"data file {path}: bytes {at}..{at + n} do not match the digest its signed manifest {manifest} "
                     f"records: the file was replaced or edited since it was written; restore another step",
